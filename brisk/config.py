@@ -1,0 +1,127 @@
+"""One frozen config tree (ARCHITECTURE.md, habit 1).
+
+Every component receives its own sub-config. Values discovered at run time (number of KV blocks,
+EOS ids) are constructor arguments elsewhere, never written back here. Validation raises
+ValueError with a message a user can act on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary scaling as HF configs spell it (`rope_scaling` / `rope_parameters`)."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope scaling type {self.rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+            )
+        if self.factor <= 0:
+            raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
+
+    @staticmethod
+    def from_hf(d: dict[str, Any] | None) -> RopeScaling:
+        """Build from an HF `rope_scaling` / `rope_parameters` dict (None means no scaling)."""
+        if not d:
+            return RopeScaling()
+        kind = d.get("rope_type", d.get("type", "default"))
+        known = {f for f in RopeScaling.__dataclass_fields__ if f != "rope_type"}
+        kwargs = {k: v for k, v in d.items() if k in known and v is not None}
+        return RopeScaling(rope_type=kind, **kwargs)
+
+    def to_hf(self) -> dict[str, Any] | None:
+        if self.rope_type == "default":
+            return None
+        out: dict[str, Any] = {"rope_type": self.rope_type, "factor": self.factor}
+        if self.original_max_position_embeddings is not None:
+            out["original_max_position_embeddings"] = self.original_max_position_embeddings
+        if self.rope_type == "llama3":
+            out.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor)
+        if self.rope_type == "yarn":
+            out.update(beta_fast=self.beta_fast, beta_slow=self.beta_slow)
+            if self.attention_factor is not None:
+                out["attention_factor"] = self.attention_factor
+        return out
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder, in HF's terms."""
+
+    architecture: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 0  # 0 means hidden_size // num_attention_heads
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    attention_bias: bool = False  # Qwen2 has a bias on q, k, v
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // max(1, self.num_attention_heads))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model config: {name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"model config: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"model config: head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What `LLM(...)` was asked for: the model reference and how to run it."""
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: the model's context window
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")

@@ -1,0 +1,194 @@
+"""Vectorised torch dequantization of GGUF tensor data.
+
+One call turns the bytes of one GGUF tensor (as ``GGUFReader`` hands them out, usually a
+read-only memory map) into a float32 torch tensor. Every block of a tensor is decoded at once
+with torch bit ops; there are no Python loops over blocks. Block layouts follow ggml
+(``ggml-quants.c``) and results are bit-identical to ``gguf.quants.dequantize``: each
+formula below keeps ggml's order of float operations so rounding matches.
+
+Block layouts (bytes, in order; ``d``/``dmin`` are fp16)::
+
+    Q8_0  [d | 32 x int8]                                    34 B / 32 values
+    Q4_0  [d | 16 B nibbles]                                 18 B / 32 values
+    Q4_1  [d | m | 16 B nibbles]                             20 B / 32 values
+    Q4_K  [d | dmin | 12 B 6-bit scales+mins | 128 B nibbles]          144 B / 256
+    Q5_K  [d | dmin | 12 B scales+mins | 32 B high bits | 128 B nibbles] 176 B / 256
+    Q6_K  [128 B low nibbles | 64 B high 2-bits | 16 x int8 scales | d]  210 B / 256
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from math import prod
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+__all__ = ["SUPPORTED", "dequantize"]
+
+_T = GGMLQuantizationType
+
+
+# ---------------------------------------------------------------- small bit helpers
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 field at byte ``start`` of every block, as float32 ``[n_blocks, 1]``."""
+    # .contiguous() on the 2-byte column is cheap and makes the dtype view always legal.
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _unpack(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """Split each byte of ``x`` [n, bytes] into 8/bits fields of ``bits`` bits.
+
+    Bytes are taken in runs of ``group``; a run yields all its lowest fields first, then the
+    next-higher ones (ggml's order), so the result is ``[n, bytes * 8 // bits]`` uint8.
+    """
+    n = x.shape[0]
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8).view(1, 1, -1, 1)  # [1, 1, k, 1]
+    fields = (x.reshape(n, -1, 1, group) >> shifts) & ((1 << bits) - 1)  # [n, G, k, group]
+    return fields.reshape(n, -1)
+
+
+def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpack the 12-byte K-quant field into 8 six-bit scales and 8 six-bit mins (float32)."""
+    # bytes 0-3: scale 0-3 (low 6) | bytes 4-7: min 0-3 (low 6) | bytes 8-11: low nibble scale
+    # 4-7, high nibble min 4-7; the top 2 bits of bytes 0-7 are the high bits of entries 4-7.
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]  # each [n, 4]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)  # [n, 8]
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)  # [n, 8]
+    return sc.float(), mn.float()
+
+
+# ---------------------------------------------------------------- per-type block decoders
+# Each takes uint8 blocks [n_blocks, type_size] and returns float32 [n_blocks, block_size].
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    q = b[:, 2:].contiguous().view(torch.int8).float()  # [n, 32]
+    return q.mul_(_f16(b, 0))
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    q = _unpack(b[:, 2:], 4, 16).float().sub_(8)  # [n, 32]
+    return q.mul_(_f16(b, 0))
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    q = _unpack(b[:, 4:], 4, 16).float()  # [n, 32]
+    return q.mul_(_f16(b, 0)).add_(_f16(b, 2))
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    sc, mn = _k_scale_min(b[:, 4:16])
+    dl = (_f16(b, 0) * sc).unsqueeze(-1)  # [n, 8, 1]
+    ml = (_f16(b, 2) * mn).unsqueeze(-1)  # [n, 8, 1]
+    q = _unpack(b[:, 16:], 4, 32).view(-1, 8, 32).float()  # [n, 8, 32]
+    return q.mul_(dl).sub_(ml).view(-1, 256)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    sc, mn = _k_scale_min(b[:, 4:16])
+    dl = (_f16(b, 0) * sc).unsqueeze(-1)  # [n, 8, 1]
+    ml = (_f16(b, 2) * mn).unsqueeze(-1)  # [n, 8, 1]
+    ql = _unpack(b[:, 48:], 4, 32)  # [n, 256]
+    qh = _unpack(b[:, 16:48], 1, 32)  # [n, 256]; bit i of byte l -> sub-block i, element l
+    q = (ql | (qh << 4)).view(-1, 8, 32).float()  # [n, 8, 32]
+    return q.mul_(dl).sub_(ml).view(-1, 256)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    ql = _unpack(b[:, :128], 4, 64)  # [n, 256]
+    qh = _unpack(b[:, 128:192], 2, 32)  # [n, 256]
+    scales = b[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
+    dl = (_f16(b, 208) * scales).unsqueeze(-1)  # [n, 16, 1]
+    q = (ql | (qh << 4)).view(-1, 16, 16).float().sub_(32)  # [n, 16, 16]
+    return q.mul_(dl).view(-1, 256)
+
+
+def _f32(b: torch.Tensor) -> torch.Tensor:
+    # Copy: the result must never alias a (read-only) memory map of the file.
+    return b.view(torch.float32).clone()
+
+
+def _f16_values(b: torch.Tensor) -> torch.Tensor:
+    return b.view(torch.float16).float()
+
+
+def _bf16(b: torch.Tensor) -> torch.Tensor:
+    # bf16 -> f32 is exact: the bf16 bits become the top half of the f32 bits.
+    return b.view(torch.bfloat16).float()
+
+
+_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
+    _T.F32: _f32,
+    _T.F16: _f16_values,
+    _T.BF16: _bf16,
+    _T.Q8_0: _q8_0,
+    _T.Q4_0: _q4_0,
+    _T.Q4_1: _q4_1,
+    _T.Q4_K: _q4_k,
+    _T.Q5_K: _q5_k,
+    _T.Q6_K: _q6_k,
+}
+
+SUPPORTED: frozenset[GGMLQuantizationType] = frozenset(_DECODERS)
+
+
+# ---------------------------------------------------------------- public entry point
+
+
+def _as_bytes(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A flat uint8 torch view of ``raw``, without copying when it is already contiguous."""
+    if isinstance(raw, torch.Tensor):
+        return raw.detach().contiguous().view(-1).view(torch.uint8)
+    arr = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    with warnings.catch_warnings():
+        # The reader's memory map is read-only. Sharing it is safe: decoders only read their
+        # input and every result is a freshly allocated tensor.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(arr)
+
+
+def _check_size(qtype: GGMLQuantizationType, shape: tuple[int, ...], got: int) -> int:
+    """Validate the byte count for ``shape`` in ``qtype``; returns the number of blocks."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    if len(shape) == 0 or shape[-1] % block_size != 0:
+        raise ValueError(
+            f"tensor shape {tuple(shape)} does not fit {qtype.name}: the last dimension "
+            f"must be a multiple of the block size {block_size}"
+        )
+    n_blocks = prod(shape) // block_size
+    expected = n_blocks * type_size
+    if got != expected:
+        raise ValueError(
+            f"tensor data is truncated or corrupt: expected {expected} bytes for shape "
+            f"{tuple(shape)} in {qtype.name}, got {got}"
+        )
+    return n_blocks
+
+
+def dequantize(
+    raw: np.ndarray | torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """Decode one GGUF tensor to a new float32 tensor of torch-order ``shape``.
+
+    ``raw`` is the tensor's data as ``gguf.GGUFReader`` gives it (any dtype; only its bytes are
+    used), possibly a read-only memory map; it is read, never written or aliased by the result.
+    Raises ValueError for an unsupported type or a byte count that does not match ``shape``.
+    """
+    qtype = GGMLQuantizationType(qtype)
+    decoder = _DECODERS.get(qtype)
+    if decoder is None:
+        names = ", ".join(t.name for t in sorted(SUPPORTED))
+        raise ValueError(
+            f"GGUF tensor type {qtype.name} is not supported; supported: {names}; "
+            f"re-quantize the model to one of them"
+        )
+    data = _as_bytes(raw)
+    n_blocks = _check_size(qtype, tuple(shape), data.numel())
+    blocks = data.view(n_blocks, -1) if n_blocks else data.view(0, GGML_QUANT_SIZES[qtype][1])
+    return decoder(blocks).reshape(shape)

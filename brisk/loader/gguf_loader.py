@@ -1,0 +1,161 @@
+"""GGUF files: metadata -> ModelConfig, tensors -> HF-named float tensors.
+
+The file is memory-mapped by `gguf.GGUFReader`; each tensor is dequantized straight from the map
+into its final tensor, one at a time, so the weights never exist twice in memory.
+
+llama.cpp's converter permutes the rows of Q and K of Llama models so that its rotary kernel can
+rotate adjacent pairs; brisk (like HF) rotates halves, so those rows are permuted back here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import torch
+
+from brisk.config import ModelConfig, RopeScaling
+from brisk.loader.dequant import dequantize
+from brisk.model.registry import check_architecture
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Architectures whose Q/K llama.cpp permuted for its interleaved rotary.
+_PERMUTED_QK = {"llama", "mistral"}
+
+
+@dataclass
+class GGUFFile:
+    path: Path
+    reader: gguf.GGUFReader
+    metadata: dict[str, Any]
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", "?"))
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """Open and validate a GGUF file; a corrupt or truncated file is a ValueError saying so."""
+    try:
+        reader = gguf.GGUFReader(path, "r")
+        metadata = {name: field.contents() for name, field in reader.fields.items()}
+    except Exception as exc:  # the reader raises many kinds on garbage; all mean "not a usable GGUF"
+        raise ValueError(
+            f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
+            "it may be truncated or corrupt: download or convert it again"
+        ) from None
+    file = GGUFFile(Path(path), reader, metadata)
+    check_architecture(file.architecture)
+    expected_end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    if expected_end > path.stat().st_size:
+        raise ValueError(f"{path} is truncated: tensors need {expected_end} bytes, the file has "
+                         f"{path.stat().st_size}; download or convert it again")
+    return file
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str, reader: gguf.GGUFReader) -> RopeScaling:
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+    orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError("this GGUF stores precomputed rope frequency factors (rope_freqs.weight, Llama 3.1 "
+                         "style), which brisk does not read yet; load the model's HF directory instead")
+    if kind in ("none", None) or factor == 1.0:
+        return RopeScaling()
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"GGUF rope scaling type {kind!r} is not supported; supported: linear, yarn")
+    return RopeScaling(rope_type=kind, factor=factor,
+                       original_max_position_embeddings=int(orig) if orig else None)
+
+
+def gguf_model_config(file: GGUFFile) -> ModelConfig:
+    meta, arch = file.metadata, file.architecture
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"{file.path}: GGUF metadata lacks '{arch}.{key}'; the file is incomplete")
+        return value
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    names = {t.name for t in file.reader.tensors}
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        max_position_embeddings=int(get("context_length")),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(meta, arch, file.reader),
+        attention_bias="blk.0.attn_q.bias" in names,
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+    )
+
+
+def _hf_name(name: str) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    parts = name.split(".")  # blk.N.attn_q.weight
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise ValueError(f"GGUF tensor {name!r} has no place in a Llama-family model")
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's `permute`: rows (head, pair, half) -> (head, half, pair)."""
+    rest = w.shape[1:]
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_weights(file: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor) for every tensor, dequantized one at a time."""
+    permuted = cfg.architecture in _PERMUTED_QK
+    for t in file.reader.tensors:
+        name = _hf_name(t.name)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        tensor = dequantize(t.data, t.tensor_type, shape)
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            tensor = _unpermute(tensor, cfg.num_attention_heads)
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            tensor = _unpermute(tensor, cfg.num_key_value_heads)
+        yield name, tensor
+
+
+def tensor_types(file: GGUFFile) -> dict[str, int]:
+    """How many tensors of each GGML type the file holds (for messages and `brisk info`)."""
+    counts: dict[str, int] = {}
+    for t in file.reader.tensors:
+        key = gguf.GGMLQuantizationType(t.tensor_type).name
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+__all__ = ["GGUFFile", "open_gguf", "gguf_model_config", "gguf_weights", "tensor_types"]

@@ -1,0 +1,108 @@
+"""Attention backends: exact softmax attention over a KV cache the runtime owns.
+
+The model never holds a cache (habit 3). Each forward receives an `AttentionMetadata` that knows
+where this step's keys and values go and which cached ones each query may see; the attention layer
+calls `attn_metadata.attend(layer, q, k, v)`. A backend is a metadata class plus the cache layout
+it expects; the runner picks one at start-up.
+
+`ContiguousAttention` (this file) keeps each sequence's KV contiguous in a slot of a
+`[max_seqs, num_kv_heads, max_len, head_dim]` tensor, the vAttention layout: attention reads a
+plain strided view, no gather. It serves single-sequence generation and small batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (keys, values), one pair per layer
+
+
+class AttentionMetadata(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store `k`, `v` for this step and return attention output shaped like `q`.
+
+        q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """One sequence's share of the flat token batch.
+
+    ```
+    cache slot `slot`:  [ 0 .......... start-1 | start ... start+num_tokens-1 | free ]
+                          already computed        written this step
+    flat batch:         [ ... | query_start ... query_start+num_tokens-1 | ... ]
+    ```
+    """
+
+    slot: int
+    start: int
+    num_tokens: int
+    query_start: int
+
+
+def _causal_mask(start: int, num_tokens: int, device: torch.device) -> torch.Tensor | None:
+    """Mask for queries at positions start.. over keys 0..start+num_tokens-1; None when not needed."""
+    if num_tokens == 1 or start == 0:
+        return None  # one query sees everything; a fresh prompt uses SDPA's own causal path
+    q_pos = torch.arange(start, start + num_tokens, device=device)
+    k_pos = torch.arange(start + num_tokens, device=device)
+    return k_pos[None, :] <= q_pos[:, None]  # [num_tokens, start + num_tokens]
+
+
+@dataclass
+class ContiguousAttention:
+    """Metadata for the contiguous (one slot per sequence) KV layout."""
+
+    kv_caches: list[KVCache]
+    seqs: list[SeqSpan]
+    masks: list[torch.Tensor | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.masks:
+            device = self.kv_caches[0][0].device
+            self.masks = [_causal_mask(s.start, s.num_tokens, device) for s in self.seqs]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.kv_caches[layer]  # [max_seqs, n_kv, max_len, head_dim]
+        if len(self.seqs) == 1:
+            return self._attend_one(self.seqs[0], self.masks[0], q, k, v, k_cache, v_cache)
+        out = torch.empty_like(q)
+        for span, mask in zip(self.seqs, self.masks):
+            rows = slice(span.query_start, span.query_start + span.num_tokens)
+            out[rows] = self._attend_one(span, mask, q[rows], k[rows], v[rows], k_cache, v_cache)
+        return out
+
+    @staticmethod
+    def _attend_one(
+        span: SeqSpan,
+        mask: torch.Tensor | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        n, num_heads, head_dim = q.shape
+        num_kv = k.shape[1]
+        end = span.start + n
+        k_cache[span.slot, :, span.start:end] = k.transpose(0, 1)  # [n_kv, n, head_dim]
+        v_cache[span.slot, :, span.start:end] = v.transpose(0, 1)
+        keys = k_cache[span.slot:span.slot + 1, :, :end]  # [1, n_kv, end, head_dim]
+        values = v_cache[span.slot:span.slot + 1, :, :end]
+        if n == 1:
+            # GQA without copies: the query heads of one KV head become that head's query rows.
+            qg = q.view(1, num_kv, num_heads // num_kv, head_dim)
+            out = F.scaled_dot_product_attention(qg, keys, values)  # [1, n_kv, group, head_dim]
+            return out.reshape(1, num_heads, head_dim)
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, num_heads, n, head_dim]
+        out = F.scaled_dot_product_attention(
+            qh, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=num_kv != num_heads
+        )  # [1, num_heads, n, head_dim]
+        return out[0].transpose(0, 1)

@@ -1,0 +1,86 @@
+"""Building blocks shared by architectures.
+
+`Linear` is the seam (habit 4): quantization, tensor parallelism and pruning replace or reshape
+these modules; architecture files never branch on them. A Linear may stack several logical
+projections along its output rows (`output_sizes`, e.g. q|k|v or gate|up) so one matmul serves
+them all; loaders fill each part with `load_part`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), with W made of `output_sizes` stacked parts."""
+
+    def __init__(self, in_features: int, output_sizes: tuple[int, ...], bias: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = output_sizes
+        self.out_features = sum(output_sizes)
+        # Uninitialised on purpose: every weight comes from a checkpoint.
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def _rows(self, index: int) -> slice:
+        start = sum(self.output_sizes[:index])
+        return slice(start, start + self.output_sizes[index])
+
+    def load_part(self, index: int, weight: torch.Tensor) -> None:
+        """Copy one logical projection's weight into its rows."""
+        rows = self._rows(index)
+        if tuple(weight.shape) != (rows.stop - rows.start, self.in_features):
+            raise ValueError(
+                f"weight shape {tuple(weight.shape)} does not fit part {index} of a linear layer "
+                f"expecting {(rows.stop - rows.start, self.in_features)}; the checkpoint does not match its config"
+            )
+        self.weight[rows].copy_(weight)
+
+    def load_part_bias(self, index: int, bias: torch.Tensor) -> None:
+        if self.bias is None:
+            raise ValueError("checkpoint has a projection bias but the config says attention_bias=false")
+        rows = self._rows(index)
+        if tuple(bias.shape) != (rows.stop - rows.start,):
+            raise ValueError(f"bias shape {tuple(bias.shape)} does not fit part {index} of a linear layer")
+        self.bias[rows].copy_(bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Lower precision: normalise in float32 like the reference, then scale in the model dtype.
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return normed * self.weight
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a stacked [gate | up] projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,158 @@
+"""Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2 (QKV bias).
+
+The model is a function (habit 3): `forward(input_ids, positions, attn_metadata) -> hidden` over a
+flat `[num_tokens]` batch of any mix of sequences; the attention metadata carries the KV cache.
+`compute_logits` is separate so callers project only the rows they sample from.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from brisk.config import ModelConfig
+from brisk.model.attention import AttentionMetadata
+from brisk.model.layers import Embedding, Linear, RMSNorm, silu_and_mul
+from brisk.model.rotary import apply_rotary, rope_tables
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.attention_bias, dtype)
+        self.o_proj = Linear(cfg.q_size, (cfg.hidden_size,), False, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)  # [n, (heads + 2 * kv_heads) * head_dim]
+        # q and k rotate together: one rotary call for both.
+        qk = qkv[:, : (self.num_heads + self.num_kv_heads) * self.head_dim]
+        qk = apply_rotary(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # [n, heads, hd], [n, kv_heads, hd]
+        v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim:].view(n, self.num_kv_heads, self.head_dim)
+        out = attn_metadata.attend(self.layer_idx, q, k, v)  # [n, heads, head_dim]
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, (cfg.intermediate_size, cfg.intermediate_size), False, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, (cfg.hidden_size,), False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_idx, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(cfg, dtype)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each add happens once, right before a norm.
+        residual = h if residual is None else h + residual
+        h = self.self_attn(self.input_layernorm(residual), cos, sin, attn_metadata)
+        residual = h + residual
+        return self.mlp(self.post_attention_layernorm(residual)), residual
+
+
+# HF checkpoint names of projections that we stack into one Linear: name -> (our module, part).
+_STACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+_STACKED_RE = re.compile(r"^(layers\.\d+\.(?:self_attn|mlp))\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, (cfg.vocab_size,), False, dtype)
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
+                               max_positions or cfg.max_position_embeddings)
+        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)  # [max_positions, head_dim]
+        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        h = self.embed_tokens(input_ids)  # [n, hidden]
+        cos = self.rope_cos[positions].unsqueeze(1)  # [n, 1, head_dim]
+        sin = self.rope_sin[positions].unsqueeze(1)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            h, residual = layer(h, residual, cos, sin, attn_metadata)
+        return self.norm(h + residual)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> [rows, vocab] float32 logits."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill parameters from HF-named tensors; every parameter must be provided exactly once."""
+        params = dict(self.named_parameters())
+        expected = set(params)
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store a copy of the embedding
+            m = _STACKED_RE.match(name)
+            if m:
+                module_name, part = _STACKED[m.group(2)]
+                target = f"{m.group(1)}.{module_name}"
+                linear = self.get_submodule(target)
+                assert isinstance(linear, Linear)
+                if m.group(3) == "weight":
+                    linear.load_part(part, tensor)
+                else:
+                    linear.load_part_bias(part, tensor)
+                loaded.add(f"{target}.{m.group(3)}#{part}")
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in a {self.config.architecture} model")
+            if tuple(params[name].shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the config expects "
+                    f"{tuple(params[name].shape)}"
+                )
+            params[name].copy_(tensor)
+            loaded.add(name)
+        missing = _missing(expected, loaded, self)
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {', '.join(sorted(missing)[:8])}"
+                             f"{' …' if len(missing) > 8 else ''}")
+
+
+def _missing(expected: set[str], loaded: set[str], model: nn.Module) -> set[str]:
+    """Parameters not filled; a stacked Linear counts as filled when all its parts are."""
+    missing = set()
+    for name in expected:
+        if name in loaded:
+            continue
+        module_name, _, kind = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if isinstance(module, Linear) and len(module.output_sizes) > 1:
+            if all(f"{name}#{i}" in loaded for i in range(len(module.output_sizes))):
+                continue
+        missing.add(name)
+    return missing

@@ -1,0 +1,108 @@
+"""Rotary position embeddings with the scaling types found in HF configs.
+
+The model looks up one `[num_tokens, head_dim]` cos/sin pair per forward (by position) and every
+layer reuses it. Tables are built once at start-up for `max_positions` positions, so the hot path
+is a single gather. Layout is HF's "rotate half" (NeoX) convention; GGUF Q/K weights are permuted
+back to it by the loader.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from brisk.config import RopeScaling
+
+
+def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))  # [dim/2]
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling, max_pos: int) -> torch.Tensor:
+    """Llama 3.1: leave high frequencies, divide low ones by `factor`, blend in between."""
+    old_len = s.original_max_position_embeddings or max_pos
+    low_wavelen = old_len / s.low_freq_factor
+    high_wavelen = old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(base: float, dim: int, s: RopeScaling, max_pos: int) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023): interpolate low frequencies, keep high ones, ramp between."""
+    orig = s.original_max_position_embeddings or max_pos
+    if s.attention_factor is not None:
+        attn = s.attention_factor
+    elif s.mscale and s.mscale_all_dim:
+        attn = _yarn_mscale(s.factor, s.mscale) / _yarn_mscale(s.factor, s.mscale_all_dim)
+    else:
+        attn = _yarn_mscale(s.factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(s.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # avoid a division by zero in the ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (s.factor * pos_freqs)
+    keep = 1 - ramp  # 1 where the original (extrapolated) frequency is kept
+    return interpolation * (1 - keep) + extrapolation * keep, attn
+
+
+def _dynamic_angles(base: float, dim: int, s: RopeScaling, max_pos: int, n: int) -> torch.Tensor:
+    """Dynamic NTK, per position.
+
+    HF recomputes the base from the current sequence length once it exceeds the trained window.
+    With a KV cache a token's key keeps the rotation it got when it was computed, so computing each
+    position with the base for "length = position + 1" reproduces HF's incremental decoding exactly,
+    and equals plain rotary inside the trained window.
+    """
+    orig = s.original_max_position_embeddings or max_pos
+    pos = torch.arange(n, dtype=torch.float64)
+    seq_len = torch.clamp(pos + 1, min=orig)
+    scaled_base = base * ((s.factor * seq_len / orig) - (s.factor - 1)) ** (dim / (dim - 2))  # [n]
+    exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim  # [dim/2]
+    inv = 1.0 / (scaled_base[:, None] ** exponents[None, :])  # [n, dim/2]
+    return pos[:, None] * inv
+
+
+def rope_tables(
+    head_dim: int, base: float, scaling: RopeScaling, max_position_embeddings: int, max_positions: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each `[max_positions, head_dim]` in float32, attention factor folded in."""
+    attn_factor = 1.0
+    if scaling.rope_type == "dynamic":
+        angles = _dynamic_angles(base, head_dim, scaling, max_position_embeddings, max_positions)
+    else:
+        inv_freq = _default_inv_freq(base, head_dim)
+        if scaling.rope_type == "linear":
+            inv_freq = inv_freq / scaling.factor
+        elif scaling.rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling, max_position_embeddings)
+        elif scaling.rope_type == "yarn":
+            inv_freq, attn_factor = _yarn_inv_freq(base, head_dim, scaling, max_position_embeddings)
+        # HF computes inv_freq in float32 before the outer product; match it for identical logits.
+        inv32 = inv_freq.to(torch.float32)
+        angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv32[None, :]
+    angles = angles.to(torch.float32)
+    emb = torch.cat([angles, angles], dim=-1)  # [max_positions, head_dim]
+    return (emb.cos() * attn_factor), (emb.sin() * attn_factor)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` `[num_tokens, num_heads, head_dim]` by per-token cos/sin `[num_tokens, 1, head_dim]`."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
