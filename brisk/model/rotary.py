@@ -16,7 +16,8 @@ from brisk.config import RopeScaling
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))  # [dim/2]
+    # float32 exponents, as HF computes them, so the angles are bit-identical.
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [dim/2]
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling, max_pos: int) -> torch.Tensor:
@@ -67,14 +68,13 @@ def _dynamic_angles(base: float, dim: int, s: RopeScaling, max_pos: int, n: int)
     HF recomputes the base from the current sequence length once it exceeds the trained window.
     With a KV cache a token's key keeps the rotation it got when it was computed, so computing each
     position with the base for "length = position + 1" reproduces HF's incremental decoding exactly,
-    and equals plain rotary inside the trained window.
+    and equals plain rotary inside the trained window. float32 like HF, for identical angles.
     """
-    orig = s.original_max_position_embeddings or max_pos
-    pos = torch.arange(n, dtype=torch.float64)
-    seq_len = torch.clamp(pos + 1, min=orig)
-    scaled_base = base * ((s.factor * seq_len / orig) - (s.factor - 1)) ** (dim / (dim - 2))  # [n]
-    exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim  # [dim/2]
-    inv = 1.0 / (scaled_base[:, None] ** exponents[None, :])  # [n, dim/2]
+    pos = torch.arange(n, dtype=torch.float32)
+    seq_len = torch.clamp(torch.arange(1, n + 1, dtype=torch.float64), min=max_pos)  # [n]
+    scaled_base = base * ((s.factor * seq_len / max_pos) - (s.factor - 1)) ** (dim / (dim - 2))  # [n]
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # [dim/2]
+    inv = 1.0 / (scaled_base.float()[:, None] ** exponents[None, :])  # [n, dim/2]
     return pos[:, None] * inv
 
 

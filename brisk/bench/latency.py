@@ -1,0 +1,75 @@
+"""`brisk bench latency`: single-stream time to first token and decode tokens/s.
+
+brisk and (with `--compare hf`) HF transformers run the same prompt ids on the same weights in the
+same process, one after the other, so the ratio is measured side by side on one machine state.
+Each figure is the median of `repeats` runs after one warm-up.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from brisk.engine.llm import LLM
+from brisk.loader.load import torch_dtype
+from brisk.request import SamplingParams
+
+DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def _brisk_run(llm: LLM, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    m = out.metrics
+    assert m.first_token_time is not None and m.finish_time is not None
+    decode = (new_tokens - 1) / (m.finish_time - m.first_token_time)
+    return m.first_token_time - m.arrival_time, decode, out.outputs[0].token_ids
+
+
+def _hf_run(peer: Any, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+    _, ttft = peer.generate([ids], 1)
+    tokens, total = peer.generate([ids], new_tokens)
+    return ttft, (new_tokens - 1) / max(total - ttft, 1e-9), tokens[0]
+
+
+def _measure(run: Any, target: Any, ids: list[int], new_tokens: int, repeats: int) -> tuple[dict[str, float], list[int]]:
+    run(target, ids, min(8, new_tokens))  # warm-up: allocator, thread pool, kernels
+    ttfts, rates = [], []
+    tokens: list[int] = []
+    for _ in range(repeats):
+        ttft, rate, tokens = run(target, ids, new_tokens)
+        ttfts.append(ttft)
+        rates.append(rate)
+    return {"ttft_s": round(statistics.median(ttfts), 4), "decode_tok_s": round(statistics.median(rates), 2)}, tokens
+
+
+def bench_latency(model: str, dtype: str, prompt: str, chat: bool, new_tokens: int, repeats: int,
+                  compare: list[str]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    llm = LLM(model, dtype=dtype)
+    load_s = time.perf_counter() - t0
+    tok = llm.get_tokenizer()
+    ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+    result: dict[str, Any] = {
+        "bench": "latency", "model": model, "dtype": dtype, "prompt_tokens": len(ids), "new_tokens": new_tokens,
+        "repeats": repeats, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+    }
+    result["brisk"], brisk_tokens = _measure(_brisk_run, llm, ids, new_tokens, repeats)
+    result["brisk"]["load_s"] = round(load_s, 2)
+    if "hf" in compare:
+        from brisk.bench.peers import HFPeer
+
+        source = llm.model_name
+        del llm  # free brisk's weights before loading the peer's copy
+        from brisk.loader.resolve import resolve_model
+
+        peer = HFPeer(resolve_model(source), torch_dtype(dtype))
+        result["hf"], hf_tokens = _measure(_hf_run, peer, ids, new_tokens, repeats)
+        result["decode_speedup_vs_hf"] = round(result["brisk"]["decode_tok_s"] / result["hf"]["decode_tok_s"], 3)
+        result["ttft_ratio_vs_hf"] = round(result["brisk"]["ttft_s"] / result["hf"]["ttft_s"], 3)
+        result["same_tokens_as_hf"] = brisk_tokens == hf_tokens
+    return result

@@ -1,0 +1,36 @@
+"""`brisk convert`: write any model reference as an HF-format safetensors directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from brisk.loader.hf_loader import hf_config_dict
+from brisk.loader.load import read_checkpoint, torch_dtype
+from brisk.loader.resolve import resolve_model
+
+
+def convert(ref: str, out: Path, dtype: str = "float32") -> Path:
+    """Write config.json, model.safetensors, tokenizer files and generation_config.json to `out`."""
+    source = resolve_model(ref)
+    tdtype = torch_dtype(dtype)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if source.kind == "hf" and out.resolve() == source.path.resolve():
+        raise ValueError("--out must differ from the source directory")
+    cfg, tokenizer, weights = read_checkpoint(source)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        tensors[name] = tensor.to(tdtype).contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype), indent=2) + "\n")
+    tokenizer.save_hf(out, model_max_length=cfg.max_position_embeddings)
+    generation = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": sorted(tokenizer.eos_token_ids)}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return out
