@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from brisk.kernels import gemv, gemv_supported
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b), with W made of `output_sizes` stacked parts."""
@@ -29,7 +31,7 @@ class Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def _rows(self, index: int) -> slice:
         start = sum(self.output_sizes[:index])
@@ -55,6 +57,14 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, but a single row on CPU goes through brisk's streaming GEMV (decode is a
+    matrix-vector product, bound by how fast the weight is read; BLAS reads it at about half speed)."""
+    if x.shape[0] == 1 and x.dim() == 2 and gemv_supported(weight):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class RMSNorm(nn.Module):

@@ -15,7 +15,7 @@ from torch import nn
 
 from brisk.config import ModelConfig
 from brisk.model.attention import AttentionMetadata
-from brisk.model.layers import Embedding, Linear, RMSNorm, silu_and_mul
+from brisk.model.layers import Embedding, Linear, RMSNorm, linear, silu_and_mul
 from brisk.model.rotary import apply_rotary, rope_tables
 
 
@@ -105,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] float32 logits."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill parameters from HF-named tensors; every parameter must be provided exactly once."""

@@ -1,0 +1,34 @@
+"""Optional compiled CPU kernels (brisk._C), with torch fallbacks.
+
+`gemv` is the single-row linear used by decode. When the extension was not built (no compiler at
+install time, a non-x86 CPU without a build), `HAVE_CPU_GEMV` is False and callers use F.linear:
+the same results, slower decode. Which path runs is decided once, here, at import.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from brisk import _C  # type: ignore[attr-defined]
+
+    HAVE_CPU_GEMV = True
+    ISA = str(_C.isa())
+except ImportError:
+    _C = None
+    HAVE_CPU_GEMV = False
+    ISA = "none"
+
+GEMV_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def gemv_supported(weight: torch.Tensor) -> bool:
+    """True when `gemv` can serve this weight: CPU, float32/bfloat16, contiguous, extension built."""
+    return (HAVE_CPU_GEMV and weight.device.type == "cpu" and weight.dtype in GEMV_DTYPES
+            and weight.dim() == 2 and weight.is_contiguous())
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, in] @ weight[out, in]^T (+ bias) -> [1, out], streaming the weight once."""
+    assert _C is not None
+    return _C.gemv(x, weight, bias)
