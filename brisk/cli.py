@@ -29,6 +29,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help=f"built-in name, .gguf file or HF directory (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype (default float32)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context window to serve, in tokens (default: the model's own)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +70,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     if not args.prompt.strip():
         raise ValueError("the prompt is empty; pass some text with --prompt")
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
     tok = llm.get_tokenizer()
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])

@@ -18,7 +18,7 @@ import gguf
 import torch
 
 from brisk.config import ModelConfig, RopeScaling
-from brisk.loader.dequant import dequantize
+from brisk.loader.dequant import SUPPORTED, dequantize
 from brisk.model.registry import check_architecture
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
@@ -65,11 +65,22 @@ def open_gguf(path: Path) -> GGUFFile:
         ) from None
     file = GGUFFile(Path(path), reader, metadata)
     check_architecture(file.architecture)
+    _check_tensor_types(file)
     expected_end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
     if expected_end > path.stat().st_size:
         raise ValueError(f"{path} is truncated: tensors need {expected_end} bytes, the file has "
                          f"{path.stat().st_size}; download or convert it again")
     return file
+
+
+def _check_tensor_types(file: GGUFFile) -> None:
+    """Fail before loading anything when a tensor type cannot be dequantized."""
+    unsupported = sorted({gguf.GGMLQuantizationType(t.tensor_type).name for t in file.reader.tensors
+                          if t.tensor_type not in SUPPORTED})
+    if unsupported:
+        names = ", ".join(sorted(t.name for t in SUPPORTED))
+        raise ValueError(f"{file.path} uses GGUF tensor type(s) {', '.join(unsupported)}, which brisk cannot "
+                         f"load; supported: {names}. Use a file quantized to one of those")
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str, reader: gguf.GGUFReader) -> RopeScaling:

@@ -1,0 +1,54 @@
+"""brisk._C streaming GEMV against F.linear (float32 accumulation, summation order aside)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from brisk import kernels
+from brisk.model.layers import linear
+
+needs_ext = pytest.mark.skipif(not kernels.HAVE_CPU_GEMV, reason="brisk._C not built (pip install --no-build-isolation .)")
+
+
+@needs_ext
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (7, 5), (9, 33), (1, 1), (130, 100)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_float32_matches_linear(shape: tuple[int, int], with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(*shape, generator=g)
+    x = torch.randn(1, shape[1], generator=g)
+    b = torch.randn(shape[0], generator=g) if with_bias else None
+    got = kernels.gemv(x, w, b)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+    assert got.shape == (1, shape[0]) and got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=1e-4 * shape[1] ** 0.5, rtol=1e-5)
+
+
+@needs_ext
+def test_gemv_bfloat16_accumulates_in_float32() -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 576, generator=g).bfloat16()
+    x = torch.randn(1, 576, generator=g).bfloat16()
+    got = kernels.gemv(x, w)
+    ref = F.linear(x.double(), w.double()).bfloat16()  # exact products, one rounding at the end
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2 ** -7
+
+
+@needs_ext
+def test_gemv_rejects_bad_input() -> None:
+    with pytest.raises(RuntimeError, match="elements"):
+        kernels.gemv(torch.randn(1, 3), torch.randn(4, 5))
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        kernels.gemv(torch.randn(1, 5), torch.randn(4, 5).bfloat16())
+
+
+def test_linear_falls_back_for_batches_and_non_contiguous_weights() -> None:
+    w = torch.randn(16, 8)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w))
+    wt = torch.randn(8, 16).t()  # not contiguous: BLAS path
+    torch.testing.assert_close(linear(x[:1], wt), F.linear(x[:1], wt))
+    assert not kernels.gemv_supported(wt)

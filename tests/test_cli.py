@@ -1,0 +1,121 @@
+"""`brisk` CLI: a streamed reply with a figures line, and one clear line + exit 2 for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from brisk.cli import main
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _write_gguf(path: Path, arch: str, tensor_type: gguf.GGMLQuantizationType | None = None) -> Path:
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    if tensor_type is not None:
+        _, nbytes = gguf.GGML_QUANT_SIZES[tensor_type]
+        w.add_tensor("token_embd.weight", np.zeros((4, nbytes), dtype=np.uint8),
+                     raw_dtype=tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_generate_streams_and_ends_with_figures(gguf_path, capsys) -> None:
+    code, out, err = _run(capsys, "generate", "--chat", "--prompt", "Name a colour.", "--max-tokens", "12")
+    assert code == 0
+    assert out.strip()
+    figures = err.strip().splitlines()[-1]
+    for label in ("prompt", "generated", "time to first token", "decode", "tokens/s"):
+        assert label in figures
+
+
+def test_bench_latency_prints_json(gguf_path, capsys) -> None:
+    code, out, _ = _run(capsys, "bench", "latency", "--new-tokens", "4", "--repeats", "1")
+    assert code == 0
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["brisk"]["decode_tok_s"] > 0 and result["prompt_tokens"] > 0
+
+
+def test_missing_model_path(capsys) -> None:
+    code, _, err = _run(capsys, "generate", "--model", "/no/such/model.gguf", "--prompt", "hi")
+    assert code == 2 and "not found" in err and "Traceback" not in err
+
+
+def test_unknown_builtin_name_lists_the_known_ones(capsys) -> None:
+    code, _, err = _run(capsys, "generate", "--model", "gpt-17", "--prompt", "hi")
+    assert code == 2 and "smollm2-135m" in err
+
+
+def test_non_gguf_file(tmp_path, capsys) -> None:
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"\0" * 16)
+    code, _, err = _run(capsys, "generate", "--model", str(f), "--prompt", "hi")
+    assert code == 2 and "not a .gguf" in err
+
+
+def test_corrupt_gguf(tmp_path, capsys) -> None:
+    f = tmp_path / "garbage.gguf"
+    f.write_bytes(os.urandom(4096))
+    code, _, err = _run(capsys, "generate", "--model", str(f), "--prompt", "hi")
+    assert code == 2 and "not a readable GGUF" in err
+
+
+def test_truncated_gguf(gguf_path, tmp_path, capsys) -> None:
+    f = tmp_path / "truncated.gguf"
+    with open(gguf_path, "rb") as src:
+        f.write_bytes(src.read(8 * 1024 * 1024))
+    code, _, err = _run(capsys, "generate", "--model", str(f), "--prompt", "hi")
+    assert code == 2 and ("truncated" in err or "not a readable GGUF" in err)
+
+
+def test_unsupported_architecture(tmp_path, capsys) -> None:
+    f = _write_gguf(tmp_path / "bert.gguf", "bert")
+    code, _, err = _run(capsys, "generate", "--model", str(f), "--prompt", "hi")
+    assert code == 2 and "'bert' is not supported" in err and "llama" in err
+
+
+def test_unsupported_tensor_type(tmp_path, capsys) -> None:
+    f = _write_gguf(tmp_path / "iq.gguf", "llama", gguf.GGMLQuantizationType.IQ2_XS)
+    code, _, err = _run(capsys, "generate", "--model", str(f), "--prompt", "hi")
+    assert code == 2 and "IQ2_XS" in err and "Q4_1" in err
+
+
+def test_hf_directory_missing_files(tmp_path, capsys) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    code, _, err = _run(capsys, "generate", "--model", str(tmp_path), "--prompt", "hi")
+    assert code == 2 and "tokenizer.json" in err and "*.safetensors" in err
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--prompt", ""], "prompt is empty"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature"),
+    (["--prompt", "hi", "--top-p", "0"], "top_p"),
+    (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
+])
+def test_bad_generation_values(args: list[str], match: str, capsys) -> None:
+    code, _, err = _run(capsys, "generate", *args)
+    assert code == 2 and match in err
+
+
+def test_prompt_longer_than_context(gguf_path, capsys) -> None:
+    code, _, err = _run(capsys, "generate", "--max-model-len", "16", "--prompt", "word " * 40)
+    assert code == 2 and "context window is 16" in err
+
+
+def test_usage_error_exits_2(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["generate"])  # --prompt is required
+    assert exc.value.code == 2
