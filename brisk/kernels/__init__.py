@@ -29,6 +29,12 @@ def gemv_supported(weight: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [1, in] @ weight[out, in]^T (+ bias) -> [1, out], streaming the weight once."""
+    """x [1, in] @ weight[out, in]^T (+ bias) -> [1, out], streaming the weight once.
+
+    Arguments are checked here rather than only in C++: an exception thrown across the extension
+    boundary can crash a process whose torch was built by another compiler (seen on a CUDA image).
+    """
     assert _C is not None
+    if x.numel() != weight.shape[1] or x.dtype != weight.dtype:
+        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype}")
     return _C.gemv(x, weight, bias)

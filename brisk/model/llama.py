@@ -81,7 +81,6 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.dtype = dtype
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -90,6 +89,11 @@ class LlamaForCausalLM(nn.Module):
                                max_positions or cfg.max_position_embeddings)
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)  # [max_positions, head_dim]
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype, also after `.to(...)`."""
+        return self.embed_tokens.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
