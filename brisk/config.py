@@ -111,6 +111,45 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: fixed-size blocks. The number of blocks is found at start-up from
+    `num_kv_blocks` or `kv_cache_memory_gib` and handed to the cache manager as an argument."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: size from kv_cache_memory_gib
+    kv_cache_memory_gib: float = 2.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step budget. `max_model_len` is the longest sequence (prompt + output) served."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill a whole prompt must fit one step: max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """What `LLM(...)` was asked for: the model reference and how to run it."""
 
