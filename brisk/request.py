@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 
 class FinishReason(str, enum.Enum):
@@ -28,6 +29,16 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    min_p: float = 0.0  # drop tokens whose probability is below min_p * (the top token's probability)
+    repetition_penalty: float = 1.0  # HF style, over prompt + output tokens; 1.0 = off
+    presence_penalty: float = 0.0  # OpenAI style, over output tokens only
+    frequency_penalty: float = 0.0  # OpenAI style, over output tokens only
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    logprobs: int | None = None  # return the sampled token's logprob, rank and the top-N; None = off
+    prompt_logprobs: int | None = None  # same for every prompt token (given the tokens before it)
+    n: int = 1  # completions per prompt; the engine fans a request out into n siblings
+
+    MAX_LOGPROBS: ClassVar[int] = 20  # most top-N logprobs a request may ask for (sampled or prompt tokens)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,13 +58,55 @@ class SamplingParams:
             (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
              f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens!r}"),
         ]
-        for ok, message in checks:
+        for ok, message in checks + self._extra_checks():
             if not ok:
                 raise ValueError(message)
+
+    def _extra_checks(self) -> list[tuple[bool, str]]:
+        """Checks for the penalty / bias / logprob / fan-out fields (safe on values of the wrong type)."""
+        if isinstance(self.logit_bias, dict):  # JSON object keys arrive as strings: accept "123"
+            self.logit_bias = {int(k) if isinstance(k, str) and k.strip().isdigit() else k: v
+                               for k, v in self.logit_bias.items()}
+        bias = self.logit_bias if isinstance(self.logit_bias, dict) else {}
+        bad_keys = [k for k in bias if not self._is_int(k) or k < 0]
+        bad_values = [(k, v) for k, v in bias.items() if not self._in_range(v, -100, 100)]
+        return [
+            (self._in_range(self.min_p, 0, 1), f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}"),
+            (self._in_range(self.repetition_penalty, 0, float("inf")) and 0 < self.repetition_penalty < float("inf"),
+             f"repetition_penalty must be > 0 (1.0 = off, > 1 discourages repeats), got {self.repetition_penalty!r}"),
+            (self._in_range(self.presence_penalty, -2, 2), f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
+            (self._in_range(self.frequency_penalty, -2, 2),
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
+            (self.logit_bias is None or isinstance(self.logit_bias, dict),
+             f"logit_bias must be a mapping of token id to bias, got {type(self.logit_bias).__name__}"),
+            (not bad_keys, f"logit_bias keys must be non-negative integer token ids, got {(bad_keys or [None])[0]!r}"),
+            (not bad_values, "logit_bias values must be in [-100, 100], got "
+             + ", ".join(f"{v!r} for token {k}" for k, v in bad_values[:1])),
+            (self.logprobs is None or (self._is_int(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS),
+             f"logprobs must be None (off) or an integer in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}"),
+            (self.prompt_logprobs is None or (self._is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS),
+             f"prompt_logprobs must be None (off) or an integer in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs!r}"),
+            (self._is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
+        ]
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError if a token id this request names lies outside a vocabulary of `vocab_size`."""
+        for token in self.logit_bias or {}:
+            if token >= vocab_size:
+                raise ValueError(f"logit_bias names token id {token}, outside the vocabulary (0..{vocab_size - 1})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @staticmethod
+    def _is_int(x: object) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    @staticmethod
+    def _in_range(x: object, lo: float, hi: float) -> bool:
+        """A real number (not bool, not NaN) in [lo, hi]."""
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and lo <= x <= hi
 
 
 class RequestStatus(enum.Enum):
