@@ -15,7 +15,7 @@ else:
     ext_modules = [
         CppExtension(
             "brisk._C",
-            ["brisk/kernels/cpu_gemv.cpp"],
+            ["brisk/kernels/bindings.cpp", "brisk/kernels/cpu_gemv.cpp", "brisk/kernels/cpu_paged_attention.cpp"],
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             optional=True,

@@ -39,10 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text from a prompt, streaming it")
     _add_model(gen)
-    gen.add_argument("--prompt", "-p", required=True, help="the prompt text")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", "-p", help="the prompt text (streamed reply)")
+    src.add_argument("--prompts-file", type=Path,
+                     help="many prompts, batched: one per line, or JSONL with 'prompt' or 'messages'")
+    gen.add_argument("--output", "-o", type=Path, default=None,
+                     help="with --prompts-file: write JSONL results here (default: stdout)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
     _add_sampling(gen)
+    _add_engine(gen)
 
     conv = sub.add_parser("convert", help="write a model as an HF-format safetensors directory")
     conv.add_argument("model", help="built-in name, .gguf file or HF directory")
@@ -59,7 +65,84 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--new-tokens", type=int, default=128)
     lat.add_argument("--repeats", type=int, default=3)
     lat.add_argument("--compare", default="", help="peers to run side by side: hf")
+
+    thr = bsub.add_parser("throughput", help="offline batched throughput on a seeded chat-like workload")
+    _add_model(thr)
+    _add_engine(thr)
+    thr.add_argument("--num-prompts", type=int, default=32)
+    thr.add_argument("--input-len", type=int, default=None, help="fixed prompt length (default: chat-like 50-1000)")
+    thr.add_argument("--output-len", type=int, default=None, help="fixed output length (default: chat-like 20-400)")
+    thr.add_argument("--shared-prefix", type=int, default=0, help="tokens of a prefix common to every prompt")
+    thr.add_argument("--seed", type=int, default=0)
+    thr.add_argument("--compare", default="", help="peers to run side by side: hf")
+    thr.add_argument("--hf-batch-size", type=int, default=None, help="HF generate() batch (default: all prompts)")
     return parser
+
+
+def _add_engine(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (default 512)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default 64)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-gib)")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=2.0, help="KV cache size (default 2 GiB)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+            "block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks,
+            "kv_cache_memory_gib": args.kv_cache_memory_gib, "max_model_len": args.max_model_len,
+            "enable_prefix_caching": not args.no_prefix_caching,
+            "enable_chunked_prefill": not args.no_chunked_prefill}
+
+
+def _read_prompts(path: Path, chat: bool, system: str | None) -> list[dict[str, object]]:
+    """Lines of text, or JSONL objects with "prompt" (text) or "messages" (a conversation)."""
+    try:
+        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    except OSError as exc:
+        raise ValueError(f"cannot read --prompts-file {path}: {exc.strerror}") from None
+    items: list[dict[str, object]] = []
+    for i, line in enumerate(lines, 1):
+        if line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
+            if not isinstance(obj, dict) or not ({"prompt", "messages"} & obj.keys()):
+                raise ValueError(f"{path}:{i}: a JSON line needs a 'prompt' or 'messages' field")
+            items.append(obj)
+        else:
+            items.append({"prompt": line})
+    if not items:
+        raise ValueError(f"--prompts-file {path} has no prompts")
+    for item in items:
+        if "prompt" in item and chat:
+            item["messages"] = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": item["prompt"]}]
+    return items
+
+
+def _generate_file(llm: object, args: argparse.Namespace, params: object) -> int:
+    from brisk.engine.llm import LLM
+
+    assert isinstance(llm, LLM)
+    items = _read_prompts(args.prompts_file, args.chat, args.system)
+    tok = llm.get_tokenizer()
+    prompts = [{"prompt": it.get("prompt"), "prompt_token_ids": tok.encode_chat(it["messages"])}
+               if "messages" in it else str(it["prompt"]) for it in items]
+    outs = llm.generate(prompts, params)  # type: ignore[arg-type]
+    lines = [json.dumps({"index": i, "prompt": it.get("prompt"), "text": o.outputs[0].text,
+                         "finish_reason": str(o.outputs[0].finish_reason),
+                         "prompt_tokens": len(o.prompt_token_ids), "completion_tokens": len(o.outputs[0].token_ids)})
+             for i, (it, o) in enumerate(zip(items, outs))]
+    if args.output:
+        args.output.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        print(f"wrote {len(lines)} results to {args.output}", file=sys.stderr)
+    else:
+        print("\n".join(lines))
+    return 0
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -68,9 +151,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
-    if not args.prompt.strip():
+    if args.prompt is not None and not args.prompt.strip():
         raise ValueError("the prompt is empty; pass some text with --prompt")
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    llm = LLM(args.model, dtype=args.dtype, **engine_kwargs(args))  # type: ignore[arg-type]
+    if args.prompts_file is not None:
+        return _generate_file(llm, args, params)
     tok = llm.get_tokenizer()
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -101,12 +186,14 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from brisk.bench.latency import DEFAULT_PROMPT, bench_latency
-
     compare = [c for c in args.compare.split(",") if c]
     unknown = set(compare) - {"hf"}
     if unknown:
         raise ValueError(f"unknown --compare peer(s): {', '.join(sorted(unknown))}; available: hf")
+    if args.bench == "throughput":
+        return _bench_throughput(args, compare)
+    from brisk.bench.latency import DEFAULT_PROMPT, bench_latency
+
     if args.new_tokens < 2 or args.repeats < 1:
         raise ValueError("--new-tokens must be >= 2 and --repeats >= 1")
     dtypes = args.dtype_list.split(",") if args.dtype_list else [args.dtype]
@@ -114,6 +201,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         result = bench_latency(args.model, dtype, args.prompt or DEFAULT_PROMPT, not args.no_chat,
                                args.new_tokens, args.repeats, compare)
         print(json.dumps(result), flush=True)
+    return 0
+
+
+def _bench_throughput(args: argparse.Namespace, compare: list[str]) -> int:
+    from brisk.bench.throughput import bench_throughput
+
+    if args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    result = bench_throughput(args.model, args.dtype, args.num_prompts, args.input_len, args.output_len,
+                              args.seed, args.shared_prefix, compare, args.hf_batch_size, engine_kwargs(args))
+    print(json.dumps(result), flush=True)
     return 0
 
 

@@ -12,16 +12,14 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any, Union
 
-import torch
 from tqdm import tqdm
 
-from brisk.config import EngineConfig
-from brisk.engine.generator import SequenceGenerator
+from brisk.config import CacheConfig, EngineConfig, SchedulerConfig
+from brisk.engine.llm_engine import LLMEngine
 from brisk.engine.outputs import RequestOutput
 from brisk.loader.load import load_model
 from brisk.loader.resolve import DEFAULT_MODEL
 from brisk.request import SamplingParams
-from brisk.runtime.model_runner import ModelRunner
 
 # A prompt is text, or {"prompt_token_ids": [...]} for pre-tokenized input (as in vLLM).
 Prompt = Union[str, dict[str, Any]]
@@ -29,17 +27,31 @@ Messages = list[dict[str, Any]]
 
 
 class LLM:
+    """Offline batched generation over brisk's paged engine.
+
+    Engine flags: `block_size` (tokens per KV block), `num_kv_blocks` (default: as many as
+    `kv_cache_memory_gib` holds), `max_num_batched_tokens` (tokens per step: prompt chunks and
+    decodes together), `max_num_seqs` (sequences per step), `enable_prefix_caching`,
+    `enable_chunked_prefill`, `max_model_len` (longest prompt + output; default: the model's window).
+    """
+
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str = "cpu",
-                 max_model_len: int | None = None, seed: int = 0) -> None:
+                 max_model_len: int | None = None, seed: int = 0, block_size: int = 16,
+                 num_kv_blocks: int | None = None, kv_cache_memory_gib: float = 2.0,
+                 max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed)
+        cache = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                            kv_cache_memory_gib=kv_cache_memory_gib, enable_prefix_caching=enable_prefix_caching)
         loaded = load_model(model, dtype=dtype, device=device, max_model_len=max_model_len)
+        self.max_model_len = max_model_len or loaded.config.max_position_embeddings
+        sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                max_model_len=self.max_model_len, enable_chunked_prefill=enable_chunked_prefill)
         self.model = loaded.model
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.source.name
-        self.max_model_len = max_model_len or loaded.config.max_position_embeddings
-        self._runner = ModelRunner(loaded.model, max_seqs=1, max_len=self.max_model_len)
-        self._generator = SequenceGenerator(self._runner, self.tokenizer, seed)
+        self.engine = LLMEngine(loaded.model, loaded.tokenizer, cache, sched, seed)
         self._ids = itertools.count()
 
     def get_tokenizer(self):  # noqa: ANN201 - the Tokenizer type lives in loader/
@@ -47,13 +59,21 @@ class LLM:
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
                 raise ValueError("prompt_token_ids must be a list of integers")
-            return prompt.get("prompt"), list(ids)
-        raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+            text = prompt.get("prompt")
+        else:
+            raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token of text")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the context window is {self.max_model_len} "
+                             "tokens (leaving room for at least one new token); shorten the prompt")
+        return text, list(ids)
 
     @staticmethod
     def _params_for(n: int, params: SamplingParams | Sequence[SamplingParams] | None) -> list[SamplingParams]:
@@ -65,33 +85,57 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; pass one, or one per prompt")
         return list(params)
 
+    def _add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+        """Validate and queue every prompt, or none: a bad one aborts those added before it."""
+        prepared = [self._prompt_ids(p) for p in prompts]
+        ids: list[str] = []
+        try:
+            for (text, token_ids), p in zip(prepared, params):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, token_ids, p, prompt=text)
+                ids.append(rid)
+        except ValueError:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return ids
+
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield the request's output after each token; `.outputs[0].delta` is the new text."""
-        text, ids = self._prompt_ids(prompt)
-        with torch.inference_mode():
-            yield from self._generator.generate(str(next(self._ids)), text, ids, params or SamplingParams())
+        """Yield the request's output after each step that extends it; `.outputs[i].delta` is the new text.
+
+        Closing the iterator early aborts the request and frees its KV blocks.
+        """
+        (rid,) = self._add([prompt], [params or SamplingParams()])
+        try:
+            done = False
+            while not done:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        done = out.finished
+                        yield out
+        finally:
+            self.engine.abort_request(rid)  # no-op once finished
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """One finished RequestOutput per prompt, in order."""
+        """One finished RequestOutput per prompt, in order; all prompts run as one continuous batch."""
         batch = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        per_prompt = self._params_for(len(batch), params)
-        prepared = [self._prompt_ids(p) for p in batch]  # validate every prompt before running any
-        for _, ids in prepared:
-            self._generator.check_prompt(ids)
-        results: list[RequestOutput] = []
-        bar = tqdm(total=len(batch), desc="generating", disable=not use_tqdm or len(batch) < 2)
-        with torch.inference_mode():
-            for (text, ids), p in zip(prepared, per_prompt):
-                last = None
-                for last in self._generator.generate(str(next(self._ids)), text, ids, p):
-                    pass
-                assert last is not None and last.finished
-                results.append(last)
-                bar.update(1)
-        bar.close()
-        return results
+        ids = self._add(batch, self._params_for(len(batch), params))
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm or len(ids) < 2)
+        try:
+            while len(results) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            for rid in ids:
+                if rid not in results:
+                    self.engine.abort_request(rid)
+        return [results[rid] for rid in ids]
 
     def chat(self, messages: Messages | Sequence[Messages],
              params: SamplingParams | Sequence[SamplingParams] | None = None,

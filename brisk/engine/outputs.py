@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from brisk.request import FinishReason
+from brisk.sample.logprobs import TokenLogprobs
 
 
 @dataclass
@@ -26,6 +27,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     delta: str = ""  # text new since the previous streamed output
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token when params.logprobs is set
 
     @property
     def finished(self) -> bool:
@@ -40,6 +42,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     def decode_tokens_per_second(self) -> float | None:
         """Generated tokens after the first, per second of decoding."""

@@ -11,10 +11,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define BRISK_X86 1
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -35,12 +32,8 @@ void rows_scalar(const T* w, const T* x, float* y, int64_t r0, int64_t r1, int64
 }
 
 #ifdef BRISK_X86
-__attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-__attribute__((target("avx512f"))) inline __m512 load16(const c10::BFloat16* p) {
-  // bfloat16 is the top half of a float32: widen to 32 bits and shift into place (exact).
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+using brisk_simd::load16;
+using brisk_simd::load8;
 
 template <typename T>
 __attribute__((target("avx512f"))) void rows_avx512(const T* w, const T* x, float* y, int64_t r0, int64_t r1,
@@ -65,12 +58,6 @@ __attribute__((target("avx512f"))) void rows_avx512(const T* w, const T* x, floa
     }
   }
   rows_scalar(w, x, y, r, r1, in);
-}
-
-__attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,fma"))) inline __m256 load8(const c10::BFloat16* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
@@ -163,10 +150,4 @@ std::string isa_name() {
     case Isa::kAvx2: return "avx2";
     default: return "scalar";
   }
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv", &gemv, "x[1,in] @ w[out,in]^T (+bias) streaming the weight once", py::arg("x"), py::arg("w"),
-        py::arg("bias") = py::none());
-  m.def("isa", &isa_name, "instruction set the kernels dispatch to on this CPU");
 }

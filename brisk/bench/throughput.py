@@ -1,0 +1,129 @@
+"""`brisk bench throughput`: offline batched generation on a seeded synthetic workload.
+
+Request lengths are drawn like chat traffic (log-normal, long tail, clipped to the given ranges)
+unless fixed lengths are asked for. Every request generates exactly its output length (EOS
+ignored), so brisk and a peer do the same work. With `--compare hf`, HF transformers' batched
+`generate()` runs the same prompt ids in the same process afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from brisk.engine.llm import LLM
+from brisk.loader.load import torch_dtype
+from brisk.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+def _lognormal_len(rng: random.Random, lo: int, hi: int, median: float) -> int:
+    """Log-normal around `median` with a long right tail, clipped to [lo, hi]."""
+    return max(lo, min(hi, int(rng.lognormvariate(math.log(median), 0.7))))
+
+
+def make_workload(num_prompts: int, vocab_size: int, seed: int, input_len: int | None, output_len: int | None,
+                  input_range: tuple[int, int] = (50, 1000), output_range: tuple[int, int] = (20, 400),
+                  shared_prefix: int = 0) -> Workload:
+    """Random token prompts (ids 1000.. to avoid special tokens), optionally with a common prefix."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1000, vocab_size) for _ in range(shared_prefix)]
+    prompts, outs = [], []
+    for _ in range(num_prompts):
+        n_in = input_len or _lognormal_len(rng, *input_range, median=250)
+        n_out = output_len or _lognormal_len(rng, *output_range, median=120)
+        body = [rng.randrange(1000, vocab_size) for _ in range(max(1, n_in - len(prefix)))]
+        prompts.append(prefix + body)
+        outs.append(n_out)
+    return Workload(prompts, outs)
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def run_brisk(llm: LLM, work: Workload) -> dict[str, Any]:
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
+    llm.engine.reset_peak_stats()
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    ttft = [o.metrics.first_token_time - start for o in outs if o.metrics.first_token_time]
+    tpot = []
+    for o in outs:
+        m, n = o.metrics, len(o.outputs[0].token_ids)
+        if n > 1 and m.finish_time and m.first_token_time:
+            tpot.append((m.finish_time - m.first_token_time) / (n - 1))
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    prompt_tokens = sum(len(p) for p in work.prompts)
+    stats = llm.engine.stats()
+    return {
+        "elapsed_s": round(elapsed, 2),
+        "requests_per_s": round(len(outs) / elapsed, 3),
+        "output_tokens_per_s": round(generated / elapsed, 2),
+        "total_tokens_per_s": round((generated + prompt_tokens) / elapsed, 2),
+        "ttft_p50_s": round(_pct(ttft, 50), 3), "ttft_p99_s": round(_pct(ttft, 99), 3),
+        "tpot_p50_ms": round(_pct(tpot, 50) * 1000, 2), "tpot_p99_ms": round(_pct(tpot, 99) * 1000, 2),
+        "peak_kv_usage": round(stats["peak_kv_usage"], 4),
+        "prefix_hit_rate": round(stats["prefix_hit_rate"], 4),
+        "num_preemptions": stats["num_preemptions"],
+    }
+
+
+def run_hf(model_ref: str, dtype: str, work: Workload, batch_size: int) -> dict[str, Any]:
+    """HF batched generate(): each batch runs to its longest requested output; only requested
+    tokens count as output (the rest is HF's padding waste, which is the point of comparison)."""
+    from brisk.bench.peers import HFPeer
+    from brisk.loader.resolve import resolve_model
+
+    peer = HFPeer(resolve_model(model_ref), torch_dtype(dtype))
+    start = time.perf_counter()
+    for i in range(0, len(work.prompts), batch_size):
+        prompts = work.prompts[i:i + batch_size]
+        peer.generate(prompts, max(work.output_lens[i:i + batch_size]))
+    elapsed = time.perf_counter() - start
+    generated = sum(work.output_lens)
+    prompt_tokens = sum(len(p) for p in work.prompts)
+    return {"elapsed_s": round(elapsed, 2), "requests_per_s": round(len(work.prompts) / elapsed, 3),
+            "output_tokens_per_s": round(generated / elapsed, 2),
+            "total_tokens_per_s": round((generated + prompt_tokens) / elapsed, 2), "batch_size": batch_size}
+
+
+def bench_throughput(model: str, dtype: str, num_prompts: int, input_len: int | None, output_len: int | None,
+                     seed: int, shared_prefix: int, compare: list[str], hf_batch_size: int | None,
+                     engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    llm = LLM(model, dtype=dtype, **engine_kwargs)
+    work = make_workload(num_prompts, llm.model_config.vocab_size, seed, input_len, output_len,
+                         shared_prefix=shared_prefix)
+    warm = make_workload(2, llm.model_config.vocab_size, seed + 1, 16, 4)
+    run_brisk(llm, warm)  # warm-up: allocator, thread pool
+    result: dict[str, Any] = {
+        "bench": "throughput", "model": model, "dtype": dtype, "num_prompts": num_prompts, "seed": seed,
+        "prompt_tokens": sum(len(p) for p in work.prompts), "output_tokens": sum(work.output_lens),
+        "input_len_median": statistics.median(len(p) for p in work.prompts),
+        "output_len_median": statistics.median(work.output_lens),
+        "engine": {k: v for k, v in engine_kwargs.items() if v is not None},
+        "threads": torch.get_num_threads(), "machine": platform.machine(),
+    }
+    result["brisk"] = run_brisk(llm, work)
+    if "hf" in compare:
+        del llm
+        result["hf"] = run_hf(model, dtype, work, hf_batch_size or num_prompts)
+        result["output_speedup_vs_hf"] = round(
+            result["brisk"]["output_tokens_per_s"] / result["hf"]["output_tokens_per_s"], 3)
+    return result

@@ -1,0 +1,46 @@
+"""What the scheduler hands the runner each step: plain ints and lists, no tensors.
+
+One scheduled request, as the runner sees it:
+
+    all_token_ids  [ computed earlier (KV in blocks) | token_ids (this step) | not known yet ]
+                   0                       start_pos ┘                       └ start_pos + len(token_ids)
+    block_ids      [ b7 ][ b3 ][ b9 ][ b12 ]   token at position p lives in block_ids[p // block_size],
+                                               slot p % block_size
+
+`sample` is True when `start_pos + len(token_ids)` reaches the end of the known tokens: the runner
+must then produce the next token from the logits of the last one. A middle chunk of a long
+prompt (chunked prefill) has `sample` False.
+
+Contract with the runner: every SchedulerOutput is executed before the next `schedule()`, and
+within a step the KV of all scheduled tokens of a layer is written before attention reads the
+cache (a request later in `scheduled` may hit blocks that an earlier one fills in this step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step: all_token_ids[start_pos : start_pos + n]
+    start_pos: int  # num_computed_tokens before this step (prefix-cache hits included)
+    block_ids: list[int]  # the request's whole block table, covering start_pos + len(token_ids)
+    sample: bool  # this step reaches the end of the known tokens: sample the next one
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0  # sum of len(token_ids) over `scheduled`, <= max_num_batched_tokens
+    preempted_ids: list[str] = field(default_factory=list)  # lost their KV this step; will recompute
+    finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the last step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

@@ -1,0 +1,271 @@
+"""The scheduler: one token budget per step, no prefill or decode phases (vLLM v1 style).
+
+Every request has `num_computed_tokens`; a step lets it catch up by as many tokens as it is given
+(a whole prompt, a chunk of one, or one decode token). Running requests are served first, so a
+long prompt arriving never stalls the decodes (stall-free batching); waiting requests are then
+admitted first-come first-served. When KV blocks run out, the newest running request is
+preempted by recompute: its blocks are freed and it starts over from the front of the queue
+(often finding its own blocks still in the prefix cache).
+
+Liveness: a sequence never grows past what the whole pool holds (`max_seq_len` below), so the
+oldest running request can always get its blocks by preempting the others, and always advances.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from brisk.config import SchedulerConfig
+from brisk.core.kv_cache_manager import KVCacheManager, cdiv, request_tokens
+from brisk.core.outputs import ScheduledRequest, SchedulerOutput
+from brisk.request import FinishReason, Request, RequestStatus
+
+_STATUS_OF = {FinishReason.STOP: RequestStatus.FINISHED_STOPPED, FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH}
+
+
+class Scheduler:
+    """Decides, each step, which requests advance by how many tokens. Ints and lists only."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, block_size: int, num_blocks: int,
+                 enable_prefix_caching: bool) -> None:
+        self.config = scheduler_config
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        # The KV pool is a second context limit: a sequence ends (LENGTH) once its next token
+        # could not be computed even with every block. This bound is what makes preemption live.
+        self.max_seq_len = min(scheduler_config.max_model_len, num_blocks * block_size + 1)
+        self.waiting: deque[Request] = deque()  # FCFS; preempted requests re-enter at the front
+        self.running: list[Request] = []  # admission order: the last one is the newest
+        self._requests: dict[str, Request] = {}  # unfinished requests by id
+        self._finished_ids: list[str] = []  # since the last schedule()
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------------------- requests in
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; a prompt that could never be served is a ValueError."""
+        n, max_len = request.num_prompt_tokens, self.config.max_model_len
+        if n == 0:
+            raise ValueError(f"request {request.request_id!r}: the prompt is empty; give at least one token")
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if n + 1 > max_len:
+            raise ValueError(
+                f"prompt has {n} tokens; max_model_len is {max_len}, which leaves no room to generate a "
+                f"token; shorten the prompt to at most {max_len - 1} tokens or raise max_model_len")
+        needed = cdiv(n, self.block_size)
+        if needed > self.num_blocks:
+            raise ValueError(
+                f"prompt has {n} tokens and needs {needed} KV blocks of {self.block_size} tokens, but the "
+                f"KV cache has only {self.num_blocks} blocks; shorten the prompt or give the cache more memory")
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    # ----------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step within `max_num_batched_tokens`; advances num_computed_tokens now."""
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted)
+        # After a preemption the pool is short: admitting would only thrash (and could re-admit
+        # the request just preempted).
+        if not preempted:
+            budget = self._schedule_waiting(budget, scheduled)
+        out = SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted, self._finished_ids)
+        self._finished_ids = []
+        return out
+
+    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> int:
+        """Phase 1: every running request in order, preempting the newest when blocks run out."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # does not fit the budget unchunked, or has nothing to compute
+                i += 1
+                continue
+            block_ids = self.kv.allocate_slots(request, num_new)
+            while block_ids is None:
+                victim = self.running.pop()  # the newest; never one already scheduled this step
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+                block_ids = self.kv.allocate_slots(request, num_new)
+            if block_ids is None:
+                break  # the request preempted itself: it was the last one
+            scheduled.append(self._advance(request, num_new, block_ids))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """Phase 2: admit waiting requests first-come first-served while budget and seats last."""
+        held_back: list[Request] = []  # n > 1 children waiting for their parent, order kept
+        while budget > 0 and len(self.running) < self.config.max_num_seqs and self.waiting:
+            request = self.waiting[0]
+            if self._waits_for_parent(request):
+                held_back.append(self.waiting.popleft())
+                continue
+            hit_ids, num_hit = self.kv.get_computed_blocks(request)
+            num_new = self._num_new_tokens(request.num_tokens - num_hit, budget)
+            if num_new <= 0:
+                break  # the whole prompt does not fit this step (no chunking): FCFS stops here
+            block_ids = self.kv.allocate_slots(request, num_new, hit_ids)
+            if block_ids is None:
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            self.running.append(request)
+            scheduled.append(self._advance(request, num_new, block_ids))
+            budget -= num_new
+        self.waiting.extendleft(reversed(held_back))
+        return budget
+
+    def _num_new_tokens(self, remaining: int, budget: int) -> int:
+        """Tokens to schedule for `remaining` uncomputed ones: clamped to the budget when chunked
+        prefill is on; otherwise all of them or none (0)."""
+        if self.config.enable_chunked_prefill:
+            return min(remaining, budget)
+        return remaining if remaining <= budget else 0
+
+    def _waits_for_parent(self, request: Request) -> bool:
+        # n > 1 siblings start once the parent's whole prompt is scheduled, so they hit its blocks.
+        parent = self._requests.get(request.parent_id) if request.parent_id is not None else None
+        return parent is not None and parent.num_computed_tokens < parent.num_prompt_tokens
+
+    def _advance(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        request.num_computed_tokens = start + num_new  # advanced at schedule time, as in vLLM v1
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request_tokens(request, start, start + num_new),
+            start_pos=start,
+            block_ids=block_ids,
+            sample=start + num_new == request.num_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: forget the KV, go to the front of the queue."""
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ----------------------------------------------------------------------------- results in
+
+    def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Append the runner's sampled tokens and apply stop checks.
+
+        Returns the requests that got new tokens (finished ones included, status set). Requests
+        finished or aborted between schedule() and now are skipped.
+        """
+        updated: list[Request] = []
+        finished: set[str] = set()
+        for item in sched_out.scheduled:
+            tokens = sampled.get(item.request_id)
+            request = self._requests.get(item.request_id)
+            if not tokens or request is None:
+                continue
+            assert item.sample, f"runner sampled for {item.request_id!r}, a mid-prompt chunk"
+            for token in tokens:
+                request.output_token_ids.append(token)
+                reason = self._stop_reason(request, token)
+                if reason is not None:
+                    self._finish(request, reason, _STATUS_OF[reason])
+                    finished.add(request.request_id)
+                    break
+            updated.append(request)
+        if finished:
+            self.running = [r for r in self.running if r.request_id not in finished]
+        return updated
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        """Why the request ends after `token`, or None. Stop strings are the engine's job."""
+        params = request.sampling_params
+        # min_tokens: at least that many outputs come before an EOS / stop token may end it.
+        may_stop = request.num_output_tokens > params.min_tokens
+        if may_stop and ((token in request.eos_token_ids and not params.ignore_eos)
+                         or token in params.stop_token_ids):
+            return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_seq_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason | None, status: RequestStatus) -> None:
+        """Mark finished and free the blocks (cached full ones stay reusable). The caller unlinks
+        the request from `running` / `waiting`."""
+        request.status = status
+        request.finish_reason = reason
+        self.kv.free(request)
+        del self._requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> bool:
+        """End a waiting or running request (e.g. the engine saw a stop string). False if unknown."""
+        return self._end(request_id, reason, _STATUS_OF[reason])
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a waiting or running request (client went away). False if unknown."""
+        return self._end(request_id, None, RequestStatus.FINISHED_ABORTED)
+
+    def _end(self, request_id: str, reason: FinishReason | None, status: RequestStatus) -> bool:
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, reason, status)
+        return True
+
+    # ----------------------------------------------------------------------------- queries
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """An unfinished request by id (finished ones are forgotten)."""
+        return self._requests.get(request_id)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv.usage
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.kv.hit_rate
+
+    def check_invariants(self) -> None:
+        """Assert queue/state consistency, then the KV bookkeeping (tests: after every step)."""
+        running_ids = [r.request_id for r in self.running]
+        waiting_ids = [r.request_id for r in self.waiting]
+        assert len(set(running_ids)) == len(running_ids), "a request is running twice"
+        assert not set(running_ids) & set(waiting_ids), "a request is both running and waiting"
+        assert set(running_ids) | set(waiting_ids) == set(self._requests), "lost or leaked request"
+        assert len(self.running) <= self.config.max_num_seqs
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING, f"{r.request_id} running with status {r.status}"
+            assert 0 < r.num_computed_tokens <= r.num_tokens < self.max_seq_len
+            assert len(self.kv.get_block_ids(r.request_id)) * self.block_size >= r.num_computed_tokens
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r.request_id}: {r.status}"
+            assert r.num_computed_tokens == 0
+        self.kv.check_invariants(running_ids)

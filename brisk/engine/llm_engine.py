@@ -1,0 +1,223 @@
+"""LLMEngine: the step loop joining scheduler, runner, sampler and detokenizer.
+
+    add_request ──► Scheduler.schedule() ──► PagedModelRunner.execute() ──► sample()
+                         ▲                                                      │
+                         └──── update_from_output (append, stop checks) ◄───────┘
+                                    │
+                                    └─► detokenize, stop strings ─► RequestOutput (deltas)
+
+A user request with n > 1 becomes n sequences ("<id>#<i>"); the later ones wait for the first
+to compute the prompt, then share its cached blocks (see core/scheduler.py).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from brisk.config import CacheConfig, SchedulerConfig
+from brisk.core.scheduler import Scheduler
+from brisk.engine.detokenizer import IncrementalDetokenizer
+from brisk.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from brisk.loader.tokenizer import Tokenizer
+from brisk.model.llama import LlamaForCausalLM
+from brisk.request import FinishReason, Request, SamplingParams
+from brisk.runtime.paged_runner import PagedModelRunner, kv_block_bytes
+from brisk.sample.logprobs import TokenLogprobs
+from brisk.sample.sampler import SamplingBatch, sample
+
+
+@dataclass
+class _Seq:
+    """Engine-side state of one sequence."""
+
+    request: Request
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    group: str
+    index: int
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclass
+class _Group:
+    """One user request: its prompt and its n sequences."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seq_ids: list[str]
+    arrival_time: float
+
+
+def _uses_history(p: SamplingParams) -> bool:
+    """Penalties need the tokens seen so far; other batches skip building those lists."""
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def num_kv_blocks(cache: CacheConfig, model: LlamaForCausalLM) -> int:
+    """Blocks from an explicit count, or as many as `kv_cache_memory_gib` holds."""
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    per_block = kv_block_bytes(model.config, cache.block_size, model.dtype)
+    return max(1, int(cache.kv_cache_memory_gib * 2**30) // per_block)
+
+
+class LLMEngine:
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, cache: CacheConfig,
+                 scheduler: SchedulerConfig, seed: int = 0) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cache_config = cache
+        self.scheduler_config = scheduler
+        self.num_blocks = num_kv_blocks(cache, model)
+        self.runner = PagedModelRunner(model, self.num_blocks, cache.block_size)
+        self.scheduler = Scheduler(scheduler, cache.block_size, self.num_blocks, cache.enable_prefix_caching)
+        self._seeds = random.Random(seed)  # seeds for sampled requests that bring none
+        self._seqs: dict[str, _Seq] = {}
+        self._groups: dict[str, _Group] = {}
+        self.peak_kv_usage = 0.0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request; bad input is a ValueError and leaves the engine untouched."""
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params.check_vocab(self.model.config.vocab_size)
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        requests = [
+            Request(sid, list(prompt_token_ids), params, arrival, self.tokenizer.eos_token_ids,
+                    parent_id=None if i == 0 else seq_ids[0])
+            for i, sid in enumerate(seq_ids)
+        ]
+        added: list[str] = []
+        try:
+            for i, req in enumerate(requests):
+                self.scheduler.add_request(req)  # validates length against max_model_len and the pool
+                added.append(req.request_id)
+                self._seqs[req.request_id] = _Seq(req, IncrementalDetokenizer(
+                    self.tokenizer, params.stop, params.skip_special_tokens), self._generator(params, i),
+                    request_id, i)
+        except ValueError:
+            for sid in added:
+                self.scheduler.abort_request(sid)
+                self._seqs.pop(sid, None)
+            raise
+        self._groups[request_id] = _Group(prompt, list(prompt_token_ids), seq_ids, arrival)
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        seed = params.seed + index if params.seed is not None else self._seeds.getrandbits(63)
+        return torch.Generator(device=self.runner.device).manual_seed(seed)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request (all its sequences) and give its KV blocks back."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return False
+        for sid in group.seq_ids:
+            self.scheduler.abort_request(sid)
+            self._seqs.pop(sid, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return an output for every request that made progress."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            assert not self.scheduler.has_unfinished(), "scheduler made no progress with requests queued"
+            return []
+        self.peak_kv_usage = max(self.peak_kv_usage, self.scheduler.kv_usage)
+        logits, row_ids = self.runner.execute(sched.scheduled)
+        touched: set[str] = set()
+        if row_ids:
+            result = sample(logits, self._sampling_batch(row_ids))
+            for sid, lp in zip(row_ids, result.logprobs):
+                if lp is not None:
+                    self._seqs[sid].logprobs.append(lp)
+            sampled = {sid: [tok] for sid, tok in zip(row_ids, result.token_ids)}
+            for req in self.scheduler.update_from_output(sched, sampled):
+                self._on_token(self._seqs[req.request_id])
+                touched.add(self._seqs[req.request_id].group)
+        return [self._output(g) for g in sorted(touched, key=lambda g: self._groups[g].arrival_time)]
+
+    def _sampling_batch(self, row_ids: list[str]) -> SamplingBatch:
+        seqs = [self._seqs[sid] for sid in row_ids]
+        banned = [self._banned(s.request) for s in seqs]
+        penalties = any(_uses_history(s.request.sampling_params) for s in seqs)
+        return SamplingBatch(
+            params=[s.request.sampling_params for s in seqs],
+            generators=[s.generator for s in seqs],
+            output_token_ids=[s.request.output_token_ids for s in seqs] if penalties else [],
+            prompt_token_ids=[s.request.prompt_token_ids for s in seqs] if penalties else [],
+            banned_token_ids=banned if any(banned) else [],
+        )
+
+    @staticmethod
+    def _banned(req: Request) -> list[int]:
+        """EOS and stop ids may not end a sequence before min_tokens."""
+        p = req.sampling_params
+        if req.num_output_tokens >= p.min_tokens:
+            return []
+        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))
+
+    def _on_token(self, seq: _Seq) -> None:
+        req = seq.request
+        now = time.perf_counter()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        token = req.output_token_ids[-1]
+        stopped_by_token = req.finish_reason == FinishReason.STOP and (
+            token in req.sampling_params.stop_token_ids or token in req.eos_token_ids)
+        if not stopped_by_token:  # the stop token's text never reaches the output
+            seq.detok.push(token)
+            if seq.detok.stopped and not req.is_finished():
+                self.scheduler.finish_request(req.request_id, FinishReason.STOP)
+        if req.is_finished():
+            if req.finish_reason == FinishReason.LENGTH:
+                seq.detok.flush()
+            seq.finish_time = now
+
+    def _output(self, group_id: str) -> RequestOutput:
+        group = self._groups[group_id]
+        seqs = [self._seqs[sid] for sid in group.seq_ids]
+        finished = all(s.request.is_finished() for s in seqs)
+        completions = [
+            CompletionOutput(s.index, s.detok.text, list(s.request.output_token_ids), s.request.finish_reason,
+                             s.detok.stream_delta(s.request.is_finished()), list(s.logprobs) or None)
+            for s in seqs
+        ]
+        firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
+        metrics = RequestMetrics(group.arrival_time, min(firsts) if firsts else None,
+                                 max(s.finish_time or 0.0 for s in seqs) if finished else None)
+        out = RequestOutput(group_id, group.prompt, group.prompt_token_ids, completions, finished, metrics,
+                            num_cached_tokens=max(0, seqs[0].request.num_cached_tokens))
+        if finished:
+            del self._groups[group_id]
+            for sid in group.seq_ids:
+                del self._seqs[sid]
+        return out
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, float]:
+        s = self.scheduler
+        return {"running": s.num_running, "waiting": s.num_waiting, "kv_usage": s.kv_usage,
+                "prefix_hit_rate": s.prefix_hit_rate, "num_preemptions": s.num_preemptions,
+                "num_kv_blocks": self.num_blocks, "peak_kv_usage": self.peak_kv_usage}
+
+    def reset_peak_stats(self) -> None:
+        self.peak_kv_usage = self.scheduler.kv_usage

@@ -1,0 +1,15 @@
+// Python bindings of brisk._C: one module for all CPU kernels.
+#include <torch/extension.h>
+
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+std::string isa_name();
+void paged_attention(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                     const torch::Tensor& query_start, const torch::Tensor& kv_lens, double scale);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv", &gemv, "x[1,in] @ w[out,in]^T (+bias) streaming the weight once", py::arg("x"), py::arg("w"),
+        py::arg("bias") = py::none());
+  m.def("isa", &isa_name, "instruction set the GEMV kernels dispatch to on this CPU");
+  m.def("paged_attention", &paged_attention, "exact causal attention over a paged KV cache (in place into out)");
+}

@@ -1,0 +1,272 @@
+// Exact attention over a paged KV cache, for the decode side of a mixed batch on CPU.
+//
+// Cache layout (one layer):
+//
+//   k_cache: [num_blocks, num_kv_heads, head_dim, block_size]   keys stored transposed, so the
+//   v_cache: [num_blocks, num_kv_heads, block_size, head_dim]   scores of a whole block are
+//                                                               head_dim broadcast-FMAs, with no
+//   one (block, kv head) is a contiguous 4 KiB-ish tile         horizontal sums
+//
+//   block_tables[s, j] = physical block holding tokens j*block_size .. (j+1)*block_size-1 of seq s
+//
+// Each work item is one query token and one KV head; it serves all the query heads of that KV
+// head's group (GQA), so every key and value row is read once per group, straight from its
+// block: no gather into a contiguous copy. Softmax is computed online, block by block, in
+// float32 (flash-attention style), which is exact up to floating-point summation order and a
+// polynomial exp accurate to about one float ulp.
+// Query i of a sequence with n new tokens and kv_len cached-plus-new tokens sits at position
+// kv_len - n + i and sees keys 0 .. kv_len - n + i (causal).
+//
+// The hot function is compiled for AVX-512, AVX2 and baseline x86-64 (target_clones) and the
+// loader picks one for this CPU; plain loops are left to the compiler to vectorise.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+constexpr int kMaxGroup = 16;     // query heads per KV head
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxBlock = 256;    // block_size
+
+inline float load(const float* p, int i) { return p[i]; }
+inline float load(const c10::BFloat16* p, int i) {
+  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  float scale;
+};
+
+// exp(x) for x <= 0 to ~1 ulp (Cephes expf: range reduction by ln 2, degree-5 polynomial), written
+// as straight-line float code so a loop of it vectorises; exp(-inf) = 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.3f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// One query token x one KV head. q/out point at the token's [num_heads, head_dim] row.
+// BS, HD > 0 fix the block size and head dim at compile time, so the per-block loops become whole
+// vectors with accumulators held in registers; 0 reads them from the shape (any size, slower).
+template <typename T, int BS, int HD>
+inline __attribute__((always_inline)) void attend_token(const T* __restrict q, T* __restrict out,
+                                                        const T* __restrict k_cache, const T* __restrict v_cache,
+                                                        const int32_t* block_table, int64_t ctx_len, int64_t kvh,
+                                                        const Shape& s) {
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  const int64_t d = HD > 0 ? HD : s.head_dim;
+  const int64_t bs = BS > 0 ? BS : s.block_size;
+  alignas(64) float qf[kMaxGroup][kMaxHeadDim];
+  alignas(64) float acc[kMaxGroup][kMaxHeadDim];
+  alignas(64) float p[kMaxGroup][kMaxBlock];
+  float m[kMaxGroup], l[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    const T* qh = q + (kvh * group + g) * d;
+    for (int64_t i = 0; i < d; ++i) { qf[g][i] = load(qh, i) * s.scale; acc[g][i] = 0.f; }
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  const int64_t tile = bs * d;
+  for (int64_t j = 0; j * bs < ctx_len; ++j) {
+    const int64_t n = std::min(bs, ctx_len - j * bs);
+    const int64_t base = (static_cast<int64_t>(block_table[j]) * s.num_kv_heads + kvh) * tile;
+    const T* kt = k_cache + base;
+    const T* vt = v_cache + base;
+    for (int64_t g = 0; g < group; ++g) {
+      // scores of all block_size slots at once: p[r] = sum_i q[i] * K[i][r] (slots >= n ignored)
+      float* __restrict pg = p[g];
+      for (int64_t r = 0; r < bs; ++r) pg[r] = 0.f;
+      for (int64_t i = 0; i < d; ++i) {
+        const float qi = qf[g][i];
+        const T* __restrict krow = kt + i * bs;
+        for (int64_t r = 0; r < bs; ++r) pg[r] += qi * load(krow, r);
+      }
+      float block_max = -std::numeric_limits<float>::infinity();
+      for (int64_t r = 0; r < n; ++r) block_max = std::max(block_max, pg[r]);
+      const float new_m = std::max(m[g], block_max);
+      const float rescale = exp_nonpositive(m[g] - new_m);  // 0 on the first block (m = -inf)
+      for (int64_t r = 0; r < n; ++r) p[g][r] = exp_nonpositive(p[g][r] - new_m);
+      float block_sum = 0.f;
+      for (int64_t r = 0; r < n; ++r) block_sum += p[g][r];
+      l[g] = l[g] * rescale + block_sum;
+      for (int64_t i = 0; i < d; ++i) acc[g][i] *= rescale;
+      for (int64_t r = 0; r < n; ++r) {
+        const float pr = p[g][r];
+        const T* vr = vt + r * d;
+        for (int64_t i = 0; i < d; ++i) acc[g][i] += pr * load(vr, i);
+      }
+      m[g] = new_m;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    T* oh = out + (kvh * group + g) * d;
+    const float inv = 1.f / l[g];
+    for (int64_t i = 0; i < d; ++i) oh[i] = static_cast<T>(acc[g][i] * inv);
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define BRISK_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define BRISK_CLONES
+#endif
+
+#ifdef BRISK_X86
+// The common shape (block 16, head dim a multiple of 16) in AVX-512: a block's 16 scores are one
+// register; keys stream in as head_dim broadcast-FMAs, values as 16 x head_dim/16 FMAs.
+template <typename T, int HD>
+__attribute__((target("avx512f"))) void attend_token_avx512(const T* q, T* out, const T* k_cache, const T* v_cache,
+                                                           const int32_t* block_table, int64_t ctx_len, int64_t kvh,
+                                                           const Shape& s) {
+  using brisk_simd::load16;
+  constexpr int kBs = 16, kNv = HD / 16;
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  alignas(64) float qf[kMaxGroup][HD];
+  __m512 acc[kMaxGroup][kNv];
+  float m[kMaxGroup], l[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    const T* qh = q + (kvh * group + g) * HD;
+    for (int v = 0; v < kNv; ++v) {
+      _mm512_store_ps(qf[g] + 16 * v, _mm512_mul_ps(load16(qh + 16 * v), _mm512_set1_ps(s.scale)));
+      acc[g][v] = _mm512_setzero_ps();
+    }
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j * kBs < ctx_len; ++j) {
+    const int64_t n = std::min<int64_t>(kBs, ctx_len - j * kBs);
+    const __mmask16 valid = static_cast<__mmask16>(n == kBs ? 0xFFFF : (1u << n) - 1);
+    const int64_t base = (static_cast<int64_t>(block_table[j]) * s.num_kv_heads + kvh) * kBs * HD;
+    const T* kt = k_cache + base;  // [HD][16]
+    const T* vt = v_cache + base;  // [16][HD]
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+      for (int i = 0; i < HD; i += 2) {
+        s0 = _mm512_fmadd_ps(_mm512_set1_ps(qf[g][i]), load16(kt + i * kBs), s0);
+        s1 = _mm512_fmadd_ps(_mm512_set1_ps(qf[g][i + 1]), load16(kt + (i + 1) * kBs), s1);
+      }
+      const __m512 scores = _mm512_mask_mov_ps(neg_inf, valid, _mm512_add_ps(s0, s1));
+      const float new_m = std::max(m[g], _mm512_reduce_max_ps(scores));
+      const float rescale = m[g] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[g] - new_m);
+      const __m512 p = _mm512_maskz_mov_ps(valid, brisk_simd::exp512_nonpositive(
+                                                      _mm512_sub_ps(scores, _mm512_set1_ps(new_m))));
+      l[g] = l[g] * rescale + _mm512_reduce_add_ps(p);
+      alignas(64) float pa[kBs];
+      _mm512_store_ps(pa, p);
+      const __m512 rs = _mm512_set1_ps(rescale);
+      for (int v = 0; v < kNv; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], rs);
+      for (int64_t r = 0; r < n; ++r) {
+        const __m512 pr = _mm512_set1_ps(pa[r]);
+        for (int v = 0; v < kNv; ++v) acc[g][v] = _mm512_fmadd_ps(pr, load16(vt + r * HD + 16 * v), acc[g][v]);
+      }
+      m[g] = new_m;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    alignas(64) float o[HD];
+    const __m512 inv = _mm512_set1_ps(1.f / l[g]);
+    for (int v = 0; v < kNv; ++v) _mm512_store_ps(o + 16 * v, _mm512_mul_ps(acc[g][v], inv));
+    T* oh = out + (kvh * group + g) * HD;
+    for (int i = 0; i < HD; ++i) oh[i] = static_cast<T>(o[i]);
+  }
+}
+#endif
+
+template <typename T>
+inline __attribute__((always_inline)) void attend_token_any(const T* q, T* out, const T* k, const T* v,
+                                                            const int32_t* bt, int64_t ctx, int64_t kvh,
+                                                            const Shape& s) {
+#ifdef BRISK_X86
+  if (s.block_size == 16 && brisk_simd::cpu_has_avx512f()) {
+    if (s.head_dim == 64) return attend_token_avx512<T, 64>(q, out, k, v, bt, ctx, kvh, s);
+    if (s.head_dim == 128) return attend_token_avx512<T, 128>(q, out, k, v, bt, ctx, kvh, s);
+  }
+#endif
+  if (s.block_size == 16 && s.head_dim == 64) return attend_token<T, 16, 64>(q, out, k, v, bt, ctx, kvh, s);
+  if (s.block_size == 16 && s.head_dim == 128) return attend_token<T, 16, 128>(q, out, k, v, bt, ctx, kvh, s);
+  return attend_token<T, 0, 0>(q, out, k, v, bt, ctx, kvh, s);
+}
+
+BRISK_CLONES void attend_token_f32(const float* q, float* out, const float* k, const float* v, const int32_t* bt,
+                                   int64_t ctx, int64_t kvh, const Shape& s) {
+  attend_token_any(q, out, k, v, bt, ctx, kvh, s);
+}
+
+BRISK_CLONES void attend_token_bf16(const c10::BFloat16* q, c10::BFloat16* out, const c10::BFloat16* k,
+                                    const c10::BFloat16* v, const int32_t* bt, int64_t ctx, int64_t kvh,
+                                    const Shape& s) {
+  attend_token_any(q, out, k, v, bt, ctx, kvh, s);
+}
+
+}  // namespace
+
+// out[T, H, D] = attention of q[T, H, D] over the paged cache; sequences are the spans
+// query_start[s] .. query_start[s+1] of the flat token batch, each with kv_lens[s] keys.
+void paged_attention(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                     const torch::Tensor& query_start, const torch::Tensor& kv_lens, double scale) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_attention: tensors must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && query_start.scalar_type() == torch::kInt32 &&
+                  kv_lens.scalar_type() == torch::kInt32, "paged_attention: index tensors must be int32");
+  const Shape s{q.size(1), v_cache.size(1), q.size(2), v_cache.size(2), block_tables.size(1),
+                static_cast<float>(scale)};
+  TORCH_CHECK(k_cache.size(2) == s.head_dim && k_cache.size(3) == s.block_size,
+              "paged_attention: k_cache must be [blocks, kv_heads, head_dim, block_size]");
+  TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && s.num_heads / s.num_kv_heads <= kMaxGroup &&
+                  s.head_dim <= kMaxHeadDim && s.block_size <= kMaxBlock, "paged_attention: unsupported shape");
+  const int64_t num_seqs = kv_lens.size(0), num_tokens = q.size(0);
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  const int32_t* lens = kv_lens.data_ptr<int32_t>();
+  // token -> (sequence, its causal context length), so work items are flat and independent
+  std::vector<int64_t> seq_of(num_tokens), ctx_of(num_tokens);
+  for (int64_t sq = 0; sq < num_seqs; ++sq) {
+    const int64_t n = qs[sq + 1] - qs[sq];
+    TORCH_CHECK(lens[sq] >= n && (lens[sq] + s.block_size - 1) / s.block_size <= s.max_blocks,
+                "paged_attention: kv length does not fit the block table");
+    for (int64_t i = 0; i < n; ++i) {
+      seq_of[qs[sq] + i] = sq;
+      ctx_of[qs[sq] + i] = lens[sq] - n + i + 1;
+    }
+  }
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int64_t row = s.num_heads * s.head_dim;
+  at::parallel_for(0, num_tokens * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t t = w / s.num_kv_heads, kvh = w % s.num_kv_heads;
+      const int32_t* table = bt + seq_of[t] * s.max_blocks;
+      if (q.scalar_type() == torch::kFloat32) {
+        attend_token_f32(q.data_ptr<float>() + t * row, out.data_ptr<float>() + t * row,
+                         k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table, ctx_of[t], kvh, s);
+      } else {
+        attend_token_bf16(q.data_ptr<c10::BFloat16>() + t * row, out.data_ptr<c10::BFloat16>() + t * row,
+                          k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), table,
+                          ctx_of[t], kvh, s);
+      }
+    }
+  });
+}

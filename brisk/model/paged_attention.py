@@ -1,0 +1,96 @@
+"""Paged attention: exact attention over a KV cache made of fixed-size blocks.
+
+Cache, per layer: keys `[num_blocks, num_kv_heads, head_dim, block_size]` (transposed, so the
+kernel scores a whole block with broadcast FMAs) and values `[num_blocks, num_kv_heads,
+block_size, head_dim]`. A sequence's tokens live in the blocks of its block table, in order.
+The runner lays the flat batch out as
+
+    [ kernel spans: decodes and short chunks | long prefill chunks ]
+
+Kernel spans (up to `KERNEL_MAX_QUERY` new tokens each) go to one call of brisk's C++ kernel,
+which reads keys and values straight from their blocks. Long chunks are compute-bound: their
+blocks are gathered once into a contiguous copy and go through SDPA's flash path, where a GEMM
+beats a row-at-a-time kernel. Without the extension (or on CUDA) every span takes the gather path:
+the same numbers, fewer tokens/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from brisk.model.attention import KVCache
+
+KERNEL_MAX_QUERY = 16  # spans with at most this many new tokens use the paged kernel
+
+try:
+    from brisk import _C  # type: ignore[attr-defined]
+
+    HAVE_PAGED_KERNEL = hasattr(_C, "paged_attention")
+except ImportError:
+    _C = None
+    HAVE_PAGED_KERNEL = False
+
+
+@dataclass(frozen=True)
+class GatherSpan:
+    """A span attended through gather + SDPA."""
+
+    query_start: int
+    num_tokens: int
+    kv_len: int  # cached + new tokens
+    block_ids: torch.Tensor  # [ceil(kv_len / block_size)] long
+    mask: torch.Tensor | None  # [num_tokens, kv_len] bool, None when SDPA's own causal mask fits
+
+
+@dataclass
+class PagedAttention:
+    """Attention metadata for one step over a paged cache (see module docstring)."""
+
+    kv_caches: list[KVCache]
+    slot_blocks: torch.Tensor  # [num_tokens] long: block of each new token
+    slot_offsets: torch.Tensor  # [num_tokens] long: its offset inside the block
+    num_kernel_tokens: int  # the first tokens of the batch, served by the kernel
+    block_tables: torch.Tensor  # [num_kernel_seqs, max_blocks] int32
+    query_start: torch.Tensor  # [num_kernel_seqs + 1] int32
+    kv_lens: torch.Tensor  # [num_kernel_seqs] int32
+    gather_spans: list[GatherSpan]
+    scale: float
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.kv_caches[layer]  # [blocks, n_kv, hd, bs], [blocks, n_kv, bs, hd]
+        k_cache[self.slot_blocks, :, :, self.slot_offsets] = k  # [num_tokens, n_kv, head_dim]
+        v_cache[self.slot_blocks, :, self.slot_offsets] = v
+        out = torch.empty_like(q)  # [num_tokens, heads, head_dim]
+        nk = self.num_kernel_tokens
+        if nk:
+            assert _C is not None
+            _C.paged_attention(out[:nk], q[:nk].contiguous(), k_cache, v_cache, self.block_tables,
+                               self.query_start, self.kv_lens, self.scale)
+        for span in self.gather_spans:
+            rows = slice(span.query_start, span.query_start + span.num_tokens)
+            out[rows] = _gather_attend(q[rows], k_cache, v_cache, span)
+        return out
+
+
+def _gather_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, span: GatherSpan) -> torch.Tensor:
+    num_kv, block_size, head_dim = v_cache.shape[1:]
+    n, num_heads, _ = q.shape
+    k_blocks = k_cache.index_select(0, span.block_ids).permute(1, 0, 3, 2)  # [n_kv, nb, bs, head_dim]
+    v_blocks = v_cache.index_select(0, span.block_ids).transpose(0, 1)  # [n_kv, nb, bs, head_dim]
+    keys = k_blocks.reshape(1, num_kv, -1, head_dim)[:, :, : span.kv_len]  # [1, n_kv, kv_len, head_dim]
+    values = v_blocks.reshape(1, num_kv, -1, head_dim)[:, :, : span.kv_len]
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
+    out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=span.mask, is_causal=span.mask is None,
+                                         enable_gqa=num_kv != num_heads)
+    return out[0].transpose(0, 1)  # [n, heads, head_dim]
+
+
+def causal_mask(num_tokens: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
+    """Queries are the last `num_tokens` of `kv_len` positions; None when SDPA's is_causal is exact."""
+    if num_tokens == kv_len:
+        return None
+    q_pos = torch.arange(kv_len - num_tokens, kv_len, device=device)
+    return torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]  # [num_tokens, kv_len]

@@ -1,0 +1,136 @@
+"""SchedulerOutput -> one forward over a flat mixed batch -> logits of the rows to sample.
+
+This is the one place where the scheduler's ints and lists become tensors (habit 2): token ids,
+positions, the slot (block, offset) of every new token, block tables and the attention spans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from brisk.config import ModelConfig
+from brisk.model.attention import KVCache
+from brisk.model.llama import LlamaForCausalLM
+from brisk.model.paged_attention import (
+    HAVE_PAGED_KERNEL,
+    KERNEL_MAX_QUERY,
+    GatherSpan,
+    PagedAttention,
+    causal_mask,
+)
+
+
+class ScheduledStep(Protocol):
+    """What the runner needs of each scheduled request (core.outputs.ScheduledRequest)."""
+
+    request_id: str
+    token_ids: list[int]  # tokens to compute this step
+    start_pos: int  # tokens already in the cache
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # this step reaches the end of the known tokens: produce logits
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block across all layers, keys and values."""
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * block_size * cfg.head_dim * itemsize
+
+
+def allocate_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device | str) -> list[KVCache]:
+    """Per layer: keys [blocks, kv_heads, head_dim, block_size], values [blocks, kv_heads, block_size, head_dim]."""
+    k_shape = (num_blocks, cfg.num_key_value_heads, cfg.head_dim, block_size)
+    v_shape = (num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim)
+    return [(torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_hidden_layers)]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    attn: PagedAttention
+    sample_rows: list[int]  # flat-batch row of each sampled request's last token
+    sample_ids: list[str]  # those requests, in the same order
+
+
+class PagedModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = model.embed_tokens.weight.device
+        self.kv_caches = allocate_paged_kv(model.config, num_blocks, block_size, model.dtype, self.device)
+        self.use_kernel = HAVE_PAGED_KERNEL and self.device.type == "cpu" and model.dtype in (torch.float32,
+                                                                                             torch.bfloat16)
+        # cuDNN attention re-plans for every new KV length; flash / memory-efficient take any.
+        self._sdpa_backends = ([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+                               if self.device.type == "cuda" else None)
+
+    def _uses_kernel(self, step: ScheduledStep) -> bool:
+        return self.use_kernel and len(step.token_ids) <= KERNEL_MAX_QUERY
+
+    def prepare(self, steps: Sequence[ScheduledStep]) -> StepInputs:
+        """Lay the batch out kernel spans first (see model/paged_attention.py) and build its tensors."""
+        kernel = [s for s in steps if self._uses_kernel(s)]
+        gather = [s for s in steps if not self._uses_kernel(s)]
+        ids: list[int] = []
+        positions: list[int] = []
+        blocks: list[int] = []
+        offsets: list[int] = []
+        sample_rows: list[int] = []
+        sample_ids: list[str] = []
+        query_start = [0]
+        spans: list[GatherSpan] = []
+        bs = self.block_size
+        for i, step in enumerate([*kernel, *gather]):
+            n = len(step.token_ids)
+            first = len(ids)
+            pos = range(step.start_pos, step.start_pos + n)
+            ids.extend(step.token_ids)
+            positions.extend(pos)
+            blocks.extend(step.block_ids[p // bs] for p in pos)
+            offsets.extend(p % bs for p in pos)
+            if step.sample:
+                sample_rows.append(first + n - 1)
+                sample_ids.append(step.request_id)
+            kv_len = step.start_pos + n
+            if i < len(kernel):
+                query_start.append(first + n)
+            else:
+                table = torch.tensor(step.block_ids[: -(-kv_len // bs)], dtype=torch.long, device=self.device)
+                spans.append(GatherSpan(first, n, kv_len, table, causal_mask(n, kv_len, self.device)))
+        width = max((len(s.block_ids) for s in kernel), default=1)
+        tables = [s.block_ids + [0] * (width - len(s.block_ids)) for s in kernel]
+        dev = self.device
+        attn = PagedAttention(
+            kv_caches=self.kv_caches,
+            slot_blocks=torch.tensor(blocks, dtype=torch.long, device=dev),
+            slot_offsets=torch.tensor(offsets, dtype=torch.long, device=dev),
+            num_kernel_tokens=query_start[-1],
+            block_tables=torch.tensor(tables or [[0]], dtype=torch.int32, device=dev),
+            query_start=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            kv_lens=torch.tensor([s.start_pos + len(s.token_ids) for s in kernel], dtype=torch.int32, device=dev),
+            gather_spans=spans,
+            scale=self.model.config.head_dim ** -0.5,
+        )
+        return StepInputs(torch.tensor(ids, dtype=torch.long, device=dev),
+                          torch.tensor(positions, dtype=torch.long, device=dev), attn, sample_rows, sample_ids)
+
+    @torch.inference_mode()
+    def execute(self, steps: Sequence[ScheduledStep]) -> tuple[torch.Tensor, list[str]]:
+        """Run one forward; return float32 logits `[num_sampled, vocab]` and their request ids."""
+        inputs = self.prepare(steps)
+        backends = sdpa_kernel(self._sdpa_backends) if self._sdpa_backends else contextlib.nullcontext()
+        with backends:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn)  # [num_tokens, hidden]
+        if not inputs.sample_rows:
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), []
+        rows = hidden[torch.tensor(inputs.sample_rows, device=self.device)]  # [num_sampled, hidden]
+        return self.model.compute_logits(rows), inputs.sample_ids
