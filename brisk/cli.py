@@ -76,6 +76,23 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--seed", type=int, default=0)
     thr.add_argument("--compare", default="", help="peers to run side by side: hf")
     thr.add_argument("--hf-batch-size", type=int, default=None, help="HF generate() batch (default: all prompts)")
+
+    pre = bsub.add_parser("prefix", help="time to first token with a cached long prefix vs a cold cache")
+    _add_model(pre)
+    _add_engine(pre)
+    pre.add_argument("--prefix-len", type=int, default=1000)
+    pre.add_argument("--suffix-len", type=int, default=32)
+    pre.add_argument("--repeats", type=int, default=3)
+    pre.add_argument("--seed", type=int, default=0)
+
+    mix = bsub.add_parser("mixed", help="inter-token latency of running decodes while long prompts arrive")
+    _add_model(mix)
+    _add_engine(mix)
+    mix.add_argument("--decoders", type=int, default=16, help="running decode requests")
+    mix.add_argument("--long-len", type=int, default=1000, help="tokens of each arriving prompt")
+    mix.add_argument("--every", type=int, default=8, help="a long prompt arrives every N steps")
+    mix.add_argument("--steps", type=int, default=40)
+    mix.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -186,12 +203,14 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    compare = [c for c in args.compare.split(",") if c]
+    compare = [c for c in getattr(args, "compare", "").split(",") if c]
     unknown = set(compare) - {"hf"}
     if unknown:
         raise ValueError(f"unknown --compare peer(s): {', '.join(sorted(unknown))}; available: hf")
     if args.bench == "throughput":
         return _bench_throughput(args, compare)
+    if args.bench in ("prefix", "mixed"):
+        return _bench_engine(args)
     from brisk.bench.latency import DEFAULT_PROMPT, bench_latency
 
     if args.new_tokens < 2 or args.repeats < 1:
@@ -201,6 +220,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         result = bench_latency(args.model, dtype, args.prompt or DEFAULT_PROMPT, not args.no_chat,
                                args.new_tokens, args.repeats, compare)
         print(json.dumps(result), flush=True)
+    return 0
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from brisk.bench.serving_mix import bench_mixed, bench_prefix
+    from brisk.engine.llm import LLM
+
+    llm = LLM(args.model, dtype=args.dtype, **engine_kwargs(args))  # type: ignore[arg-type]
+    if args.bench == "prefix":
+        result = bench_prefix(llm, args.prefix_len, args.suffix_len, args.repeats, args.seed)
+    else:
+        result = bench_mixed(llm, args.decoders, args.long_len, args.every, args.steps, args.seed)
+    result.update(model=args.model, dtype=args.dtype)
+    print(json.dumps(result), flush=True)
     return 0
 
 

@@ -134,6 +134,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._groups)
+
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return an output for every request that made progress."""

@@ -20,6 +20,9 @@ except ImportError:
     ISA = "none"
 
 GEMV_DTYPES = (torch.float32, torch.bfloat16)
+# Up to this many rows, decode batches use `small_gemm` (AVX-512 only): it streams the weights once
+# and gives each row exactly the result `gemv` gives it alone (batch-invariant decoding).
+SMALL_GEMM_MAX_ROWS = 32 if ISA == "avx512" else 1
 
 
 def gemv_supported(weight: torch.Tensor) -> bool:
@@ -38,3 +41,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if x.numel() != weight.shape[1] or x.dtype != weight.dtype:
         raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype}")
     return _C.gemv(x, weight, bias)
+
+
+def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, in] @ weight[out, in]^T (+ bias) -> [M, out] for M <= SMALL_GEMM_MAX_ROWS."""
+    assert _C is not None
+    if x.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype != weight.dtype:
+        raise ValueError(f"small_gemm: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype}")
+    return _C.small_gemm(x, weight, bias)

@@ -92,6 +92,34 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const T* w, const T* x, float
 }
 #endif
 
+#ifdef BRISK_X86
+// A few rows of x against the same weights (small decode batches): each weight row is read from
+// memory once for all rows of x, and every (x row, weight row) dot product is summed in exactly
+// the order rows_avx512 uses for a single row, so a token's result does not depend on how many
+// other tokens share its batch.
+template <typename T, int MB>
+__attribute__((target("avx512f"))) void small_gemm_avx512(const T* w, const float* x, float* y, int64_t m_rows,
+                                                          int64_t out, int64_t r0, int64_t r1, int64_t in) {
+  const int64_t vec_end = in - in % 16;
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* a = w + r * in;
+    for (int64_t m0 = 0; m0 + MB <= m_rows; m0 += MB) {
+      __m512 acc[MB];
+      for (int k = 0; k < MB; ++k) acc[k] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < vec_end; i += 16) {
+        const __m512 wv = load16(a + i);
+        for (int k = 0; k < MB; ++k) acc[k] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + (m0 + k) * in + i), acc[k]);
+      }
+      for (int k = 0; k < MB; ++k) {
+        float t = _mm512_reduce_add_ps(acc[k]);
+        for (int64_t i = vec_end; i < in; ++i) t += to_float(a[i]) * x[(m0 + k) * in + i];
+        y[(m0 + k) * out + r] = t;
+      }
+    }
+  }
+}
+#endif
+
 enum class Isa { kScalar, kAvx2, kAvx512 };
 
 Isa detect_isa() {
@@ -139,6 +167,45 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const c10::op
     run(w.data_ptr<c10::BFloat16>(), xc.data_ptr<c10::BFloat16>());
   } else {
     TORCH_CHECK(false, "brisk gemv: float32 or bfloat16 only, got ", w.scalar_type());
+  }
+  if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
+  return w.scalar_type() == torch::kFloat32 ? y : y.to(w.scalar_type());
+}
+
+// y[M, out] = x[M, in] @ w[out, in]^T (+ bias) for small M (decode batches): weights streamed once.
+// Only with AVX-512 (callers check `small_gemm_supported`); per row identical to `gemv`.
+torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(kIsa == Isa::kAvx512, "brisk small_gemm: needs AVX-512");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && x.dim() == 2 && x.size(1) == w.size(1),
+              "brisk small_gemm: shapes do not fit");
+  const int64_t m_rows = x.size(0), out = w.size(0), in = w.size(1);
+  auto xf = x.to(torch::kFloat32).contiguous();  // rows of x are reused from cache; float once
+  auto y = torch::empty({m_rows, out}, x.options().dtype(torch::kFloat32));
+  const float* xp = xf.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  auto run = [&](auto* wp) {
+    at::parallel_for(0, out, 32, [&](int64_t r0, int64_t r1) {
+      // rows of x in chunks of 8, then 4, 2, 1: the accumulators stay in registers
+      int64_t done = 0;
+      auto chunk = [&](auto mb_tag) {
+        constexpr int MB = decltype(mb_tag)::value;
+        const int64_t n = (m_rows - done) / MB * MB;
+        if (n > 0) small_gemm_avx512<std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>, MB>(
+            wp, xp + done * in, yp + done * out, n, out, r0, r1, in);
+        done += n;
+      };
+      chunk(std::integral_constant<int, 8>{});
+      chunk(std::integral_constant<int, 4>{});
+      chunk(std::integral_constant<int, 2>{});
+      chunk(std::integral_constant<int, 1>{});
+    });
+  };
+  if (w.scalar_type() == torch::kFloat32) {
+    run(w.data_ptr<float>());
+  } else if (w.scalar_type() == torch::kBFloat16) {
+    run(w.data_ptr<c10::BFloat16>());
+  } else {
+    TORCH_CHECK(false, "brisk small_gemm: float32 or bfloat16 only");
   }
   if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
   return w.scalar_type() == torch::kFloat32 ? y : y.to(w.scalar_type());

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brisk.kernels import gemv, gemv_supported
+from brisk.kernels import SMALL_GEMM_MAX_ROWS, gemv, gemv_supported, small_gemm
 
 
 class Linear(nn.Module):
@@ -60,10 +60,13 @@ class Linear(nn.Module):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, but a single row on CPU goes through brisk's streaming GEMV (decode is a
-    matrix-vector product, bound by how fast the weight is read; BLAS reads it at about half speed)."""
-    if x.shape[0] == 1 and x.dim() == 2 and gemv_supported(weight):
-        return gemv(x, weight, bias)
+    """F.linear, but decode-sized batches on CPU go through brisk's kernels: one row through the
+    streaming GEMV (decode is bound by how fast weights are read; BLAS reads them at about half
+    speed), a few rows through a small GEMM that reads the weights once and gives every row the
+    bit-identical result it would get alone."""
+    rows = x.shape[0]
+    if x.dim() == 2 and rows <= SMALL_GEMM_MAX_ROWS and gemv_supported(weight):
+        return gemv(x, weight, bias) if rows == 1 else small_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

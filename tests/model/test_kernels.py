@@ -52,3 +52,20 @@ def test_linear_falls_back_for_batches_and_non_contiguous_weights() -> None:
     wt = torch.randn(8, 16).t()  # not contiguous: BLAS path
     torch.testing.assert_close(linear(x[:1], wt), F.linear(x[:1], wt))
     assert not kernels.gemv_supported(wt)
+
+
+@needs_ext
+@pytest.mark.skipif(kernels.SMALL_GEMM_MAX_ROWS < 2, reason="small_gemm needs AVX-512")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_gemm_rows_are_bit_identical_to_gemv(dtype: torch.dtype) -> None:
+    """Batch invariance: a row's result does not depend on how many rows share the call."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(200, 100, generator=g).to(dtype)  # 100 % 16 != 0: exercises the tail
+    x = torch.randn(kernels.SMALL_GEMM_MAX_ROWS, 100, generator=g).to(dtype)
+    b = torch.randn(200, generator=g).to(dtype)
+    for m in (2, 3, 7, 8, 13, kernels.SMALL_GEMM_MAX_ROWS):
+        y = kernels.small_gemm(x[:m], w, b)
+        for row in range(m):
+            assert torch.equal(y[row:row + 1], kernels.gemv(x[row:row + 1], w, b))
+    torch.testing.assert_close(kernels.small_gemm(x, w).float(), F.linear(x.float(), w.float()),
+                               atol=1e-4 if dtype == torch.float32 else 0.5, rtol=1e-3 if dtype == torch.float32 else 2e-2)
