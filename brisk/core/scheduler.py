@@ -110,7 +110,9 @@ class Scheduler:
             if self._waits_for_parent(request):
                 held_back.append(self.waiting.popleft())
                 continue
-            hit_ids, num_hit = self.kv.get_computed_blocks(request)
+            # Prompt logprobs need the logits of every prompt position: no prefix-cache hit for those.
+            wants_all_rows = request.sampling_params.prompt_logprobs is not None
+            hit_ids, num_hit = ([], 0) if wants_all_rows else self.kv.get_computed_blocks(request)
             num_new = self._num_new_tokens(request.num_tokens - num_hit, budget)
             if num_new <= 0:
                 break  # the whole prompt does not fit this step (no chunking): FCFS stops here

@@ -26,7 +26,7 @@ from brisk.loader.tokenizer import Tokenizer
 from brisk.model.llama import LlamaForCausalLM
 from brisk.request import FinishReason, Request, SamplingParams
 from brisk.runtime.paged_runner import PagedModelRunner, kv_block_bytes
-from brisk.sample.logprobs import TokenLogprobs
+from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs
 from brisk.sample.sampler import SamplingBatch, sample
 
 
@@ -40,6 +40,8 @@ class _Seq:
     group: str
     index: int
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # prompt position -> logprob of that prompt token given the ones before it (params.prompt_logprobs)
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
     first_token_time: float | None = None
     finish_time: float | None = None
 
@@ -145,8 +147,12 @@ class LLMEngine:
             assert not self.scheduler.has_unfinished(), "scheduler made no progress with requests queued"
             return []
         self.peak_kv_usage = max(self.peak_kv_usage, self.scheduler.kv_usage)
-        logits, row_ids = self.runner.execute(sched.scheduled)
+        wants_rows = frozenset(s.request_id for s in sched.scheduled if self._wants_prompt_logprobs(s.request_id, s.start_pos))
+        logits, row_ids, every_row = self.runner.execute(sched.scheduled, wants_rows)
         touched: set[str] = set()
+        for step in sched.scheduled:
+            if step.request_id in every_row:
+                self._record_prompt_logprobs(self._seqs[step.request_id], step.start_pos, every_row[step.request_id])
         if row_ids:
             result = sample(logits, self._sampling_batch(row_ids))
             for sid, lp in zip(row_ids, result.logprobs):
@@ -157,6 +163,21 @@ class LLMEngine:
                 self._on_token(self._seqs[req.request_id])
                 touched.add(self._seqs[req.request_id].group)
         return [self._output(g) for g in sorted(touched, key=lambda g: self._groups[g].arrival_time)]
+
+    def _wants_prompt_logprobs(self, seq_id: str, start_pos: int) -> bool:
+        seq = self._seqs[seq_id]
+        return (seq.index == 0 and seq.request.sampling_params.prompt_logprobs is not None
+                and start_pos < seq.request.num_prompt_tokens - 1)
+
+    def _record_prompt_logprobs(self, seq: _Seq, start: int, logits: torch.Tensor) -> None:
+        """Rows of positions start.. predict prompt tokens start+1..; keep those inside the prompt."""
+        prompt = seq.request.prompt_token_ids
+        count = min(logits.shape[0], len(prompt) - 1 - start)
+        if count <= 0:
+            return
+        n = seq.request.sampling_params.prompt_logprobs or 0
+        for offset, lp in enumerate(prompt_logprobs(logits[:count], prompt[start + 1:start + 1 + count], n)):
+            seq.prompt_logprobs[start + 1 + offset] = lp  # a recompute after preemption rewrites the same
 
     def _sampling_batch(self, row_ids: list[str]) -> SamplingBatch:
         seqs = [self._seqs[sid] for sid in row_ids]
@@ -208,12 +229,20 @@ class LLMEngine:
         metrics = RequestMetrics(group.arrival_time, min(firsts) if firsts else None,
                                  max(s.finish_time or 0.0 for s in seqs) if finished else None)
         out = RequestOutput(group_id, group.prompt, group.prompt_token_ids, completions, finished, metrics,
-                            num_cached_tokens=max(0, seqs[0].request.num_cached_tokens))
+                            num_cached_tokens=max(0, seqs[0].request.num_cached_tokens),
+                            prompt_logprobs=self._prompt_logprobs_of(seqs[0]))
         if finished:
             del self._groups[group_id]
             for sid in group.seq_ids:
                 del self._seqs[sid]
         return out
+
+    @staticmethod
+    def _prompt_logprobs_of(seq: _Seq) -> list[TokenLogprobs | None] | None:
+        """One entry per prompt token (None for the first, which has no context), as vLLM returns."""
+        if seq.request.sampling_params.prompt_logprobs is None:
+            return None
+        return [None] + [seq.prompt_logprobs.get(p) for p in range(1, seq.request.num_prompt_tokens)]
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, float]:

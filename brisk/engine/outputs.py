@@ -43,6 +43,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token when params.prompt_logprobs
 
     def decode_tokens_per_second(self) -> float | None:
         """Generated tokens after the first, per second of decoding."""

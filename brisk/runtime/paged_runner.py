@@ -58,6 +58,7 @@ class StepInputs:
     attn: PagedAttention
     sample_rows: list[int]  # flat-batch row of each sampled request's last token
     sample_ids: list[str]  # those requests, in the same order
+    all_rows: dict[str, tuple[int, int]]  # request -> (first row, count) for those wanting every row
 
 
 class PagedModelRunner:
@@ -76,7 +77,7 @@ class PagedModelRunner:
     def _uses_kernel(self, step: ScheduledStep) -> bool:
         return self.use_kernel and len(step.token_ids) <= KERNEL_MAX_QUERY
 
-    def prepare(self, steps: Sequence[ScheduledStep]) -> StepInputs:
+    def prepare(self, steps: Sequence[ScheduledStep], all_rows_for: frozenset[str] = frozenset()) -> StepInputs:
         """Lay the batch out kernel spans first (see model/paged_attention.py) and build its tensors."""
         kernel = [s for s in steps if self._uses_kernel(s)]
         gather = [s for s in steps if not self._uses_kernel(s)]
@@ -88,6 +89,7 @@ class PagedModelRunner:
         sample_ids: list[str] = []
         query_start = [0]
         spans: list[GatherSpan] = []
+        all_rows: dict[str, tuple[int, int]] = {}
         bs = self.block_size
         for i, step in enumerate([*kernel, *gather]):
             n = len(step.token_ids)
@@ -100,6 +102,8 @@ class PagedModelRunner:
             if step.sample:
                 sample_rows.append(first + n - 1)
                 sample_ids.append(step.request_id)
+            if step.request_id in all_rows_for:
+                all_rows[step.request_id] = (first, n)
             kv_len = step.start_pos + n
             if i < len(kernel):
                 query_start.append(first + n)
@@ -121,16 +125,21 @@ class PagedModelRunner:
             scale=self.model.config.head_dim ** -0.5,
         )
         return StepInputs(torch.tensor(ids, dtype=torch.long, device=dev),
-                          torch.tensor(positions, dtype=torch.long, device=dev), attn, sample_rows, sample_ids)
+                          torch.tensor(positions, dtype=torch.long, device=dev), attn, sample_rows, sample_ids,
+                          all_rows)
 
     @torch.inference_mode()
-    def execute(self, steps: Sequence[ScheduledStep]) -> tuple[torch.Tensor, list[str]]:
-        """Run one forward; return float32 logits `[num_sampled, vocab]` and their request ids."""
-        inputs = self.prepare(steps)
+    def execute(self, steps: Sequence[ScheduledStep], all_rows_for: frozenset[str] = frozenset()
+                ) -> tuple[torch.Tensor, list[str], dict[str, torch.Tensor]]:
+        """Run one forward; return float32 logits `[num_sampled, vocab]`, their request ids, and for
+        the requests in `all_rows_for` the logits of every token they computed this step."""
+        inputs = self.prepare(steps, all_rows_for)
         backends = sdpa_kernel(self._sdpa_backends) if self._sdpa_backends else contextlib.nullcontext()
         with backends:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn)  # [num_tokens, hidden]
+        every = {rid: self.model.compute_logits(hidden[first:first + n])  # [n, vocab]
+                 for rid, (first, n) in inputs.all_rows.items()}
         if not inputs.sample_rows:
-            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), []
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), [], every
         rows = hidden[torch.tensor(inputs.sample_rows, device=self.device)]  # [num_sampled, hidden]
-        return self.model.compute_logits(rows), inputs.sample_ids
+        return self.model.compute_logits(rows), inputs.sample_ids, every

@@ -99,3 +99,31 @@ def test_generation_stops_when_the_context_is_full(brisk_llm: LLM) -> None:
     out = brisk_llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
                              use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == FinishReason.LENGTH and len(out.token_ids) == 3
+
+
+def test_logprobs_of_sampled_and_prompt_tokens_match_a_full_forward(brisk_llm: LLM) -> None:
+    import torch
+
+    from brisk.model.attention import ContiguousAttention, SeqSpan
+    from brisk.runtime.model_runner import allocate_contiguous_kv
+
+    text = "The capital of France is Paris. The capital of Italy is"
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=3, prompt_logprobs=2)
+    first, again = (brisk_llm.generate(text, params, use_tqdm=False)[0] for _ in range(2))
+    ids = first.prompt_token_ids + first.outputs[0].token_ids
+    model = brisk_llm.model
+    caches = allocate_contiguous_kv(model.config, 1, len(ids), torch.float32, "cpu")
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), ContiguousAttention(caches, [SeqSpan(0, 0, len(ids), 0)]))
+        ref = torch.log_softmax(model.compute_logits(hidden), dim=-1)  # [len, vocab]
+    plp = first.prompt_logprobs
+    assert plp is not None and len(plp) == len(first.prompt_token_ids) and plp[0] is None
+    for pos in range(1, len(plp)):
+        assert plp[pos].token_id == ids[pos] and len(plp[pos].top) == 2
+        assert abs(plp[pos].logprob - float(ref[pos - 1, ids[pos]])) < 1e-3
+    start = len(first.prompt_token_ids)
+    for i, lp in enumerate(first.outputs[0].logprobs):
+        assert lp.token_id == ids[start + i] and lp.rank == 1 and len(lp.top) == 3  # greedy: the top token
+        assert abs(lp.logprob - float(ref[start + i - 1, lp.token_id])) < 1e-3
+    # the second run would hit the prefix cache; prompt logprobs still cover every position
+    assert [p and round(p.logprob, 4) for p in again.prompt_logprobs] == [p and round(p.logprob, 4) for p in plp]

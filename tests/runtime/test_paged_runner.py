@@ -80,7 +80,7 @@ def _check_against_reference(dtype: torch.dtype, use_kernel: bool, device: str) 
     for chunk_sizes in plan:
         steps = [Step(k, seqs[k][done[k]:done[k] + n], done[k], tables[k], done[k] + n == lengths[k])
                  for k, n in chunk_sizes.items()]
-        logits, order = runner.execute(steps)
+        logits, order, _ = runner.execute(steps)
         for k, n in chunk_sizes.items():
             done[k] += n
         for row, rid in enumerate(order):
@@ -93,7 +93,7 @@ def _check_against_reference(dtype: torch.dtype, use_kernel: bool, device: str) 
             tok = rng.randrange(CFG.vocab_size)
             seqs[k].append(tok)
             steps.append(Step(k, [tok], len(seqs[k]) - 1, tables[k]))
-        logits, order = runner.execute(steps)
+        logits, order, _ = runner.execute(steps)
         for row, rid in enumerate(order):
             ref = _reference(model, seqs[rid])
             assert (logits[row].cpu() - ref).abs().max() < tol * max(1.0, float(ref.abs().max()))
@@ -101,5 +101,5 @@ def _check_against_reference(dtype: torch.dtype, use_kernel: bool, device: str) 
 
 def test_steps_without_sampling_return_no_rows() -> None:
     runner = PagedModelRunner(_model(torch.float32), num_blocks=8, block_size=4)
-    logits, order = runner.execute([Step("x", [1, 2, 3], 0, [5, 6], sample=False)])
+    logits, order, _ = runner.execute([Step("x", [1, 2, 3], 0, [5, 6], sample=False)])
     assert logits.shape == (0, CFG.vocab_size) and order == []
