@@ -21,8 +21,11 @@ except ImportError:
 
 GEMV_DTYPES = (torch.float32, torch.bfloat16)
 # Up to this many rows, decode batches use `small_gemm` (AVX-512 only): it streams the weights once
-# and gives each row exactly the result `gemv` gives it alone (batch-invariant decoding).
+# and gives each row exactly the result `gemv` gives it alone (batch-invariant decoding). float32
+# keeps that up to 32 rows at BLAS speed or better; bfloat16 BLAS (oneDNN, AVX512-BF16) computes
+# twice as fast past ~8 rows, and bfloat16 is not the exactness reference, so it stops at 8.
 SMALL_GEMM_MAX_ROWS = 32 if ISA == "avx512" else 1
+SMALL_GEMM_ROWS_BY_DTYPE = {torch.float32: SMALL_GEMM_MAX_ROWS, torch.bfloat16: min(8, SMALL_GEMM_MAX_ROWS)}
 
 
 def gemv_supported(weight: torch.Tensor) -> bool:

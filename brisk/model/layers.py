@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brisk.kernels import SMALL_GEMM_MAX_ROWS, gemv, gemv_supported, small_gemm
+from brisk.kernels import SMALL_GEMM_ROWS_BY_DTYPE, gemv, gemv_supported, small_gemm
 
 
 class Linear(nn.Module):
@@ -65,7 +65,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     speed), a few rows through a small GEMM that reads the weights once and gives every row the
     bit-identical result it would get alone."""
     rows = x.shape[0]
-    if x.dim() == 2 and rows <= SMALL_GEMM_MAX_ROWS and gemv_supported(weight):
+    if x.dim() == 2 and rows <= SMALL_GEMM_ROWS_BY_DTYPE.get(weight.dtype, 1) and gemv_supported(weight):
         return gemv(x, weight, bias) if rows == 1 else small_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
 
