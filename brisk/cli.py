@@ -129,6 +129,8 @@ def _read_prompts(path: Path, chat: bool, system: str | None) -> list[dict[str, 
                 raise ValueError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
             if not isinstance(obj, dict) or not ({"prompt", "messages"} & obj.keys()):
                 raise ValueError(f"{path}:{i}: a JSON line needs a 'prompt' or 'messages' field")
+            if "messages" not in obj and not isinstance(obj["prompt"], str):
+                raise ValueError(f"{path}:{i}: 'prompt' must be a string")
             items.append(obj)
         else:
             items.append({"prompt": line})
@@ -141,11 +143,10 @@ def _read_prompts(path: Path, chat: bool, system: str | None) -> list[dict[str, 
     return items
 
 
-def _generate_file(llm: object, args: argparse.Namespace, params: object) -> int:
+def _generate_file(llm: object, args: argparse.Namespace, params: object, items: list[dict[str, object]]) -> int:
     from brisk.engine.llm import LLM
 
     assert isinstance(llm, LLM)
-    items = _read_prompts(args.prompts_file, args.chat, args.system)
     tok = llm.get_tokenizer()
     prompts = [{"prompt": it.get("prompt"), "prompt_token_ids": tok.encode_chat(it["messages"])}
                if "messages" in it else str(it["prompt"]) for it in items]
@@ -170,9 +171,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     if args.prompt is not None and not args.prompt.strip():
         raise ValueError("the prompt is empty; pass some text with --prompt")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system needs --chat (a system message only exists in a chat template)")
+    # a bad prompts file is reported before the model loads
+    items = _read_prompts(args.prompts_file, args.chat, args.system) if args.prompts_file is not None else None
     llm = LLM(args.model, dtype=args.dtype, **engine_kwargs(args))  # type: ignore[arg-type]
-    if args.prompts_file is not None:
-        return _generate_file(llm, args, params)
+    if items is not None:
+        return _generate_file(llm, args, params, items)
     tok = llm.get_tokenizer()
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -227,6 +232,10 @@ def _bench_engine(args: argparse.Namespace) -> int:
     from brisk.bench.serving_mix import bench_mixed, bench_prefix
     from brisk.engine.llm import LLM
 
+    counts = ("decoders", "long_len", "every", "steps") if args.bench == "mixed" else ("prefix_len", "repeats")
+    for name in counts:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     llm = LLM(args.model, dtype=args.dtype, **engine_kwargs(args))  # type: ignore[arg-type]
     if args.bench == "prefix":
         result = bench_prefix(llm, args.prefix_len, args.suffix_len, args.repeats, args.seed)
@@ -256,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # bad input, unreadable or unwritable paths
         print(f"brisk: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

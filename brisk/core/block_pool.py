@@ -117,6 +117,15 @@ class BlockPool:
             return None
         return block
 
+    def uncache(self, block_ids: Iterable[int]) -> None:
+        """Withdraw these blocks' published content (their KV may never have been written: a
+        step that failed after scheduling). Free ones move to the front: they hold nothing now."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            self._evict(block)
+            if block.ref_cnt == 0:
+                self._free.move_to_end(block_id, last=False)
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:

@@ -111,7 +111,7 @@ class Scheduler:
                 held_back.append(self.waiting.popleft())
                 continue
             # Prompt logprobs need the logits of every prompt position: no prefix-cache hit for those.
-            wants_all_rows = request.sampling_params.prompt_logprobs is not None
+            wants_all_rows = request.sampling_params.prompt_logprobs is not None and request.parent_id is None
             hit_ids, num_hit = ([], 0) if wants_all_rows else self.kv.get_computed_blocks(request)
             num_new = self._num_new_tokens(request.num_tokens - num_hit, budget)
             if num_new <= 0:
@@ -210,6 +210,13 @@ class Scheduler:
         self.kv.free(request)
         del self._requests[request.request_id]
         self._finished_ids.append(request.request_id)
+
+    def abort_step(self, sched_out: SchedulerOutput) -> list[str]:
+        """Undo a step whose forward pass failed: abort its requests and withdraw every block it
+        touched from the prefix cache, since blocks published at schedule time hold no valid KV."""
+        aborted = [s.request_id for s in sched_out.scheduled if self.abort_request(s.request_id)]
+        self.kv.pool.uncache({b for s in sched_out.scheduled for b in s.block_ids})
+        return aborted
 
     def finish_request(self, request_id: str, reason: FinishReason) -> bool:
         """End a waiting or running request (e.g. the engine saw a stop string). False if unknown."""

@@ -53,6 +53,19 @@ class LLM:
         self.model_name = loaded.source.name
         self.engine = LLMEngine(loaded.model, loaded.tokenizer, cache, sched, seed)
         self._ids = itertools.count()
+        # Outputs of open streams, kept when another call (a generate) runs the steps that make them.
+        self._stream_buffers: dict[str, list[RequestOutput]] = {}
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step; outputs of open streams go to their buffers, the rest are returned."""
+        outs = []
+        for out in self.engine.step():
+            buffer = self._stream_buffers.get(out.request_id)
+            if buffer is not None:
+                buffer.append(out)
+            else:
+                outs.append(out)
+        return outs
 
     def get_tokenizer(self):  # noqa: ANN201 - the Tokenizer type lives in loader/
         return self.tokenizer
@@ -106,14 +119,19 @@ class LLM:
         Closing the iterator early aborts the request and frees its KV blocks.
         """
         (rid,) = self._add([prompt], [params or SamplingParams()])
+        buffer = self._stream_buffers[rid] = []
         try:
-            done = False
-            while not done:
-                for out in self.engine.step():
-                    if out.request_id == rid:
-                        done = out.finished
-                        yield out
+            while True:
+                while buffer:
+                    out = buffer.pop(0)
+                    yield out
+                    if out.finished:
+                        return
+                if rid not in self.engine.unfinished_request_ids():
+                    return  # ended without a final output (aborted by a failed step)
+                self._step()
         finally:
+            del self._stream_buffers[rid]
             self.engine.abort_request(rid)  # no-op once finished
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -125,9 +143,10 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm or len(ids) < 2)
         try:
+            mine = set(ids)
             while len(results) < len(ids):
-                for out in self.engine.step():
-                    if out.finished:
+                for out in self._step():
+                    if out.finished and out.request_id in mine:
                         results[out.request_id] = out
                         bar.update(1)
         finally:

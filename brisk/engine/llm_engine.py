@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 import torch
 
 from brisk.config import CacheConfig, SchedulerConfig
+from brisk.core.outputs import SchedulerOutput
 from brisk.core.scheduler import Scheduler
 from brisk.engine.detokenizer import IncrementalDetokenizer
 from brisk.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from brisk.loader.tokenizer import Tokenizer
 from brisk.model.llama import LlamaForCausalLM
-from brisk.request import FinishReason, Request, SamplingParams
+from brisk.request import FinishReason, Request, RequestStatus, SamplingParams
 from brisk.runtime.paged_runner import PagedModelRunner, kv_block_bytes
 from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs
 from brisk.sample.sampler import SamplingBatch, sample
@@ -88,15 +89,16 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None) -> None:
         """Queue a request; bad input is a ValueError and leaves the engine untouched."""
-        if request_id in self._groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        taken = [sid for sid in [request_id, *seq_ids] if sid in self._groups or sid in self._seqs]
+        if taken:
+            raise ValueError(f"request id {request_id!r} collides with a request in flight ({taken[0]!r}); use a new id")
         params.check_vocab(self.model.config.vocab_size)
         vocab = self.model.config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         arrival = time.perf_counter() if arrival_time is None else arrival_time
-        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         requests = [
             Request(sid, list(prompt_token_ids), params, arrival, self.tokenizer.eos_token_ids,
                     parent_id=None if i == 0 else seq_ids[0])
@@ -148,13 +150,17 @@ class LLMEngine:
             return []
         self.peak_kv_usage = max(self.peak_kv_usage, self.scheduler.kv_usage)
         wants_rows = frozenset(s.request_id for s in sched.scheduled if self._wants_prompt_logprobs(s.request_id, s.start_pos))
-        logits, row_ids, every_row = self.runner.execute(sched.scheduled, wants_rows)
+        try:
+            logits, row_ids, every_row = self.runner.execute(sched.scheduled, wants_rows)
+            result = sample(logits, self._sampling_batch(row_ids)) if row_ids else None
+        except BaseException:
+            self._abort_failed_step(sched)
+            raise
         touched: set[str] = set()
         for step in sched.scheduled:
             if step.request_id in every_row:
                 self._record_prompt_logprobs(self._seqs[step.request_id], step.start_pos, every_row[step.request_id])
-        if row_ids:
-            result = sample(logits, self._sampling_batch(row_ids))
+        if result is not None:
             for sid, lp in zip(row_ids, result.logprobs):
                 if lp is not None:
                     self._seqs[sid].logprobs.append(lp)
@@ -163,6 +169,14 @@ class LLMEngine:
                 self._on_token(self._seqs[req.request_id])
                 touched.add(self._seqs[req.request_id].group)
         return [self._output(g) for g in sorted(touched, key=lambda g: self._groups[g].arrival_time)]
+
+    def _abort_failed_step(self, sched: SchedulerOutput) -> None:
+        """The forward or the sampler raised (a kernel error, Ctrl-C): the step's KV was not
+        written, so its requests end and its blocks leave the prefix cache; the rest carry on."""
+        for seq_id in self.scheduler.abort_step(sched):
+            seq = self._seqs.get(seq_id)
+            if seq is not None:
+                self.abort_request(seq.group)
 
     def _wants_prompt_logprobs(self, seq_id: str, start_pos: int) -> bool:
         seq = self._seqs[seq_id]
@@ -209,11 +223,13 @@ class LLMEngine:
             token in req.sampling_params.stop_token_ids or token in req.eos_token_ids)
         if not stopped_by_token:  # the stop token's text never reaches the output
             seq.detok.push(token)
-            if seq.detok.stopped and not req.is_finished():
-                self.scheduler.finish_request(req.request_id, FinishReason.STOP)
+            if seq.detok.stopped:
+                if req.is_finished():  # the scheduler ended it by length on this very token
+                    req.finish_reason, req.status = FinishReason.STOP, RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(req.request_id, FinishReason.STOP)
         if req.is_finished():
-            if req.finish_reason == FinishReason.LENGTH:
-                seq.detok.flush()
+            seq.detok.flush()  # a trailing partial character is shown, not dropped (no-op after a stop string)
             seq.finish_time = now
 
     def _output(self, group_id: str) -> RequestOutput:
@@ -221,10 +237,12 @@ class LLMEngine:
         seqs = [self._seqs[sid] for sid in group.seq_ids]
         finished = all(s.request.is_finished() for s in seqs)
         completions = [
-            CompletionOutput(s.index, s.detok.text, list(s.request.output_token_ids), s.request.finish_reason,
+            CompletionOutput(s.index, "", list(s.request.output_token_ids), s.request.finish_reason,
                              s.detok.stream_delta(s.request.is_finished()), list(s.logprobs) or None)
             for s in seqs
         ]
+        for c, s in zip(completions, seqs):
+            c.text = s.detok.text[:s.detok.emitted]  # text that may still become a stop string stays hidden
         firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
         metrics = RequestMetrics(group.arrival_time, min(firsts) if firsts else None,
                                  max(s.finish_time or 0.0 for s in seqs) if finished else None)

@@ -50,7 +50,7 @@ struct Shape {
 };
 
 // exp(x) for x <= 0 to ~1 ulp (Cephes expf: range reduction by ln 2, degree-5 polynomial), written
-// as straight-line float code so a loop of it vectorises; exp(-inf) = 0.
+// as straight-line float code so a loop of it vectorises. Inputs below -87.3 give ~1e-38, not 0.
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.3f);
   const float n = std::nearbyint(x * 1.44269504088896341f);

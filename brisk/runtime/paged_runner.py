@@ -68,8 +68,12 @@ class PagedModelRunner:
         self.num_blocks = num_blocks
         self.device = model.embed_tokens.weight.device
         self.kv_caches = allocate_paged_kv(model.config, num_blocks, block_size, model.dtype, self.device)
-        self.use_kernel = HAVE_PAGED_KERNEL and self.device.type == "cpu" and model.dtype in (torch.float32,
-                                                                                             torch.bfloat16)
+        cfg = model.config
+        # The kernel's fixed-size buffers: query heads per KV head <= 16, head_dim <= 256, block <= 256.
+        fits = (cfg.num_attention_heads // cfg.num_key_value_heads <= 16 and cfg.head_dim <= 256
+                and block_size <= 256)
+        self.use_kernel = (HAVE_PAGED_KERNEL and fits and self.device.type == "cpu"
+                           and model.dtype in (torch.float32, torch.bfloat16))
         # cuDNN attention re-plans for every new KV length; flash / memory-efficient take any.
         self._sdpa_backends = ([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
                                if self.device.type == "cuda" else None)

@@ -133,3 +133,49 @@ def test_bad_request_in_a_batch_leaves_nothing_queued(brisk_llm: LLM) -> None:
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate(["fine", "also fine"], [GREEDY, SamplingParams(logit_bias={10**7: 1.0})], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests() and llm.engine.scheduler.kv_usage == 0.0
+
+
+def test_a_failed_step_ends_its_requests_and_leaves_no_stale_cache(brisk_llm: LLM, monkeypatch) -> None:
+    """A forward that raises mid-prefill must not leave published-but-unwritten blocks behind."""
+    llm = _engine_variant(brisk_llm)
+    prompt = {"prompt_token_ids": list(range(1000, 1060))}
+    expected = _run(_engine_variant(brisk_llm, prefix=False), [prompt["prompt_token_ids"]])[0]
+    real = llm.engine.runner.execute
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm.engine.runner, "execute", boom)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompt, GREEDY, use_tqdm=False)
+    monkeypatch.setattr(llm.engine.runner, "execute", real)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.scheduler.kv_usage == 0.0
+    out = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == expected
+    llm.engine.scheduler.check_invariants()
+
+
+def test_generate_beside_an_open_stream_and_id_collisions(brisk_llm: LLM) -> None:
+    llm = _engine_variant(brisk_llm)
+    stream = llm.stream("Count to ten:", SamplingParams(max_tokens=30, temperature=0))
+    next(stream)
+    outs = llm.generate(["a", "b"], GREEDY, use_tqdm=False)  # must not swallow the stream's outputs
+    assert [len(o.outputs[0].token_ids) for o in outs] == [24, 24]
+    rest = list(stream)
+    assert rest and rest[-1].finished
+    eng = llm.engine
+    eng.add_request("x", [5, 6, 7], SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=1))
+    with pytest.raises(ValueError, match="collides"):
+        eng.add_request("x#0", [5, 6, 7], GREEDY)
+    eng.abort_request("x")
+    assert eng.scheduler.kv_usage == 0.0
+
+
+def test_stop_string_on_the_last_allowed_token_reports_stop(brisk_llm: LLM) -> None:
+    free = brisk_llm.generate("1, 2, 3, 4,", SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0]
+    tok = brisk_llm.get_tokenizer()
+    ids = free.outputs[0].token_ids
+    n = next(i for i in range(1, len(ids) + 1) if " 7" in tok.decode(ids[:i]))
+    out = brisk_llm.generate("1, 2, 3, 4,", SamplingParams(max_tokens=n, temperature=0, stop=[" 7"]),
+                             use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and " 7" not in out.text
