@@ -57,7 +57,16 @@ __attribute__((target("avx512f"))) void rows_avx512(const T* w, const T* x, floa
       y[r + k] = t[k];
     }
   }
-  rows_scalar(w, x, y, r, r1, in);
+  // Leftover rows: the same one-accumulator order as the rows above (and as small_gemm), so a row's
+  // result never depends on where the 4-row grouping happens to fall.
+  for (; r < r1; ++r) {
+    const T* a = w + r * in;
+    __m512 s0 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < vec_end; i += 16) s0 = _mm512_fmadd_ps(load16(a + i), load16(x + i), s0);
+    float t = _mm512_reduce_add_ps(s0);
+    for (int64_t i = vec_end; i < in; ++i) t += to_float(a[i]) * to_float(x[i]);
+    y[r] = t;
+  }
 }
 
 __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
