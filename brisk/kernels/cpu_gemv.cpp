@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include <cmath>
+
 #include "simd.h"
 
 namespace {
@@ -53,18 +55,19 @@ __attribute__((target("avx512f"))) void rows_avx512(const T* w, const T* x, floa
     float t[kRows] = {_mm512_reduce_add_ps(s0), _mm512_reduce_add_ps(s1), _mm512_reduce_add_ps(s2),
                       _mm512_reduce_add_ps(s3)};
     for (int64_t k = 0; k < kRows; ++k) {
-      for (int64_t i = vec_end; i < in; ++i) t[k] += to_float(a[k * in + i]) * to_float(x[i]);
+      for (int64_t i = vec_end; i < in; ++i) t[k] = std::fma(to_float(a[k * in + i]), to_float(x[i]), t[k]);
       y[r + k] = t[k];
     }
   }
   // Leftover rows: the same one-accumulator order as the rows above (and as small_gemm), so a row's
-  // result never depends on where the 4-row grouping happens to fall.
+  // result never depends on where the 4-row grouping happens to fall. Tails use explicit fma: left
+  // to the compiler, `t += a * b` is contracted in some loops and not others.
   for (; r < r1; ++r) {
     const T* a = w + r * in;
     __m512 s0 = _mm512_setzero_ps();
     for (int64_t i = 0; i < vec_end; i += 16) s0 = _mm512_fmadd_ps(load16(a + i), load16(x + i), s0);
     float t = _mm512_reduce_add_ps(s0);
-    for (int64_t i = vec_end; i < in; ++i) t += to_float(a[i]) * to_float(x[i]);
+    for (int64_t i = vec_end; i < in; ++i) t = std::fma(to_float(a[i]), to_float(x[i]), t);
     y[r] = t;
   }
 }
@@ -110,7 +113,35 @@ template <typename T, int MB>
 __attribute__((target("avx512f"))) void small_gemm_avx512(const T* w, const float* x, float* y, int64_t m_rows,
                                                           int64_t out, int64_t r0, int64_t r1, int64_t in) {
   const int64_t vec_end = in - in % 16;
-  for (int64_t r = r0; r < r1; ++r) {
+  // Two weight rows at a time share every load of x (2 x MB accumulators stay in registers); each
+  // (row, x row) pair still has one accumulator summed in the same order as gemv.
+  int64_t r = r0;
+  for (; r + 2 <= r1; r += 2) {
+    const T* a = w + r * in;
+    const T* b = a + in;
+    for (int64_t m0 = 0; m0 + MB <= m_rows; m0 += MB) {
+      __m512 acc_a[MB], acc_b[MB];
+      for (int k = 0; k < MB; ++k) acc_a[k] = acc_b[k] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < vec_end; i += 16) {
+        const __m512 wa = load16(a + i), wb = load16(b + i);
+        for (int k = 0; k < MB; ++k) {
+          const __m512 xv = _mm512_loadu_ps(x + (m0 + k) * in + i);
+          acc_a[k] = _mm512_fmadd_ps(wa, xv, acc_a[k]);
+          acc_b[k] = _mm512_fmadd_ps(wb, xv, acc_b[k]);
+        }
+      }
+      for (int k = 0; k < MB; ++k) {
+        float ta = _mm512_reduce_add_ps(acc_a[k]), tb = _mm512_reduce_add_ps(acc_b[k]);
+        for (int64_t i = vec_end; i < in; ++i) {
+          ta = std::fma(to_float(a[i]), x[(m0 + k) * in + i], ta);
+          tb = std::fma(to_float(b[i]), x[(m0 + k) * in + i], tb);
+        }
+        y[(m0 + k) * out + r] = ta;
+        y[(m0 + k) * out + r + 1] = tb;
+      }
+    }
+  }
+  for (; r < r1; ++r) {
     const T* a = w + r * in;
     for (int64_t m0 = 0; m0 + MB <= m_rows; m0 += MB) {
       __m512 acc[MB];
@@ -121,7 +152,7 @@ __attribute__((target("avx512f"))) void small_gemm_avx512(const T* w, const floa
       }
       for (int k = 0; k < MB; ++k) {
         float t = _mm512_reduce_add_ps(acc[k]);
-        for (int64_t i = vec_end; i < in; ++i) t += to_float(a[i]) * x[(m0 + k) * in + i];
+        for (int64_t i = vec_end; i < in; ++i) t = std::fma(to_float(a[i]), x[(m0 + k) * in + i], t);
         y[(m0 + k) * out + r] = t;
       }
     }
