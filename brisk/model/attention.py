@@ -7,7 +7,8 @@ it expects; the runner picks one at start-up.
 
 `ContiguousAttention` (this file) keeps each sequence's KV contiguous in a slot of a
 `[max_seqs, num_kv_heads, max_len, head_dim]` tensor, the vAttention layout: attention reads a
-plain strided view, no gather. It serves single-sequence generation and small batches.
+plain strided view, no gather. The engine uses the paged backend (model/paged_attention.py);
+this one is the simple alternative behind runtime/model_runner.py and the reference in tests.
 """
 
 from __future__ import annotations

@@ -38,20 +38,22 @@ def allocate_contiguous_kv(cfg: ModelConfig, max_seqs: int, max_len: int, dtype:
             for _ in range(cfg.num_hidden_layers)]
 
 
+_CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa_context(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """SDPA backends for one forward. On CUDA, cuDNN attention builds a new execution plan for
+    every new KV length (2 ms of host time per layer per decode step on an H200), so it is left
+    out; flash and memory-efficient kernels take any length. Elsewhere: torch's own choice."""
+    return sdpa_kernel(_CUDA_SDPA) if device.type == "cuda" else contextlib.nullcontext()
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, max_seqs: int, max_len: int) -> None:
         self.model = model
         self.max_len = max_len
         self.device = model.embed_tokens.weight.device
         self.kv_caches = allocate_contiguous_kv(model.config, max_seqs, max_len, model.dtype, self.device)
-        # On CUDA, cuDNN attention builds a new execution plan for every new KV length (2 ms of
-        # host time per layer per decode step on an H200), so it is left out; flash and
-        # memory-efficient kernels take any length. Chosen once, here.
-        self._sdpa_backends = (
-            [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-            if self.device.type == "cuda" else None
-        )
-
     @torch.inference_mode()
     def execute(self, steps: list[SeqStep]) -> torch.Tensor:
         """Run one forward over all steps; return float32 logits of each step's last token `[len(steps), vocab]`."""
@@ -66,8 +68,7 @@ class ModelRunner:
             positions.extend(range(step.start, step.start + n))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [num_tokens]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [num_tokens]
-        backends = sdpa_kernel(self._sdpa_backends) if self._sdpa_backends else contextlib.nullcontext()
-        with backends:
+        with sdpa_context(self.device):
             hidden = self.model(input_ids, pos, ContiguousAttention(self.kv_caches, spans))  # [num_tokens, hidden]
         last = [s.query_start + s.num_tokens - 1 for s in spans]
         rows = hidden[last[0]:last[0] + 1] if len(last) == 1 else hidden[torch.tensor(last, device=self.device)]

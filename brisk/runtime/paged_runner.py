@@ -6,17 +6,16 @@ positions, the slot (block, offset) of every new token, block tables and the att
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from brisk.config import ModelConfig
 from brisk.model.attention import KVCache
 from brisk.model.llama import LlamaForCausalLM
+from brisk.runtime.model_runner import sdpa_context
 from brisk.model.paged_attention import (
     HAVE_PAGED_KERNEL,
     KERNEL_MAX_QUERY,
@@ -74,9 +73,6 @@ class PagedModelRunner:
                 and block_size <= 256)
         self.use_kernel = (HAVE_PAGED_KERNEL and fits and self.device.type == "cpu"
                            and model.dtype in (torch.float32, torch.bfloat16))
-        # cuDNN attention re-plans for every new KV length; flash / memory-efficient take any.
-        self._sdpa_backends = ([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-                               if self.device.type == "cuda" else None)
 
     def _uses_kernel(self, step: ScheduledStep) -> bool:
         return self.use_kernel and len(step.token_ids) <= KERNEL_MAX_QUERY
@@ -138,8 +134,7 @@ class PagedModelRunner:
         """Run one forward; return float32 logits `[num_sampled, vocab]`, their request ids, and for
         the requests in `all_rows_for` the logits of every token they computed this step."""
         inputs = self.prepare(steps, all_rows_for)
-        backends = sdpa_kernel(self._sdpa_backends) if self._sdpa_backends else contextlib.nullcontext()
-        with backends:
+        with sdpa_context(self.device):
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn)  # [num_tokens, hidden]
         every = {rid: self.model.compute_logits(hidden[first:first + n])  # [n, vocab]
                  for rid, (first, n) in inputs.all_rows.items()}
