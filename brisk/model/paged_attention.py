@@ -10,8 +10,10 @@ The runner lays the flat batch out as
 Kernel spans (up to `KERNEL_MAX_QUERY` new tokens each) go to one call of brisk's C++ kernel,
 which reads keys and values straight from their blocks. Long chunks are compute-bound: their
 blocks are gathered once into a contiguous copy and go through SDPA's flash path, where a GEMM
-beats a row-at-a-time kernel. Without the extension (or on CUDA) every span takes the gather path:
-the same numbers, fewer tokens/s.
+beats a row-at-a-time kernel. On CUDA the short spans go through one padded SDPA call instead of
+the CPU kernel (`PaddedSpans`): a handful of launches per layer whatever the batch size, where a
+loop over sequences would be launch-bound. Without the extension on CPU every span takes the
+gather path: the same numbers, fewer tokens/s.
 """
 
 from __future__ import annotations
@@ -45,6 +47,32 @@ class GatherSpan:
     mask: torch.Tensor | None  # [num_tokens, kv_len] bool, None when SDPA's own causal mask fits
 
 
+@dataclass(frozen=True)
+class PaddedSpans:
+    """The short spans as one padded batch: `[num_spans, max_query]` queries over
+    `[num_spans, max_blocks * block_size]` keys, built once per step."""
+
+    block_tables: torch.Tensor  # [S, max_blocks] long, padded with block 0 (masked out)
+    rows: torch.Tensor  # [num_short_tokens] long: flat token -> span * max_query + offset
+    max_query: int
+    mask: torch.Tensor  # [S, 1, max_query, max_blocks * block_size] bool
+
+
+def padded_spans(block_tables: list[list[int]], query_lens: list[int], kv_lens: list[int], block_size: int,
+                 device: torch.device) -> PaddedSpans:
+    max_q = max(query_lens)
+    rows = [s * max_q + i for s, n in enumerate(query_lens) for i in range(n)]
+    kv = torch.tensor(kv_lens, device=device)[:, None, None]  # [S, 1, 1]
+    start = kv - torch.tensor(query_lens, device=device)[:, None, None]
+    key_pos = torch.arange(len(block_tables[0]) * block_size, device=device)[None, None, :]
+    query_off = torch.arange(max_q, device=device)[None, :, None]
+    # causal within the span and nothing past the sequence; a padding query row (offset >= its
+    # span's length) sees every valid key, so it never softmaxes an empty row into NaN
+    mask = (key_pos < kv) & (key_pos <= start + query_off)  # [S, max_q, keys]
+    return PaddedSpans(torch.tensor(block_tables, dtype=torch.long, device=device),
+                       torch.tensor(rows, dtype=torch.long, device=device), max_q, mask.unsqueeze(1))
+
+
 @dataclass
 class PagedAttention:
     """Attention metadata for one step over a paged cache (see module docstring)."""
@@ -58,6 +86,7 @@ class PagedAttention:
     kv_lens: torch.Tensor  # [num_kernel_seqs] int32
     gather_spans: list[GatherSpan]
     scale: float
+    padded: PaddedSpans | None = None  # set: the short spans take the padded SDPA path, not the kernel
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]  # [blocks, n_kv, hd, bs], [blocks, n_kv, bs, hd]
@@ -65,7 +94,9 @@ class PagedAttention:
         v_cache[self.slot_blocks, :, self.slot_offsets] = v
         out = torch.empty_like(q)  # [num_tokens, heads, head_dim]
         nk = self.num_kernel_tokens
-        if nk:
+        if nk and self.padded is not None:
+            out[:nk] = _padded_attend(q[:nk], k_cache, v_cache, self.padded, self.scale)
+        elif nk:
             assert _C is not None
             _C.paged_attention(out[:nk], q[:nk].contiguous(), k_cache, v_cache, self.block_tables,
                                self.query_start, self.kv_lens, self.scale)
@@ -73,6 +104,22 @@ class PagedAttention:
             rows = slice(span.query_start, span.query_start + span.num_tokens)
             out[rows] = _gather_attend(q[rows], k_cache, v_cache, span)
         return out
+
+
+def _padded_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: PaddedSpans,
+                   scale: float) -> torch.Tensor:
+    num_spans, width = p.block_tables.shape
+    num_kv, block_size, head_dim = v_cache.shape[1:]
+    num_heads = q.shape[1]
+    num_keys = width * block_size
+    keys = k_cache[p.block_tables].permute(0, 2, 1, 4, 3).reshape(num_spans, num_kv, num_keys, head_dim)
+    values = v_cache[p.block_tables].transpose(1, 2).reshape(num_spans, num_kv, num_keys, head_dim)
+    qp = q.new_zeros(num_spans * p.max_query, num_heads, head_dim)
+    qp[p.rows] = q
+    qp = qp.view(num_spans, p.max_query, num_heads, head_dim).transpose(1, 2)  # [S, heads, max_q, head_dim]
+    out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=p.mask, scale=scale,
+                                         enable_gqa=num_kv != num_heads)  # [S, heads, max_q, head_dim]
+    return out.transpose(1, 2).reshape(num_spans * p.max_query, num_heads, head_dim)[p.rows]
 
 
 def _gather_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, span: GatherSpan) -> torch.Tensor:

@@ -46,26 +46,26 @@ def _reference(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
         return model.compute_logits(h[-1:])[0]
 
 
-@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "gather"])
+@pytest.mark.parametrize("short_spans", ["kernel", "padded", "gather"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_mixed_batches_over_scattered_blocks_match_reference(use_kernel: bool, dtype: torch.dtype) -> None:
-    if use_kernel and not paged_attention.HAVE_PAGED_KERNEL:
+def test_mixed_batches_over_scattered_blocks_match_reference(short_spans: str, dtype: torch.dtype) -> None:
+    if short_spans == "kernel" and not paged_attention.HAVE_PAGED_KERNEL:
         pytest.skip("brisk._C not built")
-    _check_against_reference(dtype, use_kernel, "cpu")
+    _check_against_reference(dtype, short_spans, "cpu")
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_paged_runner_on_cuda_matches_cpu_reference(dtype: torch.dtype) -> None:
-    _check_against_reference(dtype, False, "cuda")
+    _check_against_reference(dtype, "padded", "cuda")
 
 
-def _check_against_reference(dtype: torch.dtype, use_kernel: bool, device: str) -> None:
+def _check_against_reference(dtype: torch.dtype, short_spans: str, device: str) -> None:
     model = _model(dtype)
     bs, num_blocks = 4, 64
     runner = PagedModelRunner(model.to(device), num_blocks=num_blocks, block_size=bs)
-    runner.use_kernel = use_kernel
+    runner.short_spans = short_spans
     model = _model(dtype)  # the CPU copy computes the reference
     rng = random.Random(0)
     free = list(range(num_blocks))
