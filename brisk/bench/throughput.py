@@ -3,17 +3,23 @@
 Request lengths are drawn like chat traffic (log-normal, long tail, clipped to the given ranges)
 unless fixed lengths are asked for. Every request generates exactly its output length (EOS
 ignored), so brisk and a peer do the same work. With `--compare hf`, HF transformers' batched
-`generate()` runs the same prompt ids in the same process afterwards.
+`generate()` runs the same prompt ids in the same process afterwards; with `--compare vllm`,
+vLLM runs them in its own Python environment (`--vllm-python`, see bench/vllm_peer.py).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import platform
 import random
 import statistics
+import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -104,9 +110,40 @@ def run_hf(model_ref: str, dtype: str, work: Workload, batch_size: int) -> dict[
             "total_tokens_per_s": round((generated + prompt_tokens) / elapsed, 2), "batch_size": batch_size}
 
 
+def run_vllm(model_ref: str, dtype: str, work: Workload, python: str, max_model_len: int,
+             prefix_caching: bool) -> dict[str, Any]:
+    """vLLM's offline `LLM.generate` on the same prompt ids, in the interpreter `python` (a venv
+    with vLLM installed). A GGUF model is first written as an HF directory, which vLLM loads."""
+    from brisk.loader.convert import convert
+    from brisk.loader.resolve import resolve_model
+
+    if not Path(python).is_file():
+        raise ValueError(f"--vllm-python {python!r} is not a file; point it at the python of a venv with vllm installed")
+    source = resolve_model(model_ref)
+    env = dict(os.environ)
+    # vLLM-CPU's own guidance for using every core of a small machine
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    with tempfile.TemporaryDirectory(prefix="brisk-vllm-") as tmp:
+        model_dir = source.path if source.kind == "hf" else convert(model_ref, Path(tmp) / "model", "float32")
+        job = Path(tmp) / "job.json"
+        job.write_text(json.dumps({"model": str(model_dir), "dtype": dtype, "max_model_len": max_model_len,
+                                   "enable_prefix_caching": prefix_caching,
+                                   "prompts": work.prompts, "output_lens": work.output_lens}))
+        script = Path(__file__).with_name("vllm_peer.py")
+        proc = subprocess.run([python, str(script), str(job)], capture_output=True, text=True, env=env, cwd=tmp,
+                              check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join(proc.stderr.splitlines()[-15:])
+        raise RuntimeError(f"the vLLM run failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(lines[-1])
+
+
 def bench_throughput(model: str, dtype: str, num_prompts: int, input_len: int | None, output_len: int | None,
                      seed: int, shared_prefix: int, compare: list[str], hf_batch_size: int | None,
-                     engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+                     engine_kwargs: dict[str, Any], vllm_python: str | None = None) -> dict[str, Any]:
     llm = LLM(model, dtype=dtype, **engine_kwargs)
     work = make_workload(num_prompts, llm.model_config.vocab_size, seed, input_len, output_len,
                          shared_prefix=shared_prefix)
@@ -121,6 +158,19 @@ def bench_throughput(model: str, dtype: str, num_prompts: int, input_len: int | 
         "threads": torch.get_num_threads(), "machine": platform.machine(),
     }
     result["brisk"] = run_brisk(llm, work)
+    if "vllm" in compare:
+        if vllm_python is None:
+            raise ValueError("--compare vllm needs --vllm-python (the python of a venv with vllm installed)")
+        first_ids = [o.outputs[0].token_ids[:8] for o in llm.generate(
+            [{"prompt_token_ids": p} for p in work.prompts[:4]], SamplingParams(max_tokens=8, temperature=0.0),
+            use_tqdm=False)]
+        max_len = max(len(p) + n for p, n in zip(work.prompts, work.output_lens))
+        peer = run_vllm(model, dtype, work, vllm_python, max(2048, max_len), llm.engine.cache_config.enable_prefix_caching)
+        # greedy float32 on both: the first tokens should agree (a sanity check that the work is the same)
+        peer["first_tokens_match_brisk"] = peer.pop("first_output_token_ids") == first_ids
+        result["vllm"] = peer
+        result["output_speedup_vs_vllm"] = round(
+            result["brisk"]["output_tokens_per_s"] / peer["output_tokens_per_s"], 3)
     if "hf" in compare:
         del llm
         result["hf"] = run_hf(model, dtype, work, hf_batch_size or num_prompts)
