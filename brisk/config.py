@@ -137,11 +137,19 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    # Set (> 1): a step carrying running decodes gets only as many prompt tokens as keep it within
+    # this factor of a decode-only step, learned from measured step times (core/step_cost.py).
+    # Bounds inter-token latency under incoming prompts without hand-tuning the token budget.
+    max_decode_slowdown: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_decode_slowdown is not None and not self.max_decode_slowdown > 1.0:
+            raise ValueError(f"max_decode_slowdown must be > 1 (e.g. 1.5), got {self.max_decode_slowdown}")
+        if self.max_decode_slowdown is not None and not self.enable_chunked_prefill:
+            raise ValueError("max_decode_slowdown needs chunked prefill: prompts are cut into chunks to meet it")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill a whole prompt must fit one step: max_num_batched_tokens "

@@ -84,7 +84,8 @@ def bench_mixed(llm: LLM, num_decoders: int, long_len: int, every: int, steps: i
     results: dict[str, Any] = {"bench": "mixed", "decoders": num_decoders, "long_prompt_tokens": long_len,
                                "long_prompt_every_steps": every, "steps": steps,
                                "max_num_batched_tokens": eng.scheduler_config.max_num_batched_tokens,
-                               "chunked_prefill": eng.scheduler_config.enable_chunked_prefill}
+                               "chunked_prefill": eng.scheduler_config.enable_chunked_prefill,
+                               "max_decode_slowdown": eng.scheduler_config.max_decode_slowdown}
     for phase, with_long in (("alone", False), ("with_long_prompts", True)):
         decoders = [f"{phase}-d{i}" for i in range(num_decoders)]
         for rid in decoders:

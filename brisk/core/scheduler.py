@@ -18,6 +18,7 @@ from collections import deque
 from brisk.config import SchedulerConfig
 from brisk.core.kv_cache_manager import KVCacheManager, cdiv, request_tokens
 from brisk.core.outputs import ScheduledRequest, SchedulerOutput
+from brisk.core.step_cost import StepCostModel
 from brisk.request import FinishReason, Request, RequestStatus
 
 _STATUS_OF = {FinishReason.STOP: RequestStatus.FINISHED_STOPPED, FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH}
@@ -40,6 +41,8 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._finished_ids: list[str] = []  # since the last schedule()
         self.num_preemptions = 0
+        self.step_cost = StepCostModel()
+        self._prompt_cap: int | None = None  # prompt tokens left this step under max_decode_slowdown
 
     # ----------------------------------------------------------------------------- requests in
 
@@ -69,6 +72,7 @@ class Scheduler:
         """Plan one step within `max_num_batched_tokens`; advances num_computed_tokens now."""
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        self._prompt_cap = self._prompt_token_cap()
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted)
         # After a preemption the pool is short: admitting would only thrash (and could re-admit
         # the request just preempted).
@@ -131,11 +135,27 @@ class Scheduler:
         return budget
 
     def _num_new_tokens(self, remaining: int, budget: int) -> int:
-        """Tokens to schedule for `remaining` uncomputed ones: clamped to the budget when chunked
-        prefill is on; otherwise all of them or none (0)."""
-        if self.config.enable_chunked_prefill:
-            return min(remaining, budget)
-        return remaining if remaining <= budget else 0
+        """Tokens to schedule for `remaining` uncomputed ones: clamped to the budget (and prompt
+        work to the step's prompt cap) when chunked prefill is on; otherwise all of them or none."""
+        if not self.config.enable_chunked_prefill:
+            return remaining if remaining <= budget else 0
+        if remaining > 1 and self._prompt_cap is not None:
+            budget = min(budget, self._prompt_cap)
+        return min(remaining, budget)
+
+    def _prompt_token_cap(self) -> int | None:
+        """Under max_decode_slowdown: prompt tokens this step may carry beside the running decodes."""
+        slowdown = self.config.max_decode_slowdown
+        decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        if slowdown is None or decodes == 0:
+            return None
+        return self.step_cost.prompt_token_cap(decodes, slowdown, floor=self.block_size)
+
+    def observe_step(self, sched_out: SchedulerOutput, seconds: float) -> None:
+        """The engine reports how long the step took: the cost model behind max_decode_slowdown."""
+        decodes = sum(1 for s in sched_out.scheduled if len(s.token_ids) == 1)
+        prompt_tokens = sum(len(s.token_ids) for s in sched_out.scheduled if len(s.token_ids) > 1)
+        self.step_cost.observe(decodes, prompt_tokens, seconds)
 
     def _waits_for_parent(self, request: Request) -> bool:
         # n > 1 siblings start once the parent's whole prompt is scheduled, so they hit its blocks.
@@ -145,6 +165,8 @@ class Scheduler:
     def _advance(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
         start = request.num_computed_tokens
         request.num_computed_tokens = start + num_new  # advanced at schedule time, as in vLLM v1
+        if self._prompt_cap is not None and num_new > 1:
+            self._prompt_cap -= num_new
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request_tokens(request, start, start + num_new),
