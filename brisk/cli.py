@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -74,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--output-len", type=int, default=None, help="fixed output length (default: chat-like 20-400)")
     thr.add_argument("--shared-prefix", type=int, default=0, help="tokens of a prefix common to every prompt")
     thr.add_argument("--seed", type=int, default=0)
-    thr.add_argument("--compare", default="", help="peers to run side by side: hf")
+    thr.add_argument("--compare", default="", help="peers to run side by side: hf, vllm (comma-separated)")
+    thr.add_argument("--vllm-python", default=os.environ.get("BRISK_VLLM_PYTHON"),
+                     help="python of a venv with vllm installed, for --compare vllm (env BRISK_VLLM_PYTHON)")
     thr.add_argument("--hf-batch-size", type=int, default=None, help="HF generate() batch (default: all prompts)")
 
     pre = bsub.add_parser("prefix", help="time to first token with a cached long prefix vs a cold cache")
@@ -104,6 +107,12 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gib", type=float, default=2.0, help="KV cache size (default 2 GiB)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+    p.add_argument("--no-pack-weights", action="store_true",
+                   help="do not keep oneDNN-packed weight copies (saves memory as large as the weights; "
+                        "slower prefill and batched decode)")
+    p.add_argument("--max-decode-slowdown", type=float, default=None,
+                   help="size prompt chunks so a step with running decodes takes at most this many times "
+                        "a decode-only step (e.g. 1.5; learned from step times; default: token budget only)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -111,7 +120,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
             "block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks,
             "kv_cache_memory_gib": args.kv_cache_memory_gib, "max_model_len": args.max_model_len,
             "enable_prefix_caching": not args.no_prefix_caching,
-            "enable_chunked_prefill": not args.no_chunked_prefill}
+            "enable_chunked_prefill": not args.no_chunked_prefill,
+            "max_decode_slowdown": args.max_decode_slowdown,
+            "pack_weights": not args.no_pack_weights}
 
 
 def _read_prompts(path: Path, chat: bool, system: str | None) -> list[dict[str, object]]:
@@ -209,9 +220,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     compare = [c for c in getattr(args, "compare", "").split(",") if c]
-    unknown = set(compare) - {"hf"}
+    peers = {"hf", "vllm"} if args.bench == "throughput" else {"hf"}
+    unknown = set(compare) - peers
     if unknown:
-        raise ValueError(f"unknown --compare peer(s): {', '.join(sorted(unknown))}; available: hf")
+        raise ValueError(f"unknown --compare peer(s): {', '.join(sorted(unknown))}; available: {', '.join(sorted(peers))}")
     if args.bench == "throughput":
         return _bench_throughput(args, compare)
     if args.bench in ("prefix", "mixed"):
@@ -252,7 +264,8 @@ def _bench_throughput(args: argparse.Namespace, compare: list[str]) -> int:
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     result = bench_throughput(args.model, args.dtype, args.num_prompts, args.input_len, args.output_len,
-                              args.seed, args.shared_prefix, compare, args.hf_batch_size, engine_kwargs(args))
+                              args.seed, args.shared_prefix, compare, args.hf_batch_size, engine_kwargs(args),
+                              args.vllm_python)
     print(json.dumps(result), flush=True)
     return 0
 

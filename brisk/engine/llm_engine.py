@@ -72,13 +72,13 @@ def num_kv_blocks(cache: CacheConfig, model: LlamaForCausalLM) -> int:
 
 class LLMEngine:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, cache: CacheConfig,
-                 scheduler: SchedulerConfig, seed: int = 0) -> None:
+                 scheduler: SchedulerConfig, seed: int = 0, pack_weights: bool = True) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.cache_config = cache
         self.scheduler_config = scheduler
         self.num_blocks = num_kv_blocks(cache, model)
-        self.runner = PagedModelRunner(model, self.num_blocks, cache.block_size)
+        self.runner = PagedModelRunner(model, self.num_blocks, cache.block_size, pack_weights)
         self.scheduler = Scheduler(scheduler, cache.block_size, self.num_blocks, cache.enable_prefix_caching)
         self._seeds = random.Random(seed)  # seeds for sampled requests that bring none
         self._seqs: dict[str, _Seq] = {}
@@ -150,12 +150,14 @@ class LLMEngine:
             return []
         self.peak_kv_usage = max(self.peak_kv_usage, self.scheduler.kv_usage)
         wants_rows = frozenset(s.request_id for s in sched.scheduled if self._wants_prompt_logprobs(s.request_id, s.start_pos))
+        started = time.perf_counter()
         try:
             logits, row_ids, every_row = self.runner.execute(sched.scheduled, wants_rows)
             result = sample(logits, self._sampling_batch(row_ids)) if row_ids else None
         except BaseException:
             self._abort_failed_step(sched)
             raise
+        self.scheduler.observe_step(sched, time.perf_counter() - started)
         touched: set[str] = set()
         for step in sched.scheduled:
             if step.request_id in every_row:

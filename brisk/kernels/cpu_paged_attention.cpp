@@ -163,6 +163,17 @@ __attribute__((target("avx512f"))) void attend_token_avx512(const T* q, T* out, 
     const int64_t base = (static_cast<int64_t>(block_table[j]) * s.num_kv_heads + kvh) * kBs * HD;
     const T* kt = k_cache + base;  // [HD][16]
     const T* vt = v_cache + base;  // [16][HD]
+    if ((j + 2) * kBs < ctx_len) {
+      // Blocks are scattered, so the hardware prefetcher cannot guess the next ones: fetch the
+      // key and value tiles two blocks ahead into L2 while this block is computed.
+      const int64_t next = (static_cast<int64_t>(block_table[j + 2]) * s.num_kv_heads + kvh) * kBs * HD;
+      const char* kn = reinterpret_cast<const char*>(k_cache + next);
+      const char* vn = reinterpret_cast<const char*>(v_cache + next);
+      for (size_t c = 0; c < kBs * HD * sizeof(T); c += 64) {
+        _mm_prefetch(kn + c, _MM_HINT_T1);
+        _mm_prefetch(vn + c, _MM_HINT_T1);
+      }
+    }
     for (int64_t g = 0; g < group; ++g) {
       __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
       for (int i = 0; i < HD; i += 2) {

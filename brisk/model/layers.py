@@ -12,7 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brisk.kernels import SMALL_GEMM_ROWS_BY_DTYPE, gemv, gemv_supported, small_gemm
+from brisk.kernels import (
+    SMALL_GEMM_ROWS_BY_DTYPE,
+    gemv,
+    gemv_supported,
+    pack_supported,
+    pack_weight,
+    packed_linear,
+    small_gemm,
+)
 
 
 class Linear(nn.Module):
@@ -29,9 +37,16 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
         )
+        self.packed: torch.Tensor | None = None  # see pack(); not a parameter: never saved
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
+
+    def pack(self) -> bool:
+        """Keep a oneDNN-packed copy of the weight for batched rows (kernels.pack_weight); False
+        where packing does not apply (not CPU, another dtype, torch without oneDNN)."""
+        self.packed = pack_weight(self.weight) if pack_supported(self.weight) else None
+        return self.packed is not None
 
     def _rows(self, index: int) -> slice:
         start = sum(self.output_sizes[:index])
@@ -59,14 +74,21 @@ class Linear(nn.Module):
         return f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, but decode-sized batches on CPU go through brisk's kernels: one row through the
-    streaming GEMV (decode is bound by how fast weights are read; BLAS reads them at about half
-    speed), a few rows through a small GEMM that reads the weights once and gives every row the
-    bit-identical result it would get alone."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, but on CPU: one row through brisk's streaming GEMV (decode is bound by how fast
+    weights are read; BLAS reads them at about half speed); more rows through the oneDNN-packed
+    weight when there is one; otherwise a few rows through brisk's small GEMM, which reads the
+    weights once and gives every row the bit-identical result it would get alone."""
     rows = x.shape[0]
-    if x.dim() == 2 and rows <= SMALL_GEMM_ROWS_BY_DTYPE.get(weight.dtype, 1) and gemv_supported(weight):
-        return gemv(x, weight, bias) if rows == 1 else small_gemm(x, weight, bias)
+    if x.dim() != 2:
+        return F.linear(x, weight, bias)
+    if rows == 1 and gemv_supported(weight):
+        return gemv(x, weight, bias)
+    if packed is not None:
+        return packed_linear(x, packed, bias)
+    if rows <= SMALL_GEMM_ROWS_BY_DTYPE.get(weight.dtype, 1) and gemv_supported(weight):
+        return small_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from brisk.config import ModelConfig
+from brisk.kernels import pack_supported, pack_weight
 from brisk.model.attention import AttentionMetadata
 from brisk.model.layers import Embedding, Linear, RMSNorm, linear, silu_and_mul
 from brisk.model.rotary import apply_rotary, rope_tables
@@ -89,6 +90,7 @@ class LlamaForCausalLM(nn.Module):
                                max_positions or cfg.max_position_embeddings)
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)  # [max_positions, head_dim]
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+        self._tied_head_packed: torch.Tensor | None = None  # the tied LM head's packed weight
 
     @property
     def dtype(self) -> torch.dtype:
@@ -108,11 +110,36 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] float32 logits."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        if self.lm_head is None:
+            return linear(hidden, self.embed_tokens.weight, None, self._tied_head_packed).float()
+        return self.lm_head(hidden).float()
+
+    def pack_weights(self) -> int:
+        """oneDNN-packed copies of every Linear and of a tied LM head, for batched rows on CPU
+        (kernels.pack_weight). Returns the bytes the copies take; 0 where packing does not apply."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        packed = [m for m in linears if m.pack()]
+        nbytes = sum(m.weight.numel() * m.weight.element_size() for m in packed)
+        tied = self.embed_tokens.weight
+        self._tied_head_packed = pack_weight(tied) if self.lm_head is None and pack_supported(tied) else None
+        if self._tied_head_packed is not None:
+            nbytes += tied.numel() * tied.element_size()
+        return nbytes
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        self.unpack_weights()  # .to(device/dtype) would leave the packed copies behind
+        return super()._apply(fn, recurse)
+
+    def unpack_weights(self) -> None:
+        """Drop the packed copies (they go stale when weights change or the model moves)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.packed = None
+        self._tied_head_packed = None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill parameters from HF-named tensors; every parameter must be provided exactly once."""
+        self.unpack_weights()
         params = dict(self.named_parameters())
         expected = set(params)
         loaded: set[str] = set()

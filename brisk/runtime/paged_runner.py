@@ -15,14 +15,17 @@ import torch
 from brisk.config import ModelConfig
 from brisk.model.attention import KVCache
 from brisk.model.llama import LlamaForCausalLM
-from brisk.runtime.model_runner import sdpa_context
 from brisk.model.paged_attention import (
     HAVE_PAGED_KERNEL,
     KERNEL_MAX_QUERY,
     GatherSpan,
     PagedAttention,
     causal_mask,
+    padded_spans,
 )
+from brisk.runtime.model_runner import sdpa_context
+
+SHORT_SPAN_PATHS = ("kernel", "padded", "gather")
 
 
 class ScheduledStep(Protocol):
@@ -61,21 +64,28 @@ class StepInputs:
 
 
 class PagedModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, pack_weights: bool = True) -> None:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = model.embed_tokens.weight.device
         self.kv_caches = allocate_paged_kv(model.config, num_blocks, block_size, model.dtype, self.device)
+        # Batched rows (prefill chunks, decode batches) through oneDNN-packed weights on CPU; the
+        # copies cost as much memory as the weights again (`pack_weights=False` saves it).
+        self.packed_weight_bytes = model.pack_weights() if pack_weights and self.device.type == "cpu" else 0
         cfg = model.config
         # The kernel's fixed-size buffers: query heads per KV head <= 16, head_dim <= 256, block <= 256.
         fits = (cfg.num_attention_heads // cfg.num_key_value_heads <= 16 and cfg.head_dim <= 256
                 and block_size <= 256)
-        self.use_kernel = (HAVE_PAGED_KERNEL and fits and self.device.type == "cpu"
-                           and model.dtype in (torch.float32, torch.bfloat16))
+        kernel = (HAVE_PAGED_KERNEL and fits and self.device.type == "cpu"
+                  and model.dtype in (torch.float32, torch.bfloat16))
+        # How spans of <= KERNEL_MAX_QUERY new tokens attend: brisk's CPU kernel; one padded SDPA
+        # (accelerators, where per-sequence launches would dominate); or one by one like long chunks.
+        self.short_spans = "kernel" if kernel else "padded" if self.device.type != "cpu" else "gather"
 
     def _uses_kernel(self, step: ScheduledStep) -> bool:
-        return self.use_kernel and len(step.token_ids) <= KERNEL_MAX_QUERY
+        """True: the step is one of the batched short spans laid out first."""
+        return self.short_spans != "gather" and len(step.token_ids) <= KERNEL_MAX_QUERY
 
     def prepare(self, steps: Sequence[ScheduledStep], all_rows_for: frozenset[str] = frozenset()) -> StepInputs:
         """Lay the batch out kernel spans first (see model/paged_attention.py) and build its tensors."""
@@ -123,6 +133,9 @@ class PagedModelRunner:
             kv_lens=torch.tensor([s.start_pos + len(s.token_ids) for s in kernel], dtype=torch.int32, device=dev),
             gather_spans=spans,
             scale=self.model.config.head_dim ** -0.5,
+            padded=padded_spans(tables, [len(s.token_ids) for s in kernel],
+                                [s.start_pos + len(s.token_ids) for s in kernel], bs, dev)
+            if kernel and self.short_spans == "padded" else None,
         )
         return StepInputs(torch.tensor(ids, dtype=torch.long, device=dev),
                           torch.tensor(positions, dtype=torch.long, device=dev), attn, sample_rows, sample_ids,

@@ -69,3 +69,44 @@ def test_small_gemm_rows_are_bit_identical_to_gemv(dtype: torch.dtype) -> None:
             assert torch.equal(y[row:row + 1], kernels.gemv(x[row:row + 1], w, b))
     torch.testing.assert_close(kernels.small_gemm(x, w).float(), F.linear(x.float(), w.float()),
                                atol=1e-4 if dtype == torch.float32 else 0.5, rtol=1e-3 if dtype == torch.float32 else 2e-2)
+
+
+needs_packing = pytest.mark.skipif(not kernels.HAVE_ONEDNN_PACKING, reason="this torch has no oneDNN weight packing")
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_packed_linear_matches_linear_and_rows_do_not_depend_on_batch(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    for out_f, in_f in [(960, 576), (576, 1536), (100, 40)]:
+        w = (torch.randn(out_f, in_f) * 0.05).to(dtype)
+        b = torch.randn(out_f).to(dtype)
+        x = torch.randn(70, in_f).to(dtype)
+        packed = kernels.pack_weight(w)
+        ref = F.linear(x.float(), w.float(), b.float())
+        got = kernels.packed_linear(x, packed, b)
+        tol = 1e-4 if dtype == torch.float32 else 0.05
+        assert (got.float() - ref).abs().max() < tol * max(1.0, float(ref.abs().max()))
+        # the engine's exactness tests rely on this: a row's result is the same in any batch of >= 2
+        for m in (2, 3, 17, 32, 33, 64):
+            assert torch.equal(kernels.packed_linear(x[:m], packed, b), got[:m])
+
+
+@needs_packing
+def test_packed_copies_follow_the_model() -> None:
+    from brisk.config import ModelConfig
+    from brisk.model.llama import LlamaForCausalLM
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    h = torch.randn(5, 32)
+    ref = model.compute_logits(h)
+    assert model.pack_weights() > 0 and model.layers[0].mlp.down_proj.packed is not None
+    torch.testing.assert_close(model.compute_logits(h), ref, atol=1e-5, rtol=1e-5)  # tied head, packed
+    model.to(torch.bfloat16)  # a moved/cast model must not keep float32 copies
+    assert model.layers[0].mlp.down_proj.packed is None and model._tied_head_packed is None
