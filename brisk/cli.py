@@ -51,6 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(gen)
     _add_engine(gen)
 
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
+    _add_model(srv)
+    _add_engine(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set BRISK_API_KEY)")
+    srv.add_argument("--max-waiting", type=int, default=256,
+                     help="requests allowed to wait for a slot; beyond it new ones get 503 + Retry-After")
+
     conv = sub.add_parser("convert", help="write a model as an HF-format safetensors directory")
     conv.add_argument("model", help="built-in name, .gguf file or HF directory")
     conv.add_argument("--out", required=True, type=Path, help="output directory")
@@ -270,7 +279,19 @@ def _bench_throughput(args: argparse.Namespace, compare: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"generate": _cmd_generate, "convert": _cmd_convert, "bench": _cmd_bench}
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from brisk.engine.llm import LLM
+    from brisk.server import serve
+
+    if not 0 < args.port < 65536 or args.max_waiting < 1:
+        raise ValueError("--port must be in 1..65535 and --max-waiting >= 1")
+    llm = LLM(args.model, dtype=args.dtype, **engine_kwargs(args))  # type: ignore[arg-type]
+    print(f"brisk: serving {llm.model_name} on http://{args.host}:{args.port} (OpenAI API under /v1)", file=sys.stderr)
+    serve(llm, args.host, args.port, args.api_key, args.max_waiting)
+    return 0
+
+
+COMMANDS = {"generate": _cmd_generate, "convert": _cmd_convert, "bench": _cmd_bench, "serve": _cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

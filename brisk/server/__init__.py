@@ -1,0 +1,37 @@
+"""The OpenAI-compatible server: `brisk serve` (see app.py for the API)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from brisk.engine.llm import LLM
+
+API_KEY_ENV = "BRISK_API_KEY"
+
+
+def build_app(llm: LLM, api_key: str | None = None, max_waiting: int = 256) -> FastAPI:
+    """The FastAPI app over `llm`'s engine, with the engine thread started."""
+    from brisk.engine.async_engine import AsyncEngine
+    from brisk.server.app import ServerState, create_app
+
+    engine = AsyncEngine(llm.engine, max_waiting=max_waiting)
+    engine.start()
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    return create_app(ServerState(engine, llm.tokenizer, llm.model_name, llm.max_model_len, key))
+
+
+def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          max_waiting: int = 256, graceful_seconds: int = 10) -> None:
+    """Run until SIGINT/SIGTERM: uvicorn stops accepting, lets running requests finish for up to
+    `graceful_seconds`, then the engine thread stops; the process exits 0."""
+    import uvicorn
+
+    app = build_app(llm, api_key, max_waiting)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=graceful_seconds)
+    finally:
+        app.state.brisk.engine.shutdown()

@@ -1,0 +1,162 @@
+"""RequestOutputs -> OpenAI response and stream-chunk JSON, for completions and chat.
+
+A View belongs to one HTTP request. Choice `i * n + j` is completion j of prompt i. While
+streaming it remembers, per choice, how many logprobs were sent and whether the finish chunk
+went out, since every engine output repeats all n completions of a prompt.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from brisk.engine.outputs import CompletionOutput, RequestOutput
+from brisk.sample.logprobs import TokenLogprobs
+
+if TYPE_CHECKING:
+    from brisk.server.app import ServerState
+    from brisk.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+class View:
+    object_full = ""
+    object_chunk = ""
+    id_prefix = ""
+
+    def __init__(self, state: ServerState, req: CompletionRequest | ChatCompletionRequest,
+                 prompts: list[tuple[str | None, list[int]]], created: int, job_id: str) -> None:
+        self.state = state
+        self.req = req
+        self.prompts = prompts
+        self.n = req.n
+        self.id = f"{self.id_prefix}-{job_id}"
+        self.created = created
+        self._sent_logprobs: dict[int, int] = {}
+        self._closed: set[int] = set()
+
+    # ------------------------------------------------------------------ shared pieces
+    def _token(self, token_id: int) -> str:
+        return self.state.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.state.model_name,
+                "choices": choices}
+
+    def usage(self, finals: list[RequestOutput]) -> dict[str, int]:
+        prompt = sum(len(ids) for _, ids in self.prompts)
+        completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def usage_chunk(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        return {**self._envelope(self.object_chunk, []), "usage": self.usage(finals)}
+
+    def full(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        choices = [self.full_choice(i * self.n + c.index, i, c) for i, out in enumerate(finals) for c in out.outputs]
+        return {**self._envelope(self.object_full, choices), "usage": self.usage(finals)}
+
+    def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict[str, Any]]:
+        chunks = []
+        for c in out.outputs:
+            index = prompt_index * self.n + c.index
+            if index in self._closed:
+                continue
+            logprobs = c.logprobs or []
+            new_lp = logprobs[self._sent_logprobs.get(index, 0):]
+            self._sent_logprobs[index] = len(logprobs)
+            if c.finished:
+                self._closed.add(index)
+            if c.delta or c.finished or new_lp:
+                chunks.append(self._envelope(self.object_chunk, [self.delta_choice(index, c, new_lp)]))
+        return chunks
+
+    # ------------------------------------------------------------------ per API
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def full_choice(self, index: int, prompt_index: int, c: CompletionOutput) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def delta_choice(self, index: int, c: CompletionOutput, new_lp: list[TokenLogprobs]) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionView(View):
+    object_full = object_chunk = "text_completion"
+    id_prefix = "cmpl"
+
+    def _logprobs(self, entries: list[TokenLogprobs | None], offset: int) -> dict[str, Any]:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for e in entries:
+            if e is None:  # the first prompt token has nothing before it
+                continue
+            text = self._token(e.token_id)
+            tokens.append(text)
+            token_lps.append(e.logprob)
+            tops.append({self._token(t): lp for t, lp in e.top} if e.top else None)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _echo(self, prompt_index: int) -> str:
+        text, ids = self.prompts[prompt_index]
+        return text if text is not None else self.state.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def full_choice(self, index: int, prompt_index: int, c: CompletionOutput) -> dict[str, Any]:
+        req: CompletionRequest = self.req  # type: ignore[assignment]
+        prefix = self._echo(prompt_index) if req.echo else ""
+        logprobs = None
+        if req.logprobs is not None:
+            entries: list[TokenLogprobs | None] = list(c.logprobs or [])
+            if req.echo:
+                entries = list(self._prompt_lps.get(prompt_index) or []) + entries
+            logprobs = self._logprobs(entries, 0)
+        return {"index": index, "text": prefix + c.text, "logprobs": logprobs,
+                "finish_reason": str(c.finish_reason) if c.finish_reason else None}
+
+    def full(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        self._prompt_lps = {i: out.prompt_logprobs for i, out in enumerate(finals)}
+        return super().full(finals)
+
+    def opening(self) -> list[dict[str, Any]]:
+        req: CompletionRequest = self.req  # type: ignore[assignment]
+        if not req.echo:
+            return []
+        return [self._envelope(self.object_chunk, [{"index": i * self.n + j, "text": self._echo(i), "logprobs": None,
+                                                    "finish_reason": None}])
+                for i in range(len(self.prompts)) for j in range(self.n)]
+
+    def delta_choice(self, index: int, c: CompletionOutput, new_lp: list[TokenLogprobs]) -> dict[str, Any]:
+        req: CompletionRequest = self.req  # type: ignore[assignment]
+        logprobs = self._logprobs(list(new_lp), 0) if req.logprobs is not None else None
+        return {"index": index, "text": c.delta, "logprobs": logprobs,
+                "finish_reason": str(c.finish_reason) if c.finish_reason else None}
+
+
+class ChatView(View):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self._token(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _logprobs(self, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
+        if not self.req.logprobs:
+            return None
+        return {"content": [{**self._entry(e.token_id, e.logprob),
+                             "top_logprobs": [self._entry(t, lp) for t, lp in e.top]} for e in entries]}
+
+    def full_choice(self, index: int, prompt_index: int, c: CompletionOutput) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(c.logprobs or []),
+                "finish_reason": str(c.finish_reason) if c.finish_reason else None}
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._envelope(self.object_chunk, [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}])
+                for j in range(self.n)]
+
+    def delta_choice(self, index: int, c: CompletionOutput, new_lp: list[TokenLogprobs]) -> dict[str, Any]:
+        delta = {"content": c.delta} if c.delta else {}
+        return {"index": index, "delta": delta, "logprobs": self._logprobs(new_lp),
+                "finish_reason": str(c.finish_reason) if c.finish_reason else None}

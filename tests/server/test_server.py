@@ -1,0 +1,190 @@
+"""`brisk serve` on 127.0.0.1 with the real default model, driven by the official openai client
+and by raw HTTP for the error paths."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from brisk.engine.llm import LLM
+from brisk.request import SamplingParams
+from brisk.server import build_app
+
+MODEL = "smollm2-135m"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(gguf_path: Path) -> Iterator[dict[str, Any]]:
+    llm = LLM(MODEL, num_kv_blocks=512, max_model_len=1024, max_num_seqs=64)
+    app = build_app(llm, api_key="")
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    base = f"http://127.0.0.1:{port}"
+    yield {"base": base, "llm": llm, "state": app.state.brisk,
+           "client": openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)}
+    srv.should_exit = True
+    thread.join(10)
+    app.state.brisk.engine.shutdown()
+
+
+def _all_blocks_free(server: dict[str, Any], timeout: float = 20.0) -> bool:
+    eng = server["llm"].engine
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if not eng.has_unfinished_requests() and eng.scheduler.kv.num_free_blocks == eng.num_blocks:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_models_and_health(server: dict[str, Any]) -> None:
+    assert [m.id for m in server["client"].models.list().data] == [MODEL]
+    assert httpx.get(server["base"] + "/health").json() == {"status": "ok"}
+
+
+def test_completion_equals_offline_greedy(server: dict[str, Any]) -> None:
+    prompt = "The capital of France is"
+    got = server["client"].completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    ids = server["llm"].tokenizer.encode(prompt)
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 12
+    assert got.usage.total_tokens == len(ids) + 12
+    assert got.choices[0].finish_reason == "length"
+    assert got.choices[0].text == _offline(server, prompt, 12)
+
+
+def _offline(server: dict[str, Any], prompt: str, max_tokens: int) -> str:
+    """Greedy text from a separate LLM over the same file (the server's engine is busy in its thread)."""
+    if "offline" not in server:
+        server["offline"] = LLM(MODEL, num_kv_blocks=128, max_model_len=1024)
+    out = server["offline"].generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
+    return out[0].outputs[0].text
+
+
+def test_chat_stream_matches_non_stream_and_reports_usage(server: dict[str, Any]) -> None:
+    client = server["client"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content and full.choices[0].message.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_n_seed_stop_and_logprobs(server: dict[str, Any]) -> None:
+    client = server["client"]
+    kw = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0.9, "seed": 11}
+    a = client.completions.create(n=2, **kw)
+    b = client.completions.create(n=2, **kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # the seed reproduces
+    stopped = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[" 6"])
+    assert " 6" not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+    lp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, logprobs=2)
+    assert len(lp.choices[0].logprobs.tokens) == 5 and all(len(t) == 2 for t in lp.choices[0].logprobs.top_logprobs)
+    assert "".join(lp.choices[0].logprobs.tokens) == lp.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in content)
+    assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)  # greedy takes the top token
+
+
+def test_tokenize_round_trip(server: dict[str, Any]) -> None:
+    base = server["base"]
+    toks = httpx.post(base + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert toks["count"] == len(toks["tokens"]) > 0
+    assert httpx.post(base + "/detokenize", json={"tokens": toks["tokens"]}).json()["prompt"] == "Hello world"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": "many"}, "max_tokens"),
+    ({"max_tokens": 5000}, "max_tokens"),
+    ({"logprobs": 50}, "logprobs"),
+])
+def test_bad_values_get_400_naming_the_field(server: dict[str, Any], body: dict[str, Any], param: str) -> None:
+    r = httpx.post(server["base"] + "/v1/completions", json={"model": MODEL, "prompt": "hi", **body})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    if body.get("max_tokens") == 5000:
+        assert "1024" in err["message"] and "5000" in err["message"]  # both numbers
+
+
+def test_unknown_model_malformed_json_and_auth(server: dict[str, Any]) -> None:
+    base = server["base"]
+    r = httpx.post(base + "/v1/completions", json={"model": "gpt-9", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = httpx.post(base + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    state = server["state"]
+    state.api_key = "s3cret"
+    try:
+        assert httpx.get(base + "/v1/models").status_code == 401
+        assert httpx.get(base + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(base + "/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    finally:
+        state.api_key = ""
+
+
+def test_64_concurrent_streams_finish_and_free_every_block(server: dict[str, Any]) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, bool]:
+        stream = await client.completions.create(model=MODEL, prompt=f"Item {i}:", max_tokens=6, temperature=0,
+                                                 stream=True)
+        text, finished = "", False
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finished = finished or chunk.choices[0].finish_reason is not None
+        return text, finished
+
+    async def main() -> list[tuple[str, bool]]:
+        client = openai.AsyncOpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0, timeout=300)
+        return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert len(results) == 64 and all(done for _, done in results)
+    assert _all_blocks_free(server)
+
+
+def test_client_disconnect_mid_stream_frees_its_blocks(server: dict[str, Any]) -> None:
+    body = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tokens": 400, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=60) as r:
+        lines = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(json.loads(line[6:]))
+            if len(lines) >= 3:
+                break  # leave mid-stream
+    assert len(lines) == 3 and lines[0]["choices"][0]["finish_reason"] is None
+    # 400 tokens would take ~10 s more; the abort frees the blocks well before
+    assert _all_blocks_free(server, timeout=4.0)
