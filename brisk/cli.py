@@ -89,6 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="python of a venv with vllm installed, for --compare vllm (env BRISK_VLLM_PYTHON)")
     thr.add_argument("--hf-batch-size", type=int, default=None, help="HF generate() batch (default: all prompts)")
 
+    srvb = bsub.add_parser("serve", help="Poisson load against any OpenAI-compatible server (brisk, vLLM, llama.cpp)")
+    srvb.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    srvb.add_argument("--model", default=None, help="model name to send (default: none; brisk serves one)")
+    srvb.add_argument("--request-rate", type=float, default=float("inf"),
+                      help="mean requests per second, Poisson arrivals (default inf: all at once)")
+    srvb.add_argument("--num-prompts", type=int, default=32)
+    srvb.add_argument("--input-len", type=int, default=None, help="fixed prompt length (default: chat-like 50-1000)")
+    srvb.add_argument("--output-len", type=int, default=None, help="fixed output length (default: chat-like 20-400)")
+    srvb.add_argument("--vocab-size", type=int, default=49152, help="prompt token ids are drawn below this")
+    srvb.add_argument("--seed", type=int, default=0, help="same seed as `bench throughput`: the same workload")
+    srvb.add_argument("--api-key", default=os.environ.get("BRISK_API_KEY"))
+    srvb.add_argument("--plot", type=Path, default=None, help="write a PNG of the latency distributions here")
+
     pre = bsub.add_parser("prefix", help="time to first token with a cached long prefix vs a cold cache")
     _add_model(pre)
     _add_engine(pre)
@@ -235,6 +248,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown --compare peer(s): {', '.join(sorted(unknown))}; available: {', '.join(sorted(peers))}")
     if args.bench == "throughput":
         return _bench_throughput(args, compare)
+    if args.bench == "serve":
+        return _bench_serve(args)
     if args.bench in ("prefix", "mixed"):
         return _bench_engine(args)
     from brisk.bench.latency import DEFAULT_PROMPT, bench_latency
@@ -265,6 +280,18 @@ def _bench_engine(args: argparse.Namespace) -> int:
     result.update(model=args.model, dtype=args.dtype)
     print(json.dumps(result), flush=True)
     return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from brisk.bench.serving import bench_serve
+    from brisk.bench.throughput import make_workload
+
+    if args.num_prompts < 1 or not args.request_rate > 0:
+        raise ValueError("--num-prompts must be >= 1 and --request-rate > 0")
+    work = make_workload(args.num_prompts, args.vocab_size, args.seed, args.input_len, args.output_len)
+    result = bench_serve(args.url, args.model, work, args.request_rate, args.seed, args.api_key, args.plot)
+    print(json.dumps(result), flush=True)
+    return 0 if result["failed"] == 0 else 1
 
 
 def _bench_throughput(args: argparse.Namespace, compare: list[str]) -> int:

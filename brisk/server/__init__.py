@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -30,8 +32,20 @@ def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, api_key: str | No
     `graceful_seconds`, then the engine thread stops; the process exits 0."""
     import uvicorn
 
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn drains, then re-raises the signal so the process dies of it (status -15);
+            # a server asked to stop that stopped cleanly should say so: exit 0.
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()
+
     app = build_app(llm, api_key, max_waiting)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=graceful_seconds)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=graceful_seconds)
+        _Server(config).run()
     finally:
         app.state.brisk.engine.shutdown()

@@ -188,3 +188,39 @@ def test_client_disconnect_mid_stream_frees_its_blocks(server: dict[str, Any]) -
     assert len(lines) == 3 and lines[0]["choices"][0]["finish_reason"] is None
     # 400 tokens would take ~10 s more; the abort frees the blocks well before
     assert _all_blocks_free(server, timeout=4.0)
+
+
+def test_metrics_chat_page_and_overload(server: dict[str, Any]) -> None:
+    base = server["base"]
+    server["client"].completions.create(model=MODEL, prompt="Count: 1, 2,", max_tokens=4, temperature=0)
+    text = httpx.get(base + "/metrics").text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["brisk_kv_blocks_total"] == server["llm"].engine.num_blocks
+    assert values["brisk_generation_tokens_total"] >= 4 and values["brisk_prompt_tokens_total"] > 0
+    assert values["brisk_time_to_first_token_seconds_count"] >= 1
+    assert values["brisk_e2e_request_latency_seconds_count"] >= 1
+    page = httpx.get(base + "/")
+    assert page.status_code == 200 and "/v1/chat/completions" in page.text and "cdn" not in page.text.lower()
+    engine = server["state"].engine
+    engine.max_waiting = 0  # every new request now finds the line full
+    try:
+        r = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "server_overloaded"
+    finally:
+        engine.max_waiting = 256
+    assert _all_blocks_free(server)
+
+
+def test_bench_serve_against_the_server(server: dict[str, Any]) -> None:
+    from brisk.bench.serving import bench_serve
+    from brisk.bench.throughput import make_workload
+
+    work = make_workload(6, server["llm"].model_config.vocab_size, 0, 16, 5)
+    result = bench_serve(server["base"], MODEL, work, rate=20.0, seed=0, api_key=None, plot=None)
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["output_tokens_per_s"] * result["duration_s"] == pytest.approx(30, abs=0.1)
+    assert 0 < result["ttft_p50_ms"] <= result["ttft_p99_ms"] <= result["e2e_p99_ms"]
+    assert result["itl_p50_ms"] > 0 and result["tpot_p50_ms"] > 0
+    assert _all_blocks_free(server)
