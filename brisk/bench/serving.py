@@ -96,7 +96,7 @@ def bench_serve(url: str, model: str | None, work: Workload, rate: float, seed: 
     result: dict[str, Any] = {
         "bench": "serve", "url": url, "request_rate": rate, "num_requests": len(timings), "completed": len(ok),
         "failed": len(timings) - len(ok), "errors": sorted({t.error for t in timings if t.error})[:3],
-        "duration_s": round(elapsed, 2), "requests_per_s": round(len(ok) / elapsed, 3),
+        "duration_s": round(elapsed, 2), "output_tokens": out_tokens, "requests_per_s": round(len(ok) / elapsed, 3),
         "output_tokens_per_s": round(out_tokens / elapsed, 2),
         "total_tokens_per_s": round((out_tokens + sum(len(p) for p in work.prompts)) / elapsed, 2),
         **_summary("ttft", [t.ttft for t in ok]), **_summary("tpot", tpot), **_summary("itl", itl),

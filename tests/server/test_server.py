@@ -220,7 +220,7 @@ def test_bench_serve_against_the_server(server: dict[str, Any]) -> None:
     work = make_workload(6, server["llm"].model_config.vocab_size, 0, 16, 5)
     result = bench_serve(server["base"], MODEL, work, rate=20.0, seed=0, api_key=None, plot=None)
     assert result["completed"] == 6 and result["failed"] == 0
-    assert result["output_tokens_per_s"] * result["duration_s"] == pytest.approx(30, abs=0.1)
+    assert result["output_tokens"] == 30 and result["output_tokens_per_s"] > 0
     assert 0 < result["ttft_p50_ms"] <= result["ttft_p99_ms"] <= result["e2e_p99_ms"]
     assert result["itl_p50_ms"] > 0 and result["tpot_p50_ms"] > 0
     assert _all_blocks_free(server)
