@@ -83,7 +83,7 @@ async def _run(url: str, model: str | None, work: Workload, rate: float, seed: i
 
 
 def _summary(name: str, values: list[float]) -> dict[str, float]:
-    return {f"{name}_{q}_ms": round(_pct(values, q) * 1000, 1) for q in (50, 90, 99)}
+    return {f"{name}_p{q}_ms": round(_pct(values, q) * 1000, 1) for q in (50, 90, 99)}
 
 
 def bench_serve(url: str, model: str | None, work: Workload, rate: float, seed: int, api_key: str | None,
