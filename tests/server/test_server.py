@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,34 +16,8 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from brisk.engine.llm import LLM
 from brisk.request import SamplingParams
-from brisk.server import build_app
 
 MODEL = "smollm2-135m"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def server(gguf_path: Path) -> Iterator[dict[str, Any]]:
-    llm = LLM(MODEL, num_kv_blocks=512, max_model_len=1024, max_num_seqs=64)
-    app = build_app(llm, api_key="")
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    base = f"http://127.0.0.1:{port}"
-    yield {"base": base, "llm": llm, "state": app.state.brisk,
-           "client": openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)}
-    srv.should_exit = True
-    thread.join(10)
-    app.state.brisk.engine.shutdown()
 
 
 def _all_blocks_free(server: dict[str, Any], timeout: float = 20.0) -> bool:
