@@ -51,6 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(gen)
     _add_engine(gen)
 
+    ev = sub.add_parser("eval", help="quality evaluations")
+    esub = ev.add_subparsers(dest="eval", required=True)
+    ppl = esub.add_parser("ppl", help="perplexity on a text file, with KL and top-1 agreement vs float32")
+    ppl.add_argument("--model", "-m", default=DEFAULT_MODEL, help=f"model reference (default {DEFAULT_MODEL})")
+    ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ppl.add_argument("--text", type=Path, required=True, help="UTF-8 text file, e.g. wikitext-2-raw/wiki.test.raw")
+    ppl.add_argument("--window", type=int, default=1024, help="tokens per non-overlapping window (default 1024)")
+    ppl.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")
+    ppl.add_argument("--json", action="store_true", help="print only the JSON line")
+
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
     _add_model(srv)
     _add_engine(srv)
@@ -318,7 +328,22 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": _cmd_generate, "convert": _cmd_convert, "bench": _cmd_bench, "serve": _cmd_serve}
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from brisk.bench.eval_ppl import eval_ppl
+
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise ValueError("--max-tokens must be >= 2")
+    result = eval_ppl(args.model, args.dtype, args.text, args.window, args.max_tokens)
+    if not args.json:
+        print(f"perplexity {result['perplexity']} over {result['tokens_scored']} tokens "
+              f"(KL vs float32 {result['kl_vs_float32']}, top-1 agreement {result['top1_agreement_vs_float32']})",
+              file=sys.stderr)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+COMMANDS = {"generate": _cmd_generate, "convert": _cmd_convert, "bench": _cmd_bench, "serve": _cmd_serve,
+            "eval": _cmd_eval}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,120 @@
+"""`brisk eval ppl`: perplexity on a text, and how far a model variant drifts from the reference.
+
+The text is tokenized once and cut into non-overlapping windows of `window` tokens; each window
+is scored on every token after its first (the first has no context inside the window), so the
+figure does not depend on the batch layout and matches the usual "stride = window" evaluation.
+When the model under test is not the float32 reference (another dtype; quantized models with
+issue 5), the float32 model scores the same windows and each position adds
+KL(p_reference || p_model) and whether both put the same token on top.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from brisk.engine.llm import LLM
+from brisk.loader.load import load_model
+from brisk.model.attention import ContiguousAttention, SeqSpan
+from brisk.model.llama import LlamaForCausalLM
+from brisk.request import SamplingParams
+from brisk.runtime.model_runner import allocate_contiguous_kv, sdpa_context
+
+LOGIT_ROWS = 256  # positions turned into vocab-wide log-probs at a time (bounds memory)
+
+
+@dataclass
+class WindowScore:
+    nll_sum: float = 0.0
+    kl_sum: float = 0.0
+    top1_agree: int = 0
+    tokens: int = 0
+
+
+def read_tokens(llm: LLM, path: Path, max_tokens: int | None) -> list[int]:
+    text = path.read_text(encoding="utf-8", errors="replace")
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    return ids[:max_tokens] if max_tokens else ids
+
+
+@torch.inference_mode()
+def _hidden(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    """Final hidden states of every position of one window: [n, hidden]."""
+    device = model.embed_tokens.weight.device
+    caches = allocate_contiguous_kv(model.config, 1, len(ids), model.dtype, device)
+    attn = ContiguousAttention(caches, [SeqSpan(0, 0, len(ids), 0)])
+    with sdpa_context(device):
+        return model(torch.tensor(ids, device=device), torch.arange(len(ids), device=device), attn)
+
+
+@torch.inference_mode()
+def score_window(model: LlamaForCausalLM, ids: list[int], reference: LlamaForCausalLM | None) -> WindowScore:
+    """NLL of tokens 1.. given the ones before, plus KL and top-1 agreement against `reference`."""
+    h = _hidden(model, ids)
+    h_ref = _hidden(reference, ids) if reference is not None else None
+    targets = torch.tensor(ids[1:], device=h.device)
+    score = WindowScore(tokens=len(ids) - 1)
+    for start in range(0, len(ids) - 1, LOGIT_ROWS):
+        rows = slice(start, min(start + LOGIT_ROWS, len(ids) - 1))
+        logp = F.log_softmax(model.compute_logits(h[rows]), dim=-1)  # [r, vocab] float32
+        score.nll_sum -= float(logp.gather(-1, targets[rows, None]).sum())
+        if h_ref is not None:
+            ref_logp = F.log_softmax(reference.compute_logits(h_ref[rows]), dim=-1)  # type: ignore[union-attr]
+            score.kl_sum += float((ref_logp.exp() * (ref_logp - logp)).sum())
+            score.top1_agree += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
+    return score
+
+
+def _decode_tokens_per_s(llm: LLM, new_tokens: int = 64) -> float:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate("The history of", SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
+    out = llm.generate("The history of", params, use_tqdm=False)[0]
+    return round(out.decode_tokens_per_second() or float("nan"), 2)
+
+
+def weight_bytes(model: LlamaForCausalLM) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: int | None) -> dict[str, Any]:
+    if window < 2:
+        raise ValueError(f"--window must be >= 2 tokens, got {window}")
+    if not text.is_file():
+        raise ValueError(f"--text {text} is not a file")
+    llm = LLM(model_ref, dtype=dtype, max_model_len=max(window, 256), num_kv_blocks=96)  # KV only for the decode timing
+    ids = read_tokens(llm, text, max_tokens)
+    if len(ids) < 2:
+        raise ValueError(f"{text} holds fewer than 2 tokens; nothing to score")
+    reference = None
+    if dtype != "float32":
+        reference = load_model(model_ref, dtype="float32", max_model_len=max(window, 256)).model
+        reference.pack_weights()
+    total = WindowScore()
+    start = time.perf_counter()
+    for i in range(0, len(ids) - 1, window):
+        chunk = ids[i:i + window]
+        if len(chunk) < 2:
+            break
+        s = score_window(llm.model, chunk, reference)
+        total.nll_sum += s.nll_sum
+        total.kl_sum += s.kl_sum
+        total.top1_agree += s.top1_agree
+        total.tokens += s.tokens
+    elapsed = time.perf_counter() - start
+    result: dict[str, Any] = {
+        "bench": "ppl", "model": model_ref, "dtype": dtype, "text": str(text), "window": window,
+        "tokens_scored": total.tokens, "perplexity": round(math.exp(total.nll_sum / total.tokens), 4),
+        "nll_per_token": round(total.nll_sum / total.tokens, 5),
+        "kl_vs_float32": round(total.kl_sum / total.tokens, 6) if reference is not None else 0.0,
+        "top1_agreement_vs_float32": round(total.top1_agree / total.tokens, 5) if reference is not None else 1.0,
+        "weight_mib": round(weight_bytes(llm.model) / 2**20, 1),
+        "scoring_tokens_per_s": round(total.tokens / elapsed, 1),
+        "decode_tokens_per_s": _decode_tokens_per_s(llm),
+    }
+    return result
