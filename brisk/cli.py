@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl = esub.add_parser("ppl", help="perplexity on a text file, with KL and top-1 agreement vs float32")
     ppl.add_argument("--model", "-m", default=DEFAULT_MODEL, help=f"model reference (default {DEFAULT_MODEL})")
     ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ppl.add_argument("--quantization", "-q", default=None, choices=["int8"], help="evaluate a quantized model")
     ppl.add_argument("--text", type=Path, required=True, help="UTF-8 text file, e.g. wikitext-2-raw/wiki.test.raw")
     ppl.add_argument("--window", type=int, default=1024, help="tokens per non-overlapping window (default 1024)")
     ppl.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--new-tokens", type=int, default=128)
     lat.add_argument("--repeats", type=int, default=3)
     lat.add_argument("--compare", default="", help="peers to run side by side: hf")
+    lat.add_argument("--quantization", "-q", default=None, choices=["int8"], help="quantize brisk's model at load")
 
     thr = bsub.add_parser("throughput", help="offline batched throughput on a seeded chat-like workload")
     _add_model(thr)
@@ -139,6 +141,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gib", type=float, default=2.0, help="KV cache size (default 2 GiB)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+    p.add_argument("--quantization", "-q", default=None, choices=["int8"],
+                   help="quantize the decoder's linear layers at load: int8 (weight-only, per channel)")
     p.add_argument("--no-pack-weights", action="store_true",
                    help="do not keep oneDNN-packed weight copies (saves memory as large as the weights; "
                         "slower prefill and batched decode)")
@@ -154,7 +158,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
             "enable_prefix_caching": not args.no_prefix_caching,
             "enable_chunked_prefill": not args.no_chunked_prefill,
             "max_decode_slowdown": args.max_decode_slowdown,
-            "pack_weights": not args.no_pack_weights}
+            "pack_weights": not args.no_pack_weights, "quantization": args.quantization}
 
 
 def _read_prompts(path: Path, chat: bool, system: str | None) -> list[dict[str, object]]:
@@ -269,7 +273,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     dtypes = args.dtype_list.split(",") if args.dtype_list else [args.dtype]
     for dtype in dtypes:
         result = bench_latency(args.model, dtype, args.prompt or DEFAULT_PROMPT, not args.no_chat,
-                               args.new_tokens, args.repeats, compare)
+                               args.new_tokens, args.repeats, compare, args.quantization)
         print(json.dumps(result), flush=True)
     return 0
 
@@ -333,7 +337,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     if args.max_tokens is not None and args.max_tokens < 2:
         raise ValueError("--max-tokens must be >= 2")
-    result = eval_ppl(args.model, args.dtype, args.text, args.window, args.max_tokens)
+    result = eval_ppl(args.model, args.dtype, args.text, args.window, args.max_tokens, args.quantization)
     if not args.json:
         print(f"perplexity {result['perplexity']} over {result['tokens_scored']} tokens "
               f"(KL vs float32 {result['kl_vs_float32']}, top-1 agreement {result['top1_agreement_vs_float32']})",

@@ -79,20 +79,24 @@ def _decode_tokens_per_s(llm: LLM, new_tokens: int = 64) -> float:
 
 
 def weight_bytes(model: LlamaForCausalLM) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Parameters and quantized buffers (int8 weights, scales); not the rotary tables."""
+    tensors = [*model.parameters(), *(b for name, b in model.named_buffers() if not name.startswith("rope_"))]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: int | None) -> dict[str, Any]:
+def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: int | None,
+             quantization: str | None = None) -> dict[str, Any]:
     if window < 2:
         raise ValueError(f"--window must be >= 2 tokens, got {window}")
     if not text.is_file():
         raise ValueError(f"--text {text} is not a file")
-    llm = LLM(model_ref, dtype=dtype, max_model_len=max(window, 256), num_kv_blocks=96)  # KV only for the decode timing
+    llm = LLM(model_ref, dtype=dtype, max_model_len=max(window, 256), num_kv_blocks=96,  # KV only for the decode timing
+              quantization=quantization)
     ids = read_tokens(llm, text, max_tokens)
     if len(ids) < 2:
         raise ValueError(f"{text} holds fewer than 2 tokens; nothing to score")
     reference = None
-    if dtype != "float32":
+    if dtype != "float32" or quantization is not None:
         reference = load_model(model_ref, dtype="float32", max_model_len=max(window, 256)).model
         reference.pack_weights()
     total = WindowScore()
@@ -108,7 +112,8 @@ def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: in
         total.tokens += s.tokens
     elapsed = time.perf_counter() - start
     result: dict[str, Any] = {
-        "bench": "ppl", "model": model_ref, "dtype": dtype, "text": str(text), "window": window,
+        "bench": "ppl", "model": model_ref, "dtype": dtype, "quantization": quantization, "text": str(text),
+        "window": window,
         "tokens_scored": total.tokens, "perplexity": round(math.exp(total.nll_sum / total.tokens), 4),
         "nll_per_token": round(total.nll_sum / total.tokens, 5),
         "kl_vs_float32": round(total.kl_sum / total.tokens, 6) if reference is not None else 0.0,

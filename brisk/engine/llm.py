@@ -16,6 +16,8 @@ from tqdm import tqdm
 
 from brisk.config import CacheConfig, EngineConfig, SchedulerConfig
 from brisk.engine.llm_engine import LLMEngine
+from brisk.quant import apply as quantize
+from brisk.quant import check_method
 from brisk.engine.outputs import RequestOutput
 from brisk.loader.load import load_model
 from brisk.loader.resolve import DEFAULT_MODEL
@@ -36,7 +38,8 @@ class LLM:
     `max_decode_slowdown` (e.g. 1.5: prompt chunks sized so a step with running decodes takes at
     most that many times a decode-only step; default None: the token budget alone),
     `pack_weights` (CPU: keep oneDNN-packed copies of the weights for batched rows, ~1.3-2x faster
-    prefill and batched decode for as much memory again as the weights; default True).
+    prefill and batched decode for as much memory again as the weights; default True),
+    `quantization` (e.g. "int8": swap the decoder's Linears for quantized ones at load, see quant/).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str = "cpu",
@@ -44,11 +47,17 @@ class LLM:
                  num_kv_blocks: int | None = None, kv_cache_memory_gib: float = 2.0,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 max_decode_slowdown: float | None = None, pack_weights: bool = True) -> None:
+                 max_decode_slowdown: float | None = None, pack_weights: bool = True,
+                 quantization: str | None = None) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed)
         cache = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                             kv_cache_memory_gib=kv_cache_memory_gib, enable_prefix_caching=enable_prefix_caching)
+        if quantization is not None:
+            check_method(quantization)  # before spending seconds on loading
         loaded = load_model(model, dtype=dtype, device=device, max_model_len=max_model_len)
+        if quantization is not None:
+            quantize(loaded.model, quantization)
+        self.quantization = quantization
         self.max_model_len = max_model_len or loaded.config.max_position_embeddings
         sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                 max_model_len=self.max_model_len, enable_chunked_prefill=enable_chunked_prefill,

@@ -88,3 +88,16 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if x.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype != weight.dtype:
         raise ValueError(f"small_gemm: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype}")
     return _C.small_gemm(x, weight, bias)
+
+
+def int8_gemm_supported(qweight: torch.Tensor) -> bool:
+    """True when `int8_gemm` can serve this int8 weight: CPU with AVX-512, extension built."""
+    return SMALL_GEMM_MAX_ROWS > 1 and qweight.device.type == "cpu" and qweight.dtype == torch.int8 and qweight.is_contiguous()
+
+
+def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(x [M, in] @ qweight[out, in]^T) * scale[out] (+ bias) -> float32 [M, out]."""
+    assert _C is not None
+    if x.dim() != 2 or x.shape[1] != qweight.shape[1]:
+        raise ValueError(f"int8_gemm: x {tuple(x.shape)} does not fit weight {tuple(qweight.shape)}")
+    return _C.int8_gemm(x, qweight, scale, bias)

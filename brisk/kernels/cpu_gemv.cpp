@@ -218,6 +218,27 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const c10::op
   return w.scalar_type() == torch::kFloat32 ? y : y.to(w.scalar_type());
 }
 
+namespace {
+// The row loop shared by small_gemm and int8_gemm: output rows split over threads, rows of x in
+// chunks of 8, then 4, 2, 1 so the accumulators stay in registers.
+template <typename T>
+void small_gemm_rows(const T* wp, const float* xp, float* yp, int64_t m_rows, int64_t out, int64_t in) {
+  at::parallel_for(0, out, 32, [&](int64_t r0, int64_t r1) {
+    int64_t done = 0;
+    auto chunk = [&](auto mb_tag) {
+      constexpr int MB = decltype(mb_tag)::value;
+      const int64_t n = (m_rows - done) / MB * MB;
+      if (n > 0) small_gemm_avx512<T, MB>(wp, xp + done * in, yp + done * out, n, out, r0, r1, in);
+      done += n;
+    };
+    chunk(std::integral_constant<int, 8>{});
+    chunk(std::integral_constant<int, 4>{});
+    chunk(std::integral_constant<int, 2>{});
+    chunk(std::integral_constant<int, 1>{});
+  });
+}
+}  // namespace
+
 // y[M, out] = x[M, in] @ w[out, in]^T (+ bias) for small M (decode batches): weights streamed once.
 // Only with AVX-512 (callers check `small_gemm_supported`); per row identical to `gemv`.
 torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
@@ -229,23 +250,7 @@ torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& w, const c
   auto y = torch::empty({m_rows, out}, x.options().dtype(torch::kFloat32));
   const float* xp = xf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  auto run = [&](auto* wp) {
-    at::parallel_for(0, out, 32, [&](int64_t r0, int64_t r1) {
-      // rows of x in chunks of 8, then 4, 2, 1: the accumulators stay in registers
-      int64_t done = 0;
-      auto chunk = [&](auto mb_tag) {
-        constexpr int MB = decltype(mb_tag)::value;
-        const int64_t n = (m_rows - done) / MB * MB;
-        if (n > 0) small_gemm_avx512<std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>, MB>(
-            wp, xp + done * in, yp + done * out, n, out, r0, r1, in);
-        done += n;
-      };
-      chunk(std::integral_constant<int, 8>{});
-      chunk(std::integral_constant<int, 4>{});
-      chunk(std::integral_constant<int, 2>{});
-      chunk(std::integral_constant<int, 1>{});
-    });
-  };
+  auto run = [&](auto* wp) { small_gemm_rows(wp, xp, yp, m_rows, out, in); };
   if (w.scalar_type() == torch::kFloat32) {
     run(w.data_ptr<float>());
   } else if (w.scalar_type() == torch::kBFloat16) {
@@ -263,4 +268,22 @@ std::string isa_name() {
     case Isa::kAvx2: return "avx2";
     default: return "scalar";
   }
+}
+
+// y[M, out] = (x[M, in] @ q[out, in]^T) * scale[out] (+ bias): int8 weights with one float32 scale
+// per output row (quant/int8.py), read at a quarter of float32's bytes and widened in registers.
+// Any M; decode batches are what it is for (prefill dequantizes and uses a GEMM instead).
+torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                        const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(kIsa == Isa::kAvx512, "brisk int8_gemm: needs AVX-512");
+  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "brisk int8_gemm: q must be a contiguous int8 [out, in]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == q.size(1), "brisk int8_gemm: x does not fit q");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.numel() == q.size(0), "brisk int8_gemm: scale must be float32 [out]");
+  const int64_t m_rows = x.size(0), out = q.size(0), in = q.size(1);
+  auto xf = x.to(torch::kFloat32).contiguous();
+  auto y = torch::empty({m_rows, out}, x.options().dtype(torch::kFloat32));
+  small_gemm_rows(q.data_ptr<int8_t>(), xf.data_ptr<float>(), y.data_ptr<float>(), m_rows, out, in);
+  y.mul_(scale.view({1, out}));
+  if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
+  return y;
 }

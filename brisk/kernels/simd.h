@@ -18,6 +18,11 @@ __attribute__((target("avx512f"))) inline __m512 load16(const c10::BFloat16* p) 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+__attribute__((target("avx512f"))) inline __m512 load16(const int8_t* p) {
+  // int8 weights (quant/int8.py): sign-extend to 32 bits and convert (exact)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 __attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 __attribute__((target("avx2,fma"))) inline __m256 load8(const c10::BFloat16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

@@ -1,0 +1,63 @@
+"""int8 weight-only quantization: symmetric, one float32 scale per output channel.
+
+    q[o, i] = round(W[o, i] / s[o]),  s[o] = max_i |W[o, i]| / 127,  q in [-127, 127]
+    y = (x @ q^T) * s (+ b)
+
+Decode reads a quarter of float32's bytes; the C++ kernel widens int8 to float32 in registers
+and accumulates in float32 (`kernels.int8_gemm`), so the only error is the rounding of W.
+Large batches (prefill chunks) dequantize the weight once per call and use a float GEMM, where
+arithmetic, not bytes, is the cost.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from brisk.kernels import int8_gemm, int8_gemm_supported
+from brisk.model.layers import Linear
+
+KERNEL_MAX_ROWS = 32  # up to this many rows the int8 kernel beats dequantize + GEMM
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [out, in] -> (int8 [out, in], float32 scale [out])."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 output_sizes: tuple[int, ...], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features = qweight.shape[1]
+        self.out_features = qweight.shape[0]
+        self.output_sizes = output_sizes
+        self.dtype = dtype  # what activations and outputs are
+        self.register_buffer("qweight", qweight)  # [out, in] int8
+        self.register_buffer("scale", scale)  # [out] float32
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: Linear) -> Int8Linear:
+        q, scale = quantize_per_channel(linear.weight)
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        return cls(q, scale, bias, linear.output_sizes, linear.weight.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight this module computes with: q * s."""
+        return self.qweight.float() * self.scale[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] <= KERNEL_MAX_ROWS and int8_gemm_supported(self.qweight):
+            y = int8_gemm(flat, self.qweight, self.scale, self.bias)
+        else:
+            y = F.linear(flat.float(), self.dequantize(), self.bias)
+        return y.to(self.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.output_sizes}, int8 per-channel"
