@@ -43,9 +43,14 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: Linear) -> Int8Linear:
-        q, scale = quantize_per_channel(linear.weight)
-        bias = None if linear.bias is None else linear.bias.detach().float()
-        return cls(q, scale, bias, linear.output_sizes, linear.weight.dtype)
+        return cls.from_weight(linear.weight, linear.bias, linear.output_sizes)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None,
+                    output_sizes: tuple[int, ...] | None = None) -> Int8Linear:
+        q, scale = quantize_per_channel(weight)
+        b = None if bias is None else bias.detach().float()
+        return cls(q, scale, b, output_sizes or (weight.shape[0],), weight.dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight this module computes with: q * s."""

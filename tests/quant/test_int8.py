@@ -98,3 +98,21 @@ def test_int8_model_behind_the_server() -> None:
 
     expected = offline.generate("Water boils at", SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
     assert r.json()["choices"][0]["text"] == expected[0].outputs[0].text
+
+
+def test_a_tied_head_gets_its_own_quantized_copy() -> None:
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    embed = model.embed_tokens.weight.clone()
+    h = torch.randn(3, 32)
+    before = model.compute_logits(h)
+    assert apply(model, "int8") == 4 + 1
+    assert isinstance(model.lm_head, Int8Linear) and torch.equal(model.embed_tokens.weight, embed)
+    after = model.compute_logits(h)
+    torch.testing.assert_close(after, h @ model.lm_head.dequantize().T, atol=1e-5, rtol=1e-5)
+    assert (after - before).abs().max() < 0.02 * before.abs().max()
