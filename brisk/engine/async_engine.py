@@ -36,6 +36,10 @@ class EngineDead(Exception):
     """The engine thread stopped (shutdown or a fatal error)."""
 
 
+class RequestAborted(Exception):
+    """The request was aborted (its client went away) before it finished."""
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -82,7 +86,13 @@ class AsyncEngine:
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._inbox.put(_Add(rid, prompt_token_ids, params, prompt, sink, loop, accepted))
-        await asyncio.wrap_future(accepted)  # raises the engine's ValueError, if any
+        if self._stopped.is_set():  # the thread ended between the check above and the put
+            self._fail_inbox(EngineDead("the engine stopped"))
+        try:
+            await asyncio.wrap_future(accepted)  # raises the engine's ValueError, if any
+        except asyncio.CancelledError:
+            self.abort(rid)  # the caller gave up while the request was being admitted
+            raise
         return rid, sink
 
     def abort(self, request_id: str) -> None:
@@ -123,7 +133,7 @@ class AsyncEngine:
                 return False
             if isinstance(item, str):
                 if self.engine.abort_request(item):
-                    self._sinks.pop(item, None)
+                    self._deliver(item, RequestAborted(f"request {item} was aborted"))
             else:
                 self._accept(item)
             try:
@@ -132,6 +142,8 @@ class AsyncEngine:
                 return True
 
     def _accept(self, add: _Add) -> None:
+        if not add.accepted.set_running_or_notify_cancel():
+            return  # the caller was cancelled before admission: nothing to add
         try:
             self.engine.add_request(add.request_id, add.prompt_token_ids, add.params, prompt=add.prompt,
                                     arrival_time=time.perf_counter())
@@ -147,6 +159,12 @@ class AsyncEngine:
             outs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - the step's requests end with the error; others go on
             gone = before - set(self.engine.unfinished_request_ids())
+            if not gone:
+                # the failure was outside the forward (scheduling, bookkeeping): retrying would
+                # fail the same way forever, so every request in flight ends with the error
+                gone = before
+                for rid in before:
+                    self.engine.abort_request(rid)
             for rid in gone:
                 self._deliver(rid, RuntimeError(f"generation failed: {e}"))
             return

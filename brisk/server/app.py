@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from brisk.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded
 from brisk.engine.outputs import RequestOutput
@@ -103,21 +104,49 @@ def _install_errors(app: FastAPI) -> None:
     async def _dead(_: Request, e: EngineDead) -> JSONResponse:
         return error_response(503, str(e), None, "server_error")
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(e.status_code, str(e.detail), None, kind)
 
-def _install_guards(app: FastAPI, state: ServerState, max_body_bytes: int) -> None:
-    @app.middleware("http")
-    async def _guard(request: Request, call_next: Any) -> Response:
-        path = request.url.path
-        if state.api_key and (path.startswith("/v1") or path in ("/tokenize", "/detokenize")):
-            auth = request.headers.get("authorization", "")
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", None, "server_error")
+
+
+class _Guard:
+    """API key and body-size checks as plain ASGI middleware. (Starlette's BaseHTTPMiddleware
+    wraps `receive`, and through it a handler never hears that its client disconnected.)"""
+
+    def __init__(self, app: Any, state: ServerState, max_body_bytes: int) -> None:
+        self.app, self.state, self.max_body_bytes = app, state, max_body_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Any) -> JSONResponse | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        path = scope.get("path", "")
+        key = self.state.api_key
+        if key and (path.startswith("/v1") or path in ("/tokenize", "/detokenize")):
+            auth = headers.get("authorization", "")
             given = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(given.encode(), state.api_key.encode()):
+            if not hmac.compare_digest(given.encode(), key.encode()):
                 return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                       None, "authentication_error")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            return error_response(413, f"request body of {length} bytes is over the {max_body_bytes}-byte limit")
-        return await call_next(request)
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return error_response(413, f"request body of {length} bytes is over the {self.max_body_bytes}-byte limit")
+        return None
+
+
+def _install_guards(app: FastAPI, state: ServerState, max_body_bytes: int) -> None:
+    app.add_middleware(_Guard, state=state, max_body_bytes=max_body_bytes)
 
 
 def _install_routes(app: FastAPI, state: ServerState) -> None:
@@ -164,7 +193,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Response:
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
         state.check_model(req.model)
         prompts = _completion_prompts(req, state.tokenizer)
         max_tokens = req.max_tokens or 16
@@ -176,11 +205,11 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         job = await _submit(state, prompts, params)
         view = fmt.CompletionView(state, req, prompts, job.created, job.id)
         if req.stream:
-            return _sse(_stream(state, job, view, req.include_usage))
-        return JSONResponse(view.full(await _collect(state, job)))
+            return _sse(state, job, _stream(state, job, view, req.include_usage))
+        return JSONResponse(view.full(await _collect(state, job, raw)))
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest) -> Response:
+    async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
         state.check_model(req.model)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         ids = state.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
@@ -193,8 +222,8 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         job = await _submit(state, [(None, ids)], params)
         view = fmt.ChatView(state, req, [(None, ids)], job.created, job.id)
         if req.stream:
-            return _sse(_stream(state, job, view, req.include_usage))
-        return JSONResponse(view.full(await _collect(state, job)))
+            return _sse(state, job, _stream(state, job, view, req.include_usage))
+        return JSONResponse(view.full(await _collect(state, job, raw)))
 
 
 def _completion_prompts(req: CompletionRequest, tok: Tokenizer) -> list[tuple[str | None, list[int]]]:
@@ -245,13 +274,31 @@ async def _submit(state: ServerState, prompts: list[tuple[str | None, list[int]]
     return _Job(rids, queues)
 
 
-async def _collect(state: ServerState, job: _Job) -> list[RequestOutput]:
-    """The final output of each prompt; on an error or a cancelled handler the rest are aborted."""
+def _abort_job(state: ServerState, job: _Job) -> None:
+    """Abort the job's requests (a no-op for finished ones): their KV blocks go back to the pool."""
+    for rid in job.request_ids:
+        state.engine.abort(rid)
+        state.metrics.forget(rid)
+
+
+async def _watch_disconnect(raw: Request, state: ServerState, job: _Job) -> None:
+    """A non-streaming client that goes away (a timeout, a retry) must not keep its requests running."""
+    while not await raw.is_disconnected():
+        await asyncio.sleep(0.5)
+    _abort_job(state, job)
+
+
+async def _collect(state: ServerState, job: _Job, raw: Request) -> list[RequestOutput]:
+    """The final output of each prompt; on an error, a cancelled handler or a client that
+    disconnects, the requests are aborted."""
     finals: list[RequestOutput] = []
+    watcher = asyncio.create_task(_watch_disconnect(raw, state, job))
     try:
         for q in job.queues:
             while True:
                 item = await q.get()
+                if isinstance(item, EngineDead):
+                    raise item  # 503: the server cannot serve now, not a fault of this request
                 if isinstance(item, BaseException):
                     raise APIError(500, str(item), None, "server_error")
                 state.metrics.on_output(item)
@@ -259,9 +306,9 @@ async def _collect(state: ServerState, job: _Job) -> list[RequestOutput]:
                     finals.append(item)
                     break
     finally:
+        watcher.cancel()
         if len(finals) < len(job.queues):
-            for rid in job.request_ids:
-                state.engine.abort(rid)
+            _abort_job(state, job)
     return finals
 
 
@@ -308,8 +355,7 @@ async def _stream(state: ServerState, job: _Job, view: fmt.View, include_usage: 
         yield _event({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}})
     finally:
         if len(finished) < len(job.request_ids):  # the client went away (or an error): free the blocks
-            for rid in job.request_ids:
-                state.engine.abort(rid)
+            _abort_job(state, job)
     yield "data: [DONE]\n\n"
 
 
@@ -317,5 +363,20 @@ def _event(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _sse(gen: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+class _AbortingStream(StreamingResponse):
+    """Aborts the job however the response ends: a client that disconnects before the first chunk
+    cancels the response without ever starting the generator, so its `finally` cannot do it."""
+
+    def __init__(self, state: ServerState, job: _Job, gen: AsyncIterator[str]) -> None:
+        super().__init__(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._state, self._job = state, job
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            _abort_job(self._state, self._job)  # no-op for requests that finished
+
+
+def _sse(state: ServerState, job: _Job, gen: AsyncIterator[str]) -> StreamingResponse:
+    return _AbortingStream(state, job, gen)

@@ -32,6 +32,7 @@ class View:
         self.created = created
         self._sent_logprobs: dict[int, int] = {}
         self._closed: set[int] = set()
+        self._offsets: dict[int, int] = {}  # choice -> text offset of its next streamed token
 
     # ------------------------------------------------------------------ shared pieces
     def _token(self, token_id: int) -> str:
@@ -83,15 +84,14 @@ class CompletionView(View):
     object_full = object_chunk = "text_completion"
     id_prefix = "cmpl"
 
-    def _logprobs(self, entries: list[TokenLogprobs | None], offset: int) -> dict[str, Any]:
+    def _logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int) -> dict[str, Any]:
+        """The legacy format; a token without a logprob (the first prompt token) gets nulls."""
         tokens, token_lps, tops, offsets = [], [], [], []
-        for e in entries:
-            if e is None:  # the first prompt token has nothing before it
-                continue
-            text = self._token(e.token_id)
+        for token_id, e in entries:
+            text = self._token(token_id)
             tokens.append(text)
-            token_lps.append(e.logprob)
-            tops.append({self._token(t): lp for t, lp in e.top} if e.top else None)
+            token_lps.append(None if e is None else e.logprob)
+            tops.append({self._token(t): lp for t, lp in e.top} if e is not None and e.top else None)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -105,9 +105,11 @@ class CompletionView(View):
         prefix = self._echo(prompt_index) if req.echo else ""
         logprobs = None
         if req.logprobs is not None:
-            entries: list[TokenLogprobs | None] = list(c.logprobs or [])
+            entries: list[tuple[int, TokenLogprobs | None]] = [(e.token_id, e) for e in c.logprobs or []]
             if req.echo:
-                entries = list(self._prompt_lps.get(prompt_index) or []) + entries
+                prompt_ids = self.prompts[prompt_index][1]
+                prompt_lps = self._prompt_lps.get(prompt_index) or [None] * len(prompt_ids)
+                entries = list(zip(prompt_ids, prompt_lps)) + entries
             logprobs = self._logprobs(entries, 0)
         return {"index": index, "text": prefix + c.text, "logprobs": logprobs,
                 "finish_reason": str(c.finish_reason) if c.finish_reason else None}
@@ -126,7 +128,11 @@ class CompletionView(View):
 
     def delta_choice(self, index: int, c: CompletionOutput, new_lp: list[TokenLogprobs]) -> dict[str, Any]:
         req: CompletionRequest = self.req  # type: ignore[assignment]
-        logprobs = self._logprobs(list(new_lp), 0) if req.logprobs is not None else None
+        logprobs = None
+        if req.logprobs is not None:  # offsets run on across chunks, after any echoed prompt
+            start = self._offsets.get(index, len(self._echo(index // self.n)) if req.echo else 0)
+            logprobs = self._logprobs([(e.token_id, e) for e in new_lp], start)
+            self._offsets[index] = start + sum(len(t) for t in logprobs["tokens"])
         return {"index": index, "text": c.delta, "logprobs": logprobs,
                 "finish_reason": str(c.finish_reason) if c.finish_reason else None}
 

@@ -62,6 +62,10 @@ class ServerMetrics:
             if out.metrics.finish_time is not None:
                 self.e2e.observe(out.metrics.finish_time - out.metrics.arrival_time)
 
+    def forget(self, request_id: str) -> None:
+        """An aborted or failed request leaves no per-request state behind."""
+        self._seen.pop(request_id, None)
+
     def render(self) -> tuple[bytes, str]:
         info = self.engine.info()
         self.running.set(info.get("running", 0))

@@ -194,3 +194,29 @@ def test_bench_serve_against_the_server(server: dict[str, Any]) -> None:
     assert 0 < result["ttft_p50_ms"] <= result["ttft_p99_ms"] <= result["e2e_p99_ms"]
     assert result["itl_p50_ms"] > 0 and result["tpot_p50_ms"] > 0
     assert _all_blocks_free(server)
+
+
+def test_echo_with_logprobs_scores_every_prompt_token(server: dict[str, Any]) -> None:
+    """What lm-eval style scoring sends: token ids, echo, logprobs, no new text worth keeping."""
+    ids = server["llm"].tokenizer.encode("Paris is the capital of France")
+    r = httpx.post(server["base"] + "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1,
+                                                             "temperature": 0, "echo": True, "logprobs": 1})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 1  # every prompt token, then the generated one
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(v, float) for v in lp["token_logprobs"][1:])
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+
+
+def test_unknown_route_and_method_get_openai_errors(server: dict[str, Any]) -> None:
+    r = httpx.get(server["base"] + "/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(server["base"] + "/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_non_streaming_client_that_gives_up_frees_its_blocks(server: dict[str, Any]) -> None:
+    body = {"model": MODEL, "prompt": "Tell me everything about the sea.", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server["base"] + "/v1/completions", json=body, timeout=1.5)
+    assert _all_blocks_free(server, timeout=4.0)  # 400 tokens would take ~10 s more
