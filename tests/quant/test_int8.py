@@ -116,3 +116,14 @@ def test_a_tied_head_gets_its_own_quantized_copy() -> None:
     after = model.compute_logits(h)
     torch.testing.assert_close(after, h @ model.lm_head.dequantize().T, atol=1e-5, rtol=1e-5)
     assert (after - before).abs().max() < 0.02 * before.abs().max()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_int8_linear_on_cuda_equals_its_dequantized_weight() -> None:
+    torch.manual_seed(0)
+    lin = Linear(96, (64,), bias=True)
+    lin.weight.data.normal_(0, 0.1)
+    q = Int8Linear.from_linear(lin).to("cuda")
+    x = torch.randn(5, 96, device="cuda")
+    torch.testing.assert_close(q(x), x @ q.dequantize().T + lin.bias.cuda(), atol=1e-4, rtol=1e-4)
