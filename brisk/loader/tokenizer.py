@@ -7,12 +7,21 @@ directory (tokenizer.json + tokenizer_config.json), and saved back as the latter
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 from tokenizers import Tokenizer as Backend
 
 from brisk.loader.chat_template import ChatTemplate, render_chat_template
@@ -50,6 +59,11 @@ def _byte_alphabet() -> dict[int, str]:
         if b not in chars:
             chars[b], extra = chr(256 + extra), extra + 1
     return chars
+
+
+@functools.lru_cache(maxsize=1)
+def _inverse_byte_alphabet() -> dict[str, int]:
+    return {c: b for b, c in _byte_alphabet().items()}
 
 
 def _derive_merges(vocab: dict[str, int], scores: dict[str, float] | None) -> list[tuple[str, str]]:
@@ -289,6 +303,23 @@ class Tokenizer:
 
     def id_to_token(self, i: int) -> str | None:
         return self._backend.id_to_token(i)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for, also when it holds only part of a UTF-8 character
+        (decoding it alone would give U+FFFD). Byte-level vocabularies spell bytes with GPT-2's
+        alphabet; SentencePiece ones use `▁` for space and `<0xNN>` byte pieces."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if type(self._backend.decoder).__name__ == "ByteLevel":
+            inverse = _inverse_byte_alphabet()
+            if all(c in inverse for c in piece):
+                return bytes(inverse[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        if "\u2581" in piece:
+            return piece.replace("\u2581", " ").encode()
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def token_to_id(self, s: str) -> int | None:
         return self._backend.token_to_id(s)

@@ -195,7 +195,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         state.check_model(req.model)
-        prompts = _completion_prompts(req, state.tokenizer)
+        prompts = await asyncio.to_thread(_completion_prompts, req, state.tokenizer)  # a 4 MiB body takes a while
         max_tokens = req.max_tokens or 16
         for _, ids in prompts:
             state.check_length(len(ids), max_tokens, "max_tokens")
@@ -212,7 +212,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
         state.check_model(req.model)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        ids = state.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
+        ids = await asyncio.to_thread(state.tokenizer.encode_chat, messages, req.add_generation_prompt)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         asked = req.max_completion_tokens or req.max_tokens
         max_tokens = asked if asked is not None else max(1, state.max_model_len - len(ids))

@@ -143,8 +143,9 @@ class ChatView(View):
     id_prefix = "chatcmpl"
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self._token(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        # bytes are the token's own, so a client can join partial UTF-8 characters (emoji, CJK)
+        return {"token": self._token(token_id), "logprob": logprob,
+                "bytes": list(self.state.tokenizer.token_bytes(token_id))}
 
     def _logprobs(self, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
         if not self.req.logprobs:
