@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-waiting", type=int, default=256,
                      help="requests allowed to wait for a slot; beyond it new ones get 503 + Retry-After")
 
+    qz = sub.add_parser("quantize", help="write a quantized copy of a model that loads without re-quantizing")
+    qz.add_argument("model", help="built-in name, .gguf file or HF directory")
+    qz.add_argument("--method", required=True, choices=["int8"], help="quantization method")
+    qz.add_argument("--out", required=True, type=Path, help="output directory (load it with --model DIR)")
+    qz.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the rest")
+
     conv = sub.add_parser("convert", help="write a model as an HF-format safetensors directory")
     conv.add_argument("model", help="built-in name, .gguf file or HF directory")
     conv.add_argument("--out", required=True, type=Path, help="output directory")
@@ -320,6 +326,14 @@ def _bench_throughput(args: argparse.Namespace, compare: list[str]) -> int:
     return 0
 
 
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from brisk.loader.convert import quantize_to_dir
+
+    out = quantize_to_dir(args.model, args.method, args.out, args.dtype)
+    print(f"wrote {out} ({args.method})")
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from brisk.engine.llm import LLM
     from brisk.server import serve
@@ -347,7 +361,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": _cmd_generate, "convert": _cmd_convert, "bench": _cmd_bench, "serve": _cmd_serve,
-            "eval": _cmd_eval}
+            "eval": _cmd_eval, "quantize": _cmd_quantize}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,9 +55,12 @@ class LLM:
         if quantization is not None:
             check_method(quantization)  # before spending seconds on loading
         loaded = load_model(model, dtype=dtype, device=device, max_model_len=max_model_len)
-        if quantization is not None:
+        if loaded.quantization is not None and quantization not in (None, loaded.quantization):
+            raise ValueError(f"{model} is already quantized with {loaded.quantization!r}; drop --quantization "
+                             f"{quantization} or quantize the original model")
+        if quantization is not None and loaded.quantization is None:
             quantize(loaded.model, quantization)
-        self.quantization = quantization
+        self.quantization = loaded.quantization or quantization
         self.max_model_len = max_model_len or loaded.config.max_position_embeddings
         sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                 max_model_len=self.max_model_len, enable_chunked_prefill=enable_chunked_prefill,

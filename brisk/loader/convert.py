@@ -8,9 +8,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from brisk.config import ModelConfig
 from brisk.loader.hf_loader import hf_config_dict
 from brisk.loader.load import read_checkpoint, torch_dtype
 from brisk.loader.resolve import resolve_model
+from brisk.loader.tokenizer import Tokenizer
 
 
 def convert(ref: str, out: Path, dtype: str = "float32") -> Path:
@@ -30,7 +32,33 @@ def convert(ref: str, out: Path, dtype: str = "float32") -> Path:
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype), indent=2) + "\n")
+    write_tokenizer_files(tokenizer, cfg, out)
+    return out
+
+
+def write_tokenizer_files(tokenizer: Tokenizer, cfg: ModelConfig, out: Path) -> None:
+    """tokenizer.json, tokenizer_config.json and generation_config.json (BOS, every EOS id)."""
     tokenizer.save_hf(out, model_max_length=cfg.max_position_embeddings)
     generation = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": sorted(tokenizer.eos_token_ids)}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def quantize_to_dir(ref: str, method: str, out: Path, dtype: str = "float32") -> Path:
+    """`brisk quantize`: load, quantize, write a directory that loads back without re-quantizing."""
+    from brisk.loader.load import load_model
+    from brisk.loader.quantized import save_quantized
+    from brisk.quant import apply, check_method
+
+    check_method(method)
+    source = resolve_model(ref)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if source.kind == "hf" and out.resolve() == source.path.resolve():
+        raise ValueError("--out must differ from the source directory")
+    loaded = load_model(ref, dtype=dtype)
+    if loaded.quantization is not None:
+        raise ValueError(f"{ref} is already quantized ({loaded.quantization}); quantize the original model")
+    apply(loaded.model, method)
+    save_quantized(loaded.model, method, out, dtype)
+    write_tokenizer_files(loaded.tokenizer, loaded.config, out)
     return out

@@ -24,6 +24,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     config: ModelConfig
     source: ModelSource
+    quantization: str | None = None  # set when the checkpoint itself is quantized
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -43,15 +44,30 @@ def read_checkpoint(source: ModelSource) -> tuple[ModelConfig, Tokenizer, Iterat
     return cfg, Tokenizer.from_hf_dir(source.path), hf_weights(source.path)
 
 
-def load_model(ref: str, dtype: str = "float32", device: str = "cpu",
-               max_model_len: int | None = None) -> LoadedModel:
-    """Resolve `ref`, build the architecture and stream the weights into it."""
-    source = resolve_model(ref)
-    tdtype = torch_dtype(dtype)
-    cfg, tokenizer, weights = read_checkpoint(source)
+def _check_len(cfg: ModelConfig, max_model_len: int | None) -> None:
     if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context window "
                          f"({cfg.max_position_embeddings} tokens)")
+
+
+def load_model(ref: str, dtype: str = "float32", device: str = "cpu",
+               max_model_len: int | None = None) -> LoadedModel:
+    """Resolve `ref`, build the architecture and stream the weights into it."""
+    from brisk.loader.quantized import load_quantized_state, quantization_of
+
+    source = resolve_model(ref)
+    tdtype = torch_dtype(dtype)
+    method = quantization_of(source.path) if source.kind == "hf" else None
+    if method is not None:
+        check_hf_dir(source.path)
+        cfg, tokenizer = hf_model_config(source.path), Tokenizer.from_hf_dir(source.path)
+        _check_len(cfg, max_model_len)
+        with torch.device(device):
+            model = build_model(cfg, tdtype, max_positions=max_model_len or cfg.max_position_embeddings)
+        load_quantized_state(model, source.path, method)
+        return LoadedModel(model.eval(), tokenizer, cfg, source, method)
+    cfg, tokenizer, weights = read_checkpoint(source)
+    _check_len(cfg, max_model_len)
     with torch.device(device):
         model = build_model(cfg, tdtype, max_positions=max_model_len or cfg.max_position_embeddings)
     with torch.no_grad():

@@ -1,0 +1,60 @@
+"""Quantized checkpoints: `brisk quantize` writes one, `load_model` reads it back.
+
+A quantized directory is an HF-style directory (config.json, tokenizer files) whose
+`model.safetensors` holds brisk's own module state (fused projections, int8 weights and their
+scales) and whose `quantization.json` names the method. Loading builds the model, swaps in the
+method's modules and fills them with the saved tensors: no re-quantization, bit-identical results.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from brisk.loader.hf_loader import hf_config_dict
+from brisk.model.llama import LlamaForCausalLM
+from brisk.quant import apply, check_method
+
+MARKER = "quantization.json"
+
+
+def quantization_of(path: Path) -> str | None:
+    """The method of a quantized checkpoint directory, None for any other model."""
+    marker = path / MARKER
+    if not path.is_dir() or not marker.is_file():
+        return None
+    try:
+        method = json.loads(marker.read_text(encoding="utf-8"))["method"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"{marker} is unreadable ({exc}); re-run `brisk quantize`") from None
+    try:
+        check_method(method)
+    except ValueError as exc:
+        raise ValueError(f"{path} was quantized with {method!r}, which this brisk cannot load: {exc}") from None
+    return str(method)
+
+
+def save_quantized(model: LlamaForCausalLM, method: str, out: Path, dtype: str) -> None:
+    """Write the quantized model's state next to its config (the caller writes the tokenizer)."""
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "brisk", "quantization": method})
+    (out / "config.json").write_text(json.dumps(hf_config_dict(model.config, dtype), indent=2) + "\n")
+    (out / MARKER).write_text(json.dumps({"method": method, "format": "brisk"}, indent=2) + "\n")
+
+
+def load_quantized_state(model: LlamaForCausalLM, path: Path, method: str) -> None:
+    """Swap in `method`'s modules, then fill every parameter and buffer from the checkpoint."""
+    apply(model, method)  # the modules' shapes; their contents are replaced just below
+    state = load_file(str(path / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path} does not match a {method} model of its config (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}); re-run `brisk quantize`")
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name in state and buf.dtype != state[name].dtype:
+                raise ValueError(f"{path}: {name} is {state[name].dtype}, expected {buf.dtype}")
