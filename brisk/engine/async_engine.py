@@ -61,9 +61,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="brisk-engine", daemon=True)
         self._stopped = threading.Event()
         self.fatal: BaseException | None = None
-        self.num_waiting = 0  # published by the engine thread after each step (for admission and /metrics)
-        self.num_running = 0
-        self.stats: dict[str, float] = {}
+        self.stats: dict[str, float] = {}  # engine.stats(), published by the engine thread after each step
 
     # ---------------------------------------------------------------- caller side (event loop)
     def start(self) -> None:
@@ -79,8 +77,9 @@ class AsyncEngine:
         input (nothing queued), EngineOverloaded when the waiting line is full."""
         if not self.alive:
             raise EngineDead(f"the engine is not running{f': {self.fatal}' if self.fatal else ''}")
-        if self.num_waiting + self._inbox.qsize() >= self.max_waiting:
-            raise EngineOverloaded(f"{self.num_waiting} requests are already waiting (limit {self.max_waiting})")
+        waiting = int(self.stats.get("waiting", 0))
+        if waiting + self._inbox.qsize() >= self.max_waiting:
+            raise EngineOverloaded(f"{waiting} requests are already waiting (limit {self.max_waiting})")
         rid = request_id or f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -154,16 +153,16 @@ class AsyncEngine:
         add.accepted.set_result(None)
 
     def _step(self) -> None:
-        before = set(self.engine.unfinished_request_ids())
         try:
             outs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - the step's requests end with the error; others go on
-            gone = before - set(self.engine.unfinished_request_ids())
+            listening = set(self._sinks)  # every request in flight has a sink until it ends
+            gone = listening - set(self.engine.unfinished_request_ids())
             if not gone:
                 # the failure was outside the forward (scheduling, bookkeeping): retrying would
                 # fail the same way forever, so every request in flight ends with the error
-                gone = before
-                for rid in before:
+                gone = listening
+                for rid in listening:
                     self.engine.abort_request(rid)
             for rid in gone:
                 self._deliver(rid, RuntimeError(f"generation failed: {e}"))
@@ -184,10 +183,7 @@ class AsyncEngine:
             pass  # that event loop is closed: nobody is listening any more
 
     def _publish(self) -> None:
-        sched = self.engine.scheduler
-        self.num_waiting = len(sched.waiting)
-        self.num_running = len(sched.running)
-        self.stats = self.engine.stats()
+        self.stats = self.engine.stats()  # a new dict each time: readers on other threads see a whole one
 
     def _fail_inbox(self, err: BaseException) -> None:
         while True:
@@ -199,4 +195,4 @@ class AsyncEngine:
                 item.accepted.set_exception(err)
 
     def info(self) -> dict[str, Any]:
-        return {"waiting": self.num_waiting, "running": self.num_running, **self.stats}
+        return dict(self.stats)
