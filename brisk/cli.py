@@ -14,6 +14,10 @@ from pathlib import Path
 
 from brisk.loader.resolve import DEFAULT_MODEL
 
+# The methods are checked by brisk.quant.check_method before any model loads (importing quant here
+# would pull torch into every `brisk --help`); this line only describes them.
+QUANT_HELP = "int8: weight-only, per output channel"
+
 EXIT_USAGE = 2
 
 
@@ -56,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl = esub.add_parser("ppl", help="perplexity on a text file, with KL and top-1 agreement vs float32")
     ppl.add_argument("--model", "-m", default=DEFAULT_MODEL, help=f"model reference (default {DEFAULT_MODEL})")
     ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ppl.add_argument("--quantization", "-q", default=None, choices=["int8"], help="evaluate a quantized model")
+    ppl.add_argument("--quantization", "-q", default=None, help=f"evaluate a quantized model ({QUANT_HELP})")
     ppl.add_argument("--text", type=Path, required=True, help="UTF-8 text file, e.g. wikitext-2-raw/wiki.test.raw")
     ppl.add_argument("--window", type=int, default=1024, help="tokens per non-overlapping window (default 1024)")
     ppl.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")
@@ -73,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     qz = sub.add_parser("quantize", help="write a quantized copy of a model that loads without re-quantizing")
     qz.add_argument("model", help="built-in name, .gguf file or HF directory")
-    qz.add_argument("--method", required=True, choices=["int8"], help="quantization method")
+    qz.add_argument("--method", required=True, help=f"quantization method ({QUANT_HELP})")
     qz.add_argument("--out", required=True, type=Path, help="output directory (load it with --model DIR)")
     qz.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the rest")
 
@@ -92,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--new-tokens", type=int, default=128)
     lat.add_argument("--repeats", type=int, default=3)
     lat.add_argument("--compare", default="", help="peers to run side by side: hf")
-    lat.add_argument("--quantization", "-q", default=None, choices=["int8"], help="quantize brisk's model at load")
+    lat.add_argument("--quantization", "-q", default=None, help=f"quantize brisk's model at load ({QUANT_HELP})")
 
     thr = bsub.add_parser("throughput", help="offline batched throughput on a seeded chat-like workload")
     _add_model(thr)
@@ -147,8 +151,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gib", type=float, default=2.0, help="KV cache size (default 2 GiB)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
-    p.add_argument("--quantization", "-q", default=None, choices=["int8"],
-                   help="quantize the decoder's linear layers at load: int8 (weight-only, per channel)")
+    p.add_argument("--quantization", "-q", default=None,
+                   help=f"quantize the decoder's linear layers at load ({QUANT_HELP})")
     p.add_argument("--no-pack-weights", action="store_true",
                    help="do not keep oneDNN-packed weight copies (saves memory as large as the weights; "
                         "slower prefill and batched decode)")

@@ -46,3 +46,8 @@ def test_mismatches_are_clear_errors(q8_dir: Path, tmp_path: Path, capsys: pytes
         LLM(str(bad))
     assert main(["quantize", "smollm2-135m", "--method", "int8", "--out", str(q8_dir / "config.json")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_cli_refuses_an_unknown_method_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "-q", "int4", "--prompt", "hi"]) == 2
+    assert "unknown quantization method 'int4'; available: int8" in capsys.readouterr().err
