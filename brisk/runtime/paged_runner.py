@@ -25,8 +25,6 @@ from brisk.model.paged_attention import (
 )
 from brisk.runtime.model_runner import sdpa_context
 
-SHORT_SPAN_PATHS = ("kernel", "padded", "gather")
-
 
 class ScheduledStep(Protocol):
     """What the runner needs of each scheduled request (core.outputs.ScheduledRequest)."""
@@ -122,6 +120,7 @@ class PagedModelRunner:
                 spans.append(GatherSpan(first, n, kv_len, table, causal_mask(n, kv_len, self.device)))
         width = max((len(s.block_ids) for s in kernel), default=1)
         tables = [s.block_ids + [0] * (width - len(s.block_ids)) for s in kernel]
+        kv_lens = [s.start_pos + len(s.token_ids) for s in kernel]
         dev = self.device
         attn = PagedAttention(
             kv_caches=self.kv_caches,
@@ -130,11 +129,10 @@ class PagedModelRunner:
             num_kernel_tokens=query_start[-1],
             block_tables=torch.tensor(tables or [[0]], dtype=torch.int32, device=dev),
             query_start=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            kv_lens=torch.tensor([s.start_pos + len(s.token_ids) for s in kernel], dtype=torch.int32, device=dev),
+            kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
             gather_spans=spans,
             scale=self.model.config.head_dim ** -0.5,
-            padded=padded_spans(tables, [len(s.token_ids) for s in kernel],
-                                [s.start_pos + len(s.token_ids) for s in kernel], bs, dev)
+            padded=padded_spans(tables, [len(s.token_ids) for s in kernel], kv_lens, bs, dev)
             if kernel and self.short_spans == "padded" else None,
         )
         return StepInputs(torch.tensor(ids, dtype=torch.long, device=dev),
