@@ -16,7 +16,17 @@ from brisk.loader.resolve import DEFAULT_MODEL
 
 # The methods are checked by brisk.quant.check_method before any model loads (importing quant here
 # would pull torch into every `brisk --help`); this line only describes them.
-QUANT_HELP = "int8: weight-only, per output channel"
+QUANT_HELP = ("int8: weight-only per output channel; int4: weight-only, groups of group_size (default 64), "
+              "AWQ-scaled given a calibration text; w8a8: int8 weights and per-token int8 activations, "
+              "SmoothQuant given a calibration text; ternary: BitNet b1.58 absmean {-1,0,1} x scale, 2-bit "
+              "(destroys a model not trained for it); gguf: a .gguf file's Q4_0/Q4_1/Q8_0 blocks as stored")
+QUANT_CONFIG_HELP = ('options as JSON: \'{"group_size": 64}\' (int4), \'{"calibration": "text.txt", '
+                     '"calibration_tokens": 512}\' (int4: AWQ, w8a8: SmoothQuant)')
+
+
+def _add_quant(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--quantization", "-q", default=None, help=f"{what} ({QUANT_HELP})")
+    p.add_argument("--quant-config", default=None, help=QUANT_CONFIG_HELP)
 
 EXIT_USAGE = 2
 
@@ -60,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl = esub.add_parser("ppl", help="perplexity on a text file, with KL and top-1 agreement vs float32")
     ppl.add_argument("--model", "-m", default=DEFAULT_MODEL, help=f"model reference (default {DEFAULT_MODEL})")
     ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ppl.add_argument("--quantization", "-q", default=None, help=f"evaluate a quantized model ({QUANT_HELP})")
+    _add_quant(ppl, "evaluate a quantized model")
     ppl.add_argument("--text", type=Path, required=True, help="UTF-8 text file, e.g. wikitext-2-raw/wiki.test.raw")
     ppl.add_argument("--window", type=int, default=1024, help="tokens per non-overlapping window (default 1024)")
     ppl.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")
@@ -78,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     qz = sub.add_parser("quantize", help="write a quantized copy of a model that loads without re-quantizing")
     qz.add_argument("model", help="built-in name, .gguf file or HF directory")
     qz.add_argument("--method", required=True, help=f"quantization method ({QUANT_HELP})")
+    qz.add_argument("--quant-config", default=None, help=QUANT_CONFIG_HELP)
     qz.add_argument("--out", required=True, type=Path, help="output directory (load it with --model DIR)")
     qz.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the rest")
 
@@ -96,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--new-tokens", type=int, default=128)
     lat.add_argument("--repeats", type=int, default=3)
     lat.add_argument("--compare", default="", help="peers to run side by side: hf")
-    lat.add_argument("--quantization", "-q", default=None, help=f"quantize brisk's model at load ({QUANT_HELP})")
+    _add_quant(lat, "quantize brisk's model at load")
 
     thr = bsub.add_parser("throughput", help="offline batched throughput on a seeded chat-like workload")
     _add_model(thr)
@@ -151,8 +162,7 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gib", type=float, default=2.0, help="KV cache size (default 2 GiB)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
-    p.add_argument("--quantization", "-q", default=None,
-                   help=f"quantize the decoder's linear layers at load ({QUANT_HELP})")
+    _add_quant(p, "quantize the model's linear layers at load")
     p.add_argument("--no-pack-weights", action="store_true",
                    help="do not keep oneDNN-packed weight copies (saves memory as large as the weights; "
                         "slower prefill and batched decode)")
@@ -168,7 +178,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
             "enable_prefix_caching": not args.no_prefix_caching,
             "enable_chunked_prefill": not args.no_chunked_prefill,
             "max_decode_slowdown": args.max_decode_slowdown,
-            "pack_weights": not args.no_pack_weights, "quantization": args.quantization}
+            "pack_weights": not args.no_pack_weights, **quant_kwargs(args)}
+
+
+def quant_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return {"quantization": args.quantization, "quantization_config": args.quant_config}
 
 
 def _read_prompts(path: Path, chat: bool, system: str | None) -> list[dict[str, object]]:
@@ -283,7 +297,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     dtypes = args.dtype_list.split(",") if args.dtype_list else [args.dtype]
     for dtype in dtypes:
         result = bench_latency(args.model, dtype, args.prompt or DEFAULT_PROMPT, not args.no_chat,
-                               args.new_tokens, args.repeats, compare, args.quantization)
+                               args.new_tokens, args.repeats, compare, quant_kwargs(args))
         print(json.dumps(result), flush=True)
     return 0
 
@@ -333,8 +347,11 @@ def _bench_throughput(args: argparse.Namespace, compare: list[str]) -> int:
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from brisk.loader.convert import quantize_to_dir
 
-    out = quantize_to_dir(args.model, args.method, args.out, args.dtype)
-    print(f"wrote {out} ({args.method})")
+    from brisk.config import QuantConfig
+
+    quant = QuantConfig.parse(args.method, args.quant_config)
+    out = quantize_to_dir(args.model, quant, args.out, args.dtype)
+    print(f"wrote {out} ({quant.describe()})")
     return 0
 
 
@@ -355,7 +372,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     if args.max_tokens is not None and args.max_tokens < 2:
         raise ValueError("--max-tokens must be >= 2")
-    result = eval_ppl(args.model, args.dtype, args.text, args.window, args.max_tokens, args.quantization)
+    result = eval_ppl(args.model, args.dtype, args.text, args.window, args.max_tokens, quant_kwargs(args))
     if not args.json:
         print(f"perplexity {result['perplexity']} over {result['tokens_scored']} tokens "
               f"(KL vs float32 {result['kl_vs_float32']}, top-1 agreement {result['top1_agreement_vs_float32']})",

@@ -7,6 +7,7 @@ ValueError with a message a user can act on.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,6 +156,58 @@ class SchedulerConfig:
                 f"without chunked prefill a whole prompt must fit one step: max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
             )
+
+
+QUANT_METHODS = ("int8", "int4", "w8a8", "ternary", "gguf")  # quant/ registers one module per name (checked there too)
+QUANT_OPTIONS = ("group_size", "calibration", "calibration_tokens")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How to quantize at load (`LLM(quantization=..., quantization_config={...})`, `-q`,
+    `--quant-config '<json>'`). `group_size` applies to int4 (columns per scale and offset);
+    `calibration` is a text file whose first `calibration_tokens` tokens drive AWQ-style scaling
+    (int4) or SmoothQuant's outlier migration (w8a8); None: plain round-to-nearest."""
+
+    method: str
+    group_size: int = 64
+    calibration: str | None = None
+    calibration_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANT_METHODS:
+            raise ValueError(f"unknown quantization method {self.method!r}; available: {', '.join(QUANT_METHODS)}")
+        if not isinstance(self.group_size, int) or self.group_size <= 0 or self.group_size % 32:
+            raise ValueError(f"quantization group_size must be a positive multiple of 32 (32, 64, 128), "
+                             f"got {self.group_size!r}")
+        if not isinstance(self.calibration_tokens, int) or self.calibration_tokens < 16:
+            raise ValueError(f"calibration_tokens must be an integer >= 16, got {self.calibration_tokens!r}")
+        if self.calibration is not None and self.method not in ("int4", "w8a8"):
+            raise ValueError(f"calibration applies to int4 (AWQ) and w8a8 (SmoothQuant), not {self.method}")
+
+    @classmethod
+    def parse(cls, method: str, options: dict[str, Any] | str | None = None) -> QuantConfig:
+        """From a method name and options given as a dict or a JSON object string."""
+        if isinstance(options, str):
+            try:
+                options = json.loads(options)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"quantization config is not valid JSON ({exc}): {options!r}") from None
+        options = dict(options or {})
+        if not isinstance(options, dict):
+            raise ValueError(f"quantization config must be a JSON object, got {options!r}")
+        unknown = sorted(set(options) - set(QUANT_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown quantization option(s) {', '.join(unknown)}; known: {', '.join(QUANT_OPTIONS)}")
+        return cls(method=method, **options)
+
+    def describe(self) -> str:
+        """One line for logs and JSON: the method and the options that matter for it."""
+        if self.method == "int4":
+            return f"int4 g{self.group_size} {'awq' if self.calibration else 'rtn'}"
+        if self.method == "w8a8":
+            return f"w8a8{' smoothquant' if self.calibration else ''}"
+        return self.method
 
 
 @dataclass(frozen=True)

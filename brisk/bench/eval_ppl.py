@@ -46,7 +46,7 @@ def read_tokens(llm: LLM, path: Path, max_tokens: int | None) -> list[int]:
 @torch.inference_mode()
 def _hidden(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
     """Final hidden states of every position of one window: [n, hidden]."""
-    device = model.embed_tokens.weight.device
+    device = model.device
     caches = allocate_contiguous_kv(model.config, 1, len(ids), model.dtype, device)
     attn = ContiguousAttention(caches, [SeqSpan(0, 0, len(ids), 0)])
     with sdpa_context(device):
@@ -85,18 +85,18 @@ def weight_bytes(model: LlamaForCausalLM) -> int:
 
 
 def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: int | None,
-             quantization: str | None = None) -> dict[str, Any]:
+             quant: dict[str, Any] | None = None) -> dict[str, Any]:
     if window < 2:
         raise ValueError(f"--window must be >= 2 tokens, got {window}")
     if not text.is_file():
         raise ValueError(f"--text {text} is not a file")
     llm = LLM(model_ref, dtype=dtype, max_model_len=max(window, 256), num_kv_blocks=96,  # KV only for the decode timing
-              quantization=quantization)
+              **(quant or {}))
     ids = read_tokens(llm, text, max_tokens)
     if len(ids) < 2:
         raise ValueError(f"{text} holds fewer than 2 tokens; nothing to score")
     reference = None
-    if dtype != "float32" or quantization is not None:
+    if dtype != "float32" or llm.quantization is not None:
         reference = load_model(model_ref, dtype="float32", max_model_len=max(window, 256)).model
         reference.pack_weights()
     total = WindowScore()
@@ -112,7 +112,7 @@ def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: in
         total.tokens += s.tokens
     elapsed = time.perf_counter() - start
     result: dict[str, Any] = {
-        "bench": "ppl", "model": model_ref, "dtype": dtype, "quantization": quantization, "text": str(text),
+        "bench": "ppl", "model": model_ref, "dtype": dtype, "quantization": llm.quantization.describe() if llm.quantization else None, "text": str(text),
         "window": window,
         "tokens_scored": total.tokens, "perplexity": round(math.exp(total.nll_sum / total.tokens), 4),
         "nll_per_token": round(total.nll_sum / total.tokens, 5),

@@ -48,14 +48,16 @@ def _measure(run: Any, target: Any, ids: list[int], new_tokens: int, repeats: in
 
 
 def bench_latency(model: str, dtype: str, prompt: str, chat: bool, new_tokens: int, repeats: int,
-                  compare: list[str], quantization: str | None = None) -> dict[str, Any]:
+                  compare: list[str], quant: dict[str, Any] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
-    llm = LLM(model, dtype=dtype, quantization=quantization)
+    llm = LLM(model, dtype=dtype, **(quant or {}))
     load_s = time.perf_counter() - t0
     tok = llm.get_tokenizer()
     ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     result: dict[str, Any] = {
-        "bench": "latency", "model": model, "dtype": dtype, "quantization": quantization, "prompt_tokens": len(ids), "new_tokens": new_tokens,
+        "bench": "latency", "model": model, "dtype": dtype,
+        "quantization": llm.quantization.describe() if llm.quantization else None,
+        "prompt_tokens": len(ids), "new_tokens": new_tokens,
         "repeats": repeats, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
     }
     result["brisk"], brisk_tokens = _measure(_brisk_run, llm, ids, new_tokens, repeats)

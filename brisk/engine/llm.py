@@ -14,10 +14,8 @@ from typing import Any, Union
 
 from tqdm import tqdm
 
-from brisk.config import CacheConfig, EngineConfig, SchedulerConfig
+from brisk.config import CacheConfig, EngineConfig, QuantConfig, SchedulerConfig
 from brisk.engine.llm_engine import LLMEngine
-from brisk.quant import apply as quantize
-from brisk.quant import check_method
 from brisk.engine.outputs import RequestOutput
 from brisk.loader.load import load_model
 from brisk.loader.resolve import DEFAULT_MODEL
@@ -39,7 +37,9 @@ class LLM:
     most that many times a decode-only step; default None: the token budget alone),
     `pack_weights` (CPU: keep oneDNN-packed copies of the weights for batched rows, ~1.3-2x faster
     prefill and batched decode for as much memory again as the weights; default True),
-    `quantization` (e.g. "int8": swap the decoder's Linears for quantized ones at load, see quant/).
+    `quantization` ("int8", "int4", "gguf": swap the Linears for quantized ones at load, see quant/)
+    with `quantization_config` ({"group_size": 64, "calibration": "text.txt"} for int4; a dict or
+    a JSON string).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str = "cpu",
@@ -48,19 +48,17 @@ class LLM:
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  max_decode_slowdown: float | None = None, pack_weights: bool = True,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None,
+                 quantization_config: dict[str, Any] | str | None = None) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed)
         cache = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                             kv_cache_memory_gib=kv_cache_memory_gib, enable_prefix_caching=enable_prefix_caching)
-        if quantization is not None:
-            check_method(quantization)  # before spending seconds on loading
-        loaded = load_model(model, dtype=dtype, device=device, max_model_len=max_model_len)
-        if loaded.quantization is not None and quantization not in (None, loaded.quantization):
-            raise ValueError(f"{model} is already quantized with {loaded.quantization!r}; drop --quantization "
-                             f"{quantization} or quantize the original model")
-        if quantization is not None and loaded.quantization is None:
-            quantize(loaded.model, quantization)
-        self.quantization = loaded.quantization or quantization
+        if quantization is None and quantization_config is not None:
+            raise ValueError("quantization_config needs a quantization method (e.g. quantization='int4')")
+        # checked before spending seconds on loading
+        quant = None if quantization is None else QuantConfig.parse(quantization, quantization_config)
+        loaded = load_model(model, dtype=dtype, device=device, max_model_len=max_model_len, quant=quant)
+        self.quantization = loaded.quantization
         self.max_model_len = max_model_len or loaded.config.max_position_embeddings
         sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                 max_model_len=self.max_model_len, enable_chunked_prefill=enable_chunked_prefill,

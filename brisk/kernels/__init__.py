@@ -101,3 +101,66 @@ def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     if x.dim() != 2 or x.shape[1] != qweight.shape[1]:
         raise ValueError(f"int8_gemm: x {tuple(x.shape)} does not fit weight {tuple(qweight.shape)}")
     return _C.int8_gemm(x, qweight, scale, bias)
+
+
+def group_kernel_supported(qweight: torch.Tensor) -> bool:
+    """True when `group_gemm` / `group_dequantize` can serve this weight: CPU with AVX-512, built."""
+    return SMALL_GEMM_MAX_ROWS > 1 and qweight.device.type == "cpu" and qweight.is_contiguous()
+
+
+def group_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+               group: int, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, in] @ W^T (+ bias) -> float32 [M, out], W group-quantized (quant/grouped.py layout)."""
+    assert _C is not None
+    in_features = qweight.shape[1] * (2 if bits == 4 else 1)
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"group_gemm: x {tuple(x.shape)} does not fit a weight of {in_features} input features")
+    return _C.group_gemm(x, qweight, scale, zero, group, bits, bias)
+
+
+def group_dequantize(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
+                     bits: int) -> torch.Tensor:
+    """The float32 [out, in] weight `group_gemm` computes with."""
+    assert _C is not None
+    return _C.group_dequantize(qweight, scale, zero, group, bits)
+
+
+def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when `rms_norm` can serve these float32 CPU tensors (AVX-512 build)."""
+    return (SMALL_GEMM_MAX_ROWS > 1 and x.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2, -1) + eps) * weight, one pass per row (x [..., h] float32)."""
+    assert _C is not None
+    return _C.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
+
+
+def have_vnni() -> bool:
+    """True when `int8_dot_u8s8` runs here: the extension is built and the CPU has AVX512-VNNI."""
+    return _C is not None and bool(_C.have_vnni())
+
+
+def quantize_rows_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 of x [M, K]: (q + 128 as uint8 [M, K], scales float32 [M])."""
+    assert _C is not None
+    return _C.quantize_rows_u8(x)
+
+
+def int8_dot_u8s8(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
+    """int32 [M, N] = xq (uint8 [M, K]) . qweight (int8 [N, K]), K a multiple of 64 (VNNI)."""
+    assert _C is not None
+    if xq.dim() != 2 or qweight.dim() != 2 or xq.shape[1] != qweight.shape[1] or qweight.shape[1] % 64:
+        raise ValueError(f"int8_dot_u8s8: x {tuple(xq.shape)} does not fit weight {tuple(qweight.shape)} "
+                         "(K must match and be a multiple of 64)")
+    return _C.int8_dot_u8s8(xq, qweight)
+
+
+def ternary_gemm(x: torch.Tensor, plus: torch.Tensor, minus: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, in] @ T^T * scale (+ bias) -> float32 [M, out], T in two bit planes (quant/ternary.py)."""
+    assert _C is not None
+    if x.dim() != 2 or x.shape[1] != plus.shape[1] * 8:
+        raise ValueError(f"ternary_gemm: x {tuple(x.shape)} does not fit {plus.shape[1] * 8} input features")
+    return _C.ternary_gemm(x, plus, minus, scale, bias)

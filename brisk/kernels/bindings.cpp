@@ -6,6 +6,17 @@ std::string isa_name();
 torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
 torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                         const c10::optional<torch::Tensor>& bias);
+torch::Tensor group_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                         const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
+                         const c10::optional<torch::Tensor>& bias);
+torch::Tensor group_dequantize(const torch::Tensor& q, const torch::Tensor& scale,
+                               const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+std::tuple<torch::Tensor, torch::Tensor> quantize_rows_u8(const torch::Tensor& x);
+torch::Tensor int8_dot_u8s8(const torch::Tensor& xq, const torch::Tensor& w);
+bool have_vnni();
+torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& plus, const torch::Tensor& minus,
+                           const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias);
 void paged_attention(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                      const torch::Tensor& query_start, const torch::Tensor& kv_lens, double scale);
@@ -17,6 +28,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("int8_gemm", &int8_gemm, "(x[M,in] @ q[out,in]^T) * scale[out] (+bias), int8 weights streamed once",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("bias") = py::none());
+  m.def("group_gemm", &group_gemm, "x[M,in] @ W^T (+bias), W group-quantized (4-bit table or 8-bit), streamed once",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("zero"), py::arg("group"), py::arg("bits"),
+        py::arg("bias") = py::none());
+  m.def("group_dequantize", &group_dequantize, "the float32 weight a group-quantized q stands for",
+        py::arg("q"), py::arg("scale"), py::arg("zero"), py::arg("group"), py::arg("bits"));
+  m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w for float32 rows", py::arg("x"), py::arg("w"),
+        py::arg("eps"));
+  m.def("quantize_rows_u8", &quantize_rows_u8, "per-row symmetric int8 of x, stored + 128 as uint8; and the scales",
+        py::arg("x"));
+  m.def("int8_dot_u8s8", &int8_dot_u8s8, "int32 [M, N] = uint8 xq [M, K] . int8 w [N, K] (AVX512-VNNI)", py::arg("xq"),
+        py::arg("w"));
+  m.def("have_vnni", &have_vnni, "whether this CPU runs the VNNI int8 kernels");
+  m.def("ternary_gemm", &ternary_gemm, "x @ T^T * scale (+bias), T ternary in two bit planes: masked adds/subs",
+        py::arg("x"), py::arg("plus"), py::arg("minus"), py::arg("scale"), py::arg("bias") = py::none());
   m.def("isa", &isa_name, "instruction set the GEMV kernels dispatch to on this CPU");
   m.def("paged_attention", &paged_attention, "exact causal attention over a paged KV cache (in place into out)");
 }

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from brisk.config import ModelConfig
+from brisk.config import ModelConfig, QuantConfig
 from brisk.loader.hf_loader import hf_config_dict
 from brisk.loader.load import read_checkpoint, torch_dtype
 from brisk.loader.resolve import resolve_model
@@ -43,22 +43,22 @@ def write_tokenizer_files(tokenizer: Tokenizer, cfg: ModelConfig, out: Path) -> 
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
-def quantize_to_dir(ref: str, method: str, out: Path, dtype: str = "float32") -> Path:
+def quantize_to_dir(ref: str, quant: QuantConfig, out: Path, dtype: str = "float32") -> Path:
     """`brisk quantize`: load, quantize, write a directory that loads back without re-quantizing."""
     from brisk.loader.load import load_model
-    from brisk.loader.quantized import save_quantized
-    from brisk.quant import apply, check_method
+    from brisk.loader.quantized import quantization_of, save_quantized
 
-    check_method(method)
+    if quant.method == "gguf":
+        raise ValueError("a .gguf file already is its gguf checkpoint: load it with -q gguf instead")
     source = resolve_model(ref)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
     if source.kind == "hf" and out.resolve() == source.path.resolve():
         raise ValueError("--out must differ from the source directory")
-    loaded = load_model(ref, dtype=dtype)
-    if loaded.quantization is not None:
-        raise ValueError(f"{ref} is already quantized ({loaded.quantization}); quantize the original model")
-    apply(loaded.model, method)
-    save_quantized(loaded.model, method, out, dtype)
+    saved = quantization_of(source.path) if source.kind == "hf" else None
+    if saved is not None:
+        raise ValueError(f"{ref} is already quantized ({saved.describe()}); quantize the original model")
+    loaded = load_model(ref, dtype=dtype, quant=quant)
+    save_quantized(loaded.model, quant, out, dtype)
     write_tokenizer_files(loaded.tokenizer, loaded.config, out)
     return out

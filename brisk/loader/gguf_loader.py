@@ -9,12 +9,13 @@ rotate adjacent pairs; brisk (like HF) rotates halves, so those rows are permute
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import torch
 
 from brisk.config import ModelConfig, RopeScaling
@@ -160,6 +161,23 @@ def gguf_weights(file: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.
         yield name, tensor
 
 
+def gguf_raw_weights(file: GGUFFile, cfg: ModelConfig, keep: Callable[[int], bool]
+                     ) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """(HF name, GGML type, raw rows uint8 [rows, row bytes]) of the 2-D tensors whose type `keep`
+    accepts, still quantized; q/k rows put in HF order like `gguf_weights` does."""
+    permuted = cfg.architecture in _PERMUTED_QK
+    for t in file.reader.tensors:
+        if len(t.shape) != 2 or not keep(int(t.tensor_type)):
+            continue
+        name = _hf_name(t.name)
+        rows = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(int(t.shape[1]), -1)
+        if permuted and name.endswith("q_proj.weight"):
+            rows = _unpermute(rows, cfg.num_attention_heads)
+        elif permuted and name.endswith("k_proj.weight"):
+            rows = _unpermute(rows, cfg.num_key_value_heads)
+        yield name, int(t.tensor_type), rows
+
+
 def tensor_types(file: GGUFFile) -> dict[str, int]:
     """How many tensors of each GGML type the file holds (for messages and `brisk info`)."""
     counts: dict[str, int] = {}
@@ -169,4 +187,4 @@ def tensor_types(file: GGUFFile) -> dict[str, int]:
     return counts
 
 
-__all__ = ["GGUFFile", "open_gguf", "gguf_model_config", "gguf_weights", "tensor_types"]
+__all__ = ["GGUFFile", "open_gguf", "gguf_model_config", "gguf_weights", "gguf_raw_weights", "tensor_types"]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from brisk.config import ModelConfig
-from brisk.loader.gguf_loader import gguf_model_config, gguf_weights, open_gguf
+from brisk.config import ModelConfig, QuantConfig
+from brisk.loader.gguf_loader import gguf_model_config, gguf_raw_weights, gguf_weights, open_gguf
 from brisk.loader.hf_loader import check_hf_dir, hf_model_config, hf_weights
 from brisk.loader.resolve import ModelSource, resolve_model
 from brisk.loader.tokenizer import Tokenizer
@@ -24,7 +25,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     config: ModelConfig
     source: ModelSource
-    quantization: str | None = None  # set when the checkpoint itself is quantized
+    quantization: QuantConfig | None = None  # how the weights are quantized (by the checkpoint or at load)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -50,26 +51,54 @@ def _check_len(cfg: ModelConfig, max_model_len: int | None) -> None:
                          f"({cfg.max_position_embeddings} tokens)")
 
 
-def load_model(ref: str, dtype: str = "float32", device: str = "cpu",
-               max_model_len: int | None = None) -> LoadedModel:
-    """Resolve `ref`, build the architecture and stream the weights into it."""
+def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_len: int | None = None,
+               quant: QuantConfig | None = None) -> LoadedModel:
+    """Resolve `ref`, build the architecture and stream the weights into it; quantize with `quant`.
+
+    A checkpoint written by `brisk quantize` loads as saved (`quant` must then be None or equal)."""
     from brisk.loader.quantized import load_quantized_state, quantization_of
 
     source = resolve_model(ref)
     tdtype = torch_dtype(dtype)
-    method = quantization_of(source.path) if source.kind == "hf" else None
-    if method is not None:
+    saved = quantization_of(source.path) if source.kind == "hf" else None
+    if saved is not None:
+        if quant is not None and (quant.method, quant.group_size) != (saved.method, saved.group_size):
+            raise ValueError(f"{ref} is already quantized ({saved.describe()}); drop the quantization option "
+                             f"({quant.describe()}) or quantize the original model")
         check_hf_dir(source.path)
         cfg, tokenizer = hf_model_config(source.path), Tokenizer.from_hf_dir(source.path)
         _check_len(cfg, max_model_len)
         with torch.device(device):
             model = build_model(cfg, tdtype, max_positions=max_model_len or cfg.max_position_embeddings)
-        load_quantized_state(model, source.path, method)
-        return LoadedModel(model.eval(), tokenizer, cfg, source, method)
+        load_quantized_state(model, source.path, saved)
+        return LoadedModel(model.eval(), tokenizer, cfg, source, saved)
+    if quant is not None and quant.method == "gguf" and source.kind != "gguf":
+        raise ValueError(f"quantization gguf keeps a GGUF file's own blocks, but {ref} is not a .gguf file; "
+                         "choose int8 or int4 for other models")
     cfg, tokenizer, weights = read_checkpoint(source)
     _check_len(cfg, max_model_len)
     with torch.device(device):
         model = build_model(cfg, tdtype, max_positions=max_model_len or cfg.max_position_embeddings)
     with torch.no_grad():
         model.load_weights(weights)
-    return LoadedModel(model.eval(), tokenizer, cfg, source)
+    if quant is not None:
+        _quantize(model, quant, source, cfg, tokenizer)
+    return LoadedModel(model.eval(), tokenizer, cfg, source, quant)
+
+
+def _quantize(model: LlamaForCausalLM, quant: QuantConfig, source: ModelSource, cfg: ModelConfig,
+              tokenizer: Tokenizer) -> None:
+    from brisk.quant import apply
+    from brisk.quant.gguf import apply_gguf, is_native
+
+    if quant.method == "gguf":
+        apply_gguf(model, gguf_raw_weights(open_gguf(source.path), cfg, is_native))
+        return
+    calibration = None
+    if quant.calibration is not None:
+        path = Path(quant.calibration)
+        if not path.is_file():
+            raise ValueError(f"calibration text {path} is not a file")
+        text = path.read_text(encoding="utf-8", errors="replace")
+        calibration = tokenizer.encode(text, add_special_tokens=False)[:quant.calibration_tokens]
+    apply(model, quant, calibration)

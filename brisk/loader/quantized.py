@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from brisk.config import QuantConfig
 from brisk.loader.hf_loader import hf_config_dict
 from brisk.model.llama import LlamaForCausalLM
 from brisk.quant import apply, check_method
@@ -21,38 +22,51 @@ from brisk.quant import apply, check_method
 MARKER = "quantization.json"
 
 
-def quantization_of(path: Path) -> str | None:
-    """The method of a quantized checkpoint directory, None for any other model."""
+def quantization_of(path: Path) -> QuantConfig | None:
+    """How a quantized checkpoint directory was quantized; None for any other model."""
     marker = path / MARKER
     if not path.is_dir() or not marker.is_file():
         return None
     try:
-        method = json.loads(marker.read_text(encoding="utf-8"))["method"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        saved = json.loads(marker.read_text(encoding="utf-8"))
+        method = saved.pop("method")
+        saved.pop("format", None)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{marker} is unreadable ({exc}); re-run `brisk quantize`") from None
     try:
         check_method(method)
-    except ValueError as exc:
+        return QuantConfig.parse(method, saved)
+    except (ValueError, TypeError) as exc:
         raise ValueError(f"{path} was quantized with {method!r}, which this brisk cannot load: {exc}") from None
-    return str(method)
 
 
-def save_quantized(model: LlamaForCausalLM, method: str, out: Path, dtype: str) -> None:
+def save_quantized(model: LlamaForCausalLM, quant: QuantConfig, out: Path, dtype: str) -> None:
     """Write the quantized model's state next to its config (the caller writes the tokenizer)."""
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "brisk", "quantization": method})
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "brisk", "quantization": quant.method})
     (out / "config.json").write_text(json.dumps(hf_config_dict(model.config, dtype), indent=2) + "\n")
-    (out / MARKER).write_text(json.dumps({"method": method, "format": "brisk"}, indent=2) + "\n")
+    marker = {"method": quant.method, "format": "brisk", **_options(quant)}
+    (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
 
-def load_quantized_state(model: LlamaForCausalLM, path: Path, method: str) -> None:
-    """Swap in `method`'s modules, then fill every parameter and buffer from the checkpoint."""
-    apply(model, method)  # the modules' shapes; their contents are replaced just below
+def _options(quant: QuantConfig) -> dict[str, object]:
+    if quant.method not in ("int4", "w8a8"):
+        return {}
+    return {"group_size": quant.group_size, "calibration": quant.calibration,
+            "calibration_tokens": quant.calibration_tokens}
+
+
+def load_quantized_state(model: LlamaForCausalLM, path: Path, quant: QuantConfig) -> None:
+    """Swap in the method's modules, then fill every parameter and buffer from the checkpoint."""
+    apply(model, quant)  # the modules' shapes; their contents are replaced just below
     state = load_file(str(path / "model.safetensors"))
+    for name in state:
+        if name.endswith(".input_scale"):  # AWQ-scaled / smoothed Linears carry one more buffer
+            model.get_submodule(name.rpartition(".")[0]).set_input_scale(state[name])
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{path} does not match a {method} model of its config (missing {missing[:3]}, "
+        raise ValueError(f"{path} does not match a {quant.method} model of its config (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}); re-run `brisk quantize`")
     with torch.no_grad():
         for name, buf in model.named_buffers():

@@ -94,8 +94,27 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The weights' dtype, also after `.to(...)`."""
-        return self.embed_tokens.weight.dtype
+        """The compute dtype, also after `.to(...)` and with quantized modules swapped in."""
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    def linear_part(self, name: str) -> tuple[str, int] | None:
+        """The Linear module and part an HF checkpoint weight fills (e.g. k_proj -> qkv_proj, 1);
+        None for tensors that are not Linear weights (norms, embedding, biases)."""
+        name = name.removeprefix("model.")
+        m = _STACKED_RE.match(name)
+        if m:
+            module_name, part = _STACKED[m.group(2)]
+            return (f"{m.group(1)}.{module_name}", part) if m.group(3) == "weight" else None
+        module_name, _, leaf = name.rpartition(".")
+        try:
+            module = self.get_submodule(module_name) if module_name else None
+        except AttributeError:
+            return None
+        return (module_name, 0) if leaf == "weight" and isinstance(module, Linear) else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -120,10 +139,11 @@ class LlamaForCausalLM(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         packed = [m for m in linears if m.pack()]
         nbytes = sum(m.weight.numel() * m.weight.element_size() for m in packed)
-        tied = self.embed_tokens.weight
-        self._tied_head_packed = pack_weight(tied) if self.lm_head is None and pack_supported(tied) else None
-        if self._tied_head_packed is not None:
-            nbytes += tied.numel() * tied.element_size()
+        if self.lm_head is None:  # tied, not quantized: the head is the embedding matrix
+            tied = self.embed_tokens.weight
+            self._tied_head_packed = pack_weight(tied) if pack_supported(tied) else None
+            if self._tied_head_packed is not None:
+                nbytes += tied.numel() * tied.element_size()
         return nbytes
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]

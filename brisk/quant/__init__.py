@@ -1,7 +1,13 @@
 """Quantization: methods that swap the model's Linear modules (ARCHITECTURE habit 4).
 
-`apply(model, method)` replaces every `Linear` of the decoder layers with the method's module;
-architecture files never know. Methods register themselves in `METHODS` by name.
+`apply(model, QuantConfig)` replaces every `Linear` of the decoder layers with the method's module
+and quantizes the LM head; architecture files never know. Each method registers a pair of makers
+in `METHODS`: one for the decoder's Linears, one for the head. "gguf" is not made here: it keeps a
+GGUF file's own blocks, which only the loader has (quant/gguf.py, `apply_gguf`).
+
+A tied LM head (SmolLM2) is the embedding matrix. Every decode step reads the whole head (21% of
+SmolLM2's bytes), so it is quantized too, and token lookups then read rows of that quantized head
+(`HeadEmbedding`): one copy of the matrix instead of a float embedding beside a quantized head.
 """
 
 from __future__ import annotations
@@ -11,34 +17,107 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from brisk.config import QUANT_METHODS, QuantConfig
 from brisk.model.layers import Linear
+from brisk.quant.grouped import GroupLinear
 from brisk.quant.int8 import Int8Linear
+from brisk.quant.ternary import TernaryLinear
+from brisk.quant.w8a8 import W8A8Linear
 
-METHODS: dict[str, Callable[[Linear], nn.Module]] = {"int8": Int8Linear.from_linear}
+Maker = Callable[[Linear, QuantConfig], nn.Module]
+
+# method -> (decoder Linear maker, LM head maker). int4's head is 8-bit in groups of 32 (GGUF's
+# Q8_0, what llama.cpp's own Q4 files keep for token_embd): the head sees every logit, and 4 bits
+# there cost more quality than the 14 MB they save.
+METHODS: dict[str, tuple[Maker, Maker]] = {
+    "int8": (lambda lin, cfg: Int8Linear.from_linear(lin), lambda lin, cfg: Int8Linear.from_linear(lin)),
+    "int4": (lambda lin, cfg: GroupLinear.from_linear(lin, cfg.group_size, 4),
+             lambda lin, cfg: GroupLinear.from_linear(lin, 32, 8)),
+    "w8a8": (lambda lin, cfg: W8A8Linear.from_linear(lin), lambda lin, cfg: W8A8Linear.from_linear(lin)),
+    # ternary's head stays 8-bit (Q8_0-like) as BitNet keeps its embedding and head in high precision
+    "ternary": (lambda lin, cfg: TernaryLinear.from_linear(lin), lambda lin, cfg: GroupLinear.from_linear(lin, 32, 8)),
+}
+
+
+def _calibrator(method: str) -> Callable[[nn.Module, list[int], int], dict[Linear, torch.Tensor]]:
+    """Column scales from calibration text: AWQ search for int4, SmoothQuant's migration for w8a8."""
+    if method == "int4":
+        from brisk.quant.awq import awq_scales
+
+        return awq_scales
+    from brisk.quant.w8a8 import smoothquant_scales
+
+    return smoothquant_scales
+assert set(METHODS) | {"gguf"} == set(QUANT_METHODS)
 
 
 def check_method(method: str) -> None:
-    if method not in METHODS:
-        raise ValueError(f"unknown quantization method {method!r}; available: {', '.join(sorted(METHODS))}")
+    if method not in QUANT_METHODS:
+        raise ValueError(f"unknown quantization method {method!r}; available: {', '.join(QUANT_METHODS)}")
 
 
-def apply(model: nn.Module, method: str) -> int:
+class HeadEmbedding(nn.Module):
+    """Token lookups that read rows of the quantized tied LM head (its only copy)."""
+
+    def __init__(self, head: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        object.__setattr__(self, "_head", head)  # not a submodule: the model owns it as lm_head
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._head.dequantize_rows(ids).to(self.dtype)  # type: ignore[operator]
+
+
+def quantizable(model: nn.Module) -> list[tuple[nn.Module, str, Linear]]:
+    """(parent, attribute, Linear) for every Linear below `model`."""
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if isinstance(child, Linear)]
+
+
+def apply(model: nn.Module, cfg: QuantConfig | str, calibration_ids: list[int] | None = None) -> int:
     """Quantize every Linear below `model` in place, and the LM head; returns how many were swapped.
 
-    A tied LM head is the embedding matrix: the head gets its own quantized copy (every decode
-    step reads the whole head, 21% of SmolLM2's bytes) while lookups keep the embedding as is.
-    """
-    check_method(method)
-    make = METHODS[method]
-    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, Linear)]
+    With `calibration_ids` the decoder's weight columns are scaled first, and their inputs divided
+    at run time: AWQ for int4 (quant/awq.py), SmoothQuant for w8a8 (quant/w8a8.py)."""
+    cfg = QuantConfig(cfg) if isinstance(cfg, str) else cfg
+    if cfg.method not in METHODS:
+        raise ValueError(f"{cfg.method} keeps a GGUF file's own blocks: load a .gguf model with it")
+    make_linear, make_head = METHODS[cfg.method]
+    scales: dict[Linear, torch.Tensor] = {}
+    if calibration_ids is not None:
+        scales = _calibrator(cfg.method)(model, calibration_ids, cfg.group_size)
+    targets = quantizable(model)
     for parent, name, child in targets:
-        setattr(parent, name, make(child))
+        is_head = parent is model and name == "lm_head"
+        module = (make_head if is_head else make_linear)(_scaled(child, scales.get(child)), cfg)
+        if child in scales:
+            module.set_input_scale(1.0 / scales[child])  # type: ignore[operator]
+            module.dtype = child.weight.dtype  # the scaled copy is float32; activations keep the model's dtype
+        setattr(parent, name, module)
     embed = getattr(model, "embed_tokens", None)
     if getattr(model, "lm_head", "absent") is None and embed is not None:
         head = Linear(embed.weight.shape[1], (embed.weight.shape[0],), dtype=embed.weight.dtype)
         with torch.no_grad():
             head.weight.copy_(embed.weight)
-        model.lm_head = make(head)  # type: ignore[assignment]
+        tie_head(model, make_head(head, cfg))
         targets.append((model, "lm_head", head))
     return len(targets)
+
+
+def tie_head(model: nn.Module, head: nn.Module) -> None:
+    """Make `head` the LM head and the source of token lookups (the float embedding is dropped)."""
+    dtype = model.embed_tokens.weight.dtype  # type: ignore[union-attr]
+    model.lm_head = head  # type: ignore[assignment]
+    model.embed_tokens = HeadEmbedding(head, dtype)  # type: ignore[assignment]
+
+
+def _scaled(linear: Linear, scale: torch.Tensor | None) -> Linear:
+    """`linear` with its input columns multiplied by `scale` (AWQ); the input is divided at run time."""
+    if scale is None:
+        return linear
+    out = Linear(linear.in_features, linear.output_sizes, linear.bias is not None, torch.float32)
+    with torch.no_grad():
+        out.weight.copy_(linear.weight.float() * scale)
+        if linear.bias is not None:
+            out.bias.copy_(linear.bias)  # type: ignore[union-attr]
+    return out

@@ -59,6 +59,10 @@ class Int8Linear(nn.Module):
         """The float32 weight this module computes with: q * s."""
         return self.qweight.float() * self.scale[:, None]
 
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), in]: rows of the weight (embedding lookups of a tied head)."""
+        return self.qweight[ids].float() * self.scale[ids, None]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] <= KERNEL_MAX_ROWS and int8_gemm_supported(self.qweight):

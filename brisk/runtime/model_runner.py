@@ -52,7 +52,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, max_seqs: int, max_len: int) -> None:
         self.model = model
         self.max_len = max_len
-        self.device = model.embed_tokens.weight.device
+        self.device = model.device
         self.kv_caches = allocate_contiguous_kv(model.config, max_seqs, max_len, model.dtype, self.device)
     @torch.inference_mode()
     def execute(self, steps: list[SeqStep]) -> torch.Tensor:

@@ -66,7 +66,7 @@ class PagedModelRunner:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.device = model.embed_tokens.weight.device
+        self.device = model.device
         self.kv_caches = allocate_paged_kv(model.config, num_blocks, block_size, model.dtype, self.device)
         # Batched rows (prefill chunks, decode batches) through oneDNN-packed weights on CPU; the
         # copies cost as much memory as the weights again (`pack_weights=False` saves it).

@@ -1,0 +1,115 @@
+// W8A8: int8 activations x int8 weights -> int32, for decode-sized batches (quant/w8a8.py).
+//
+// Each row of x is quantized on the fly, symmetric per token: a = max|x| / 127, xq = round(x / a).
+// AVX512-VNNI's vpdpbusd multiplies unsigned by signed bytes, 64 products per instruction, so xq
+// is stored offset by 128 as uint8 and the offset is taken back out with the weight row sums:
+//   sum_k (xq + 128) w = sum_k xq w + 128 sum_k w.
+// Integer sums are exact, so results do not depend on the batch or the summation order.
+//   y[m, n] = a[m] * s[n] * (acc[m, n] - 128 * wsum[n]) (+ bias[n])
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "simd.h"
+
+namespace {
+
+#ifdef BRISK_X86
+bool cpu_has_vnni() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") != 0 && __builtin_cpu_supports("avx512bw") != 0;
+  }();
+  return has;
+}
+
+// acc rows [m0, m0 + MB) x weight rows [r, r + R), K a multiple of 64.
+template <int MB, int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile(const uint8_t* xq, const int8_t* w,
+                                                                        int32_t* acc, int64_t k_dim, int64_t n,
+                                                                        int64_t m0, int64_t r) {
+  __m512i s[R][MB];
+  for (int j = 0; j < R; ++j)
+    for (int k = 0; k < MB; ++k) s[j][k] = _mm512_setzero_si512();
+  for (int64_t i = 0; i < k_dim; i += 64) {
+    for (int j = 0; j < R; ++j) {
+      const int8_t* row = w + (r + j) * k_dim + i;
+      _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * k_dim), _MM_HINT_T0);
+      const __m512i wv = _mm512_loadu_si512(row);
+      for (int k = 0; k < MB; ++k)
+        s[j][k] = _mm512_dpbusd_epi32(s[j][k], _mm512_loadu_si512(xq + (m0 + k) * k_dim + i), wv);
+    }
+  }
+  for (int j = 0; j < R; ++j)
+    for (int k = 0; k < MB; ++k) acc[(m0 + k) * n + r + j] = _mm512_reduce_add_epi32(s[j][k]);
+}
+
+template <int MB, int R>
+void rows(const uint8_t* xq, const int8_t* w, int32_t* acc, int64_t k_dim, int64_t n, int64_t m0, int64_t r0,
+          int64_t r1) {
+  int64_t r = r0;
+  for (; r + R <= r1; r += R) tile<MB, R>(xq, w, acc, k_dim, n, m0, r);
+  for (; r < r1; ++r) tile<MB, 1>(xq, w, acc, k_dim, n, m0, r);
+}
+#endif
+
+}  // namespace
+
+// Per-token symmetric int8 quantization of x [M, K] float: (xq + 128 as uint8 [M, K], a [M]).
+std::tuple<torch::Tensor, torch::Tensor> quantize_rows_u8(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "brisk quantize_rows_u8: x must be a 2-D CPU tensor");
+  auto xf = x.to(torch::kFloat32).contiguous();
+  const int64_t m = xf.size(0), k = xf.size(1);
+  auto xq = torch::empty({m, k}, xf.options().dtype(torch::kUInt8));
+  auto a = torch::empty({m}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  uint8_t* qp = xq.data_ptr<uint8_t>();
+  float* ap = a.data_ptr<float>();
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = xp + r * k;
+    float amax = 0.f;
+    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
+    const float scale = amax > 0.f ? amax / 127.f : 1.f;
+    const float inv = 1.f / scale;
+    for (int64_t i = 0; i < k; ++i) {
+      const float q = std::nearbyint(row[i] * inv);  // round half to even, as torch.round
+      qp[r * k + i] = static_cast<uint8_t>(static_cast<int>(std::clamp(q, -127.f, 127.f)) + 128);
+    }
+    ap[r] = scale;
+  }
+  return {xq, a};
+}
+
+// acc[M, N] int32 = sum_k xq_u8[m, k] * w[n, k]; xq from quantize_rows_u8, w int8 [N, K], K % 64 == 0.
+torch::Tensor int8_dot_u8s8(const torch::Tensor& xq, const torch::Tensor& w) {
+  TORCH_CHECK(xq.scalar_type() == torch::kUInt8 && w.scalar_type() == torch::kInt8 && xq.dim() == 2 && w.dim() == 2 &&
+                  xq.is_contiguous() && w.is_contiguous() && xq.size(1) == w.size(1) && w.size(1) % 64 == 0,
+              "brisk int8_dot_u8s8: uint8 [M, K] and contiguous int8 [N, K] with K a multiple of 64");
+  const int64_t m = xq.size(0), k = xq.size(1), n = w.size(0);
+  auto acc = torch::empty({m, n}, xq.options().dtype(torch::kInt32));
+#ifdef BRISK_X86
+  TORCH_CHECK(cpu_has_vnni(), "brisk int8_dot_u8s8: needs AVX512-VNNI");
+  const uint8_t* xp = xq.data_ptr<uint8_t>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  int32_t* ap = acc.data_ptr<int32_t>();
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    int64_t m0 = 0;
+    for (; m0 + 8 <= m; m0 += 8) rows<8, 2>(xp, wp, ap, k, n, m0, r0, r1);
+    for (; m0 + 4 <= m; m0 += 4) rows<4, 4>(xp, wp, ap, k, n, m0, r0, r1);
+    for (; m0 < m; ++m0) rows<1, 8>(xp, wp, ap, k, n, m0, r0, r1);
+  });
+#else
+  TORCH_CHECK(false, "brisk int8_dot_u8s8: needs an x86-64 CPU with AVX512-VNNI");
+#endif
+  return acc;
+}
+
+bool have_vnni() {
+#ifdef BRISK_X86
+  return cpu_has_vnni();
+#else
+  return false;
+#endif
+}

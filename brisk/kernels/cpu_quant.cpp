@@ -1,0 +1,204 @@
+// Group-quantized weights (quant/grouped.py): 4-bit with a float scale and offset per group of
+// input columns, or 8-bit with a scale per group. One layout serves brisk's int4 method and the
+// GGUF blocks Q4_0, Q4_1 and Q8_0, kept quantized at run time.
+//
+//   4-bit: q [out, in / 2] uint8. Every 32 columns take 16 bytes, GGUF's order: byte j holds
+//          column j in its low nibble and column j + 16 in its high nibble.
+//          w[o, i] = q * scale[o, g] + zero[o, g]   (g = i / group), computed as one fma
+//   8-bit: q [out, in] int8, w[o, i] = q * scale[o, g]
+//   scale and zero are float16 [out, in / group], as GGUF stores d and m: a float32 pair would
+//   add a third to the bytes a 4-bit decode step reads at group 32.
+//
+// Decode reads every weight once per token, so the kernels stream q once for all rows of x.
+// A 4-bit group is turned into floats through a 16-entry table (scale * [0..15] + zero, one fma
+// per group): vpermps looks up 16 weights per instruction from the nibbles, no int->float
+// conversion. Each (x row, weight row) pair has one float32 accumulator summed in column order,
+// so a row's result does not depend on how many rows share the call (batch invariance), and
+// `group_dequantize` produces exactly the weights the kernel multiplies by.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "simd.h"
+
+namespace {
+
+struct Weights {
+  const uint8_t* q;
+  const uint16_t* scale;  // float16 bits
+  const uint16_t* zero;   // float16 bits; null for 8-bit
+  int64_t out, in, group, groups;
+};
+
+#ifdef BRISK_X86
+constexpr int64_t kChunk = 32;  // columns per 16-byte nibble run (and per Q8_0 block)
+
+// The 32 weights of row `r` at columns [i, i + 32) as two float vectors. `lut` is the current
+// group's table (4-bit) or its scale broadcast (8-bit).
+template <int Bits>
+struct Unpack;
+
+template <>
+struct Unpack<4> {
+  __attribute__((target("avx512f,f16c"))) static inline __m512 table(uint16_t s, uint16_t z) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_fmadd_ps(iota, _mm512_set1_ps(_cvtsh_ss(s)), _mm512_set1_ps(_cvtsh_ss(z)));
+  }
+  __attribute__((target("avx512f"))) static inline void load(const void* row, int64_t i, __m512 lut, __m512& lo,
+                                                             __m512& hi) {
+    const uint8_t* p = static_cast<const uint8_t*>(row) + i / 2;
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm512_permutexvar_ps(v, lut);  // vpermps reads only the index's low 4 bits
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
+  }
+  static constexpr int64_t row_bytes(int64_t in) { return in / 2; }
+};
+
+template <>
+struct Unpack<8> {
+  __attribute__((target("avx512f,f16c"))) static inline __m512 table(uint16_t s, uint16_t) {
+    return _mm512_set1_ps(_cvtsh_ss(s));
+  }
+  __attribute__((target("avx512f"))) static inline void load(const void* row, int64_t i, __m512 s, __m512& lo,
+                                                             __m512& hi) {
+    const int8_t* p = static_cast<const int8_t*>(row) + i;
+    lo = _mm512_mul_ps(brisk_simd::load16(p), s);  // |q| * scale: 8 x 11 bits, exact for fp16 scales
+    hi = _mm512_mul_ps(brisk_simd::load16(p + 16), s);
+  }
+  static constexpr int64_t row_bytes(int64_t in) { return in; }
+};
+
+// y rows [m0, m0 + MB) x weight rows [r, r + R). Each (x row, weight row) pair keeps two
+// accumulators (the low and the high 16 columns of every 32) summed in column order and added at
+// the end, whatever MB and R are: a row's result does not depend on the batch it came in.
+// R weight rows at once give the cores R * MB * 2 independent fma chains; with one chain the
+// 4-cycle fma latency, not memory, set the pace (measured: 18 GMAC/s -> see kernel notes).
+template <int Bits, int MB, int R>
+__attribute__((target("avx512f,f16c"))) inline void gemm_tile(const Weights& w, const float* x, float* y, int64_t m0,
+                                                         int64_t r) {
+  const int64_t rb = Unpack<Bits>::row_bytes(w.in);
+  const uint8_t* rows[R];
+  for (int j = 0; j < R; ++j) rows[j] = w.q + (r + j) * rb;
+  __m512 lo_acc[R][MB], hi_acc[R][MB];
+  for (int j = 0; j < R; ++j)
+    for (int k = 0; k < MB; ++k) lo_acc[j][k] = hi_acc[j][k] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m512 lut[R];
+    for (int j = 0; j < R; ++j) {
+      const int64_t at = (r + j) * w.groups + g;
+      lut[j] = Unpack<Bits>::table(w.scale[at], w.zero ? w.zero[at] : 0);
+    }
+    for (int64_t i = g * w.group; i < (g + 1) * w.group; i += kChunk) {
+      for (int j = 0; j < R; ++j) {
+        // the tile after next comes from DRAM: ask for it now so the loads overlap this work
+        _mm_prefetch(reinterpret_cast<const char*>(rows[j] + 2 * R * rb + i * Bits / 8), _MM_HINT_T0);
+        __m512 lo, hi;
+        Unpack<Bits>::load(rows[j], i, lut[j], lo, hi);
+        for (int k = 0; k < MB; ++k) {
+          const float* xr = x + (m0 + k) * w.in + i;
+          lo_acc[j][k] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), lo_acc[j][k]);
+          hi_acc[j][k] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), hi_acc[j][k]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < R; ++j)
+    for (int k = 0; k < MB; ++k)
+      y[(m0 + k) * w.out + r + j] = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[j][k], hi_acc[j][k]));
+}
+
+template <int Bits, int MB, int R>
+void gemm_rows(const Weights& w, const float* x, float* y, int64_t m0, int64_t r0, int64_t r1) {
+  int64_t r = r0;
+  for (; r + R <= r1; r += R) gemm_tile<Bits, MB, R>(w, x, y, m0, r);
+  for (; r < r1; ++r) gemm_tile<Bits, MB, 1>(w, x, y, m0, r);
+}
+
+template <int Bits>
+void gemm(const Weights& w, const float* x, float* y, int64_t m_rows) {
+  at::parallel_for(0, w.out, 16, [&](int64_t r0, int64_t r1) {
+    // rows of x in blocks of 8, 4, 2, 1; weight rows per tile so that 16 accumulators are live
+    int64_t m0 = 0;
+    for (; m0 + 8 <= m_rows; m0 += 8) gemm_rows<Bits, 8, 1>(w, x, y, m0, r0, r1);
+    for (; m0 + 4 <= m_rows; m0 += 4) gemm_rows<Bits, 4, 2>(w, x, y, m0, r0, r1);
+    for (; m0 + 2 <= m_rows; m0 += 2) gemm_rows<Bits, 2, 4>(w, x, y, m0, r0, r1);
+    for (; m0 < m_rows; ++m0) gemm_rows<Bits, 1, 4>(w, x, y, m0, r0, r1);
+  });
+}
+
+template <int Bits>
+__attribute__((target("avx512f,f16c"))) void dequant_rows(const Weights& w, float* out, int64_t r0, int64_t r1) {
+  const int64_t rb = Unpack<Bits>::row_bytes(w.in);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w.q + r * rb;
+    float* o = out + r * w.in;
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const __m512 lut = Unpack<Bits>::table(w.scale[r * w.groups + g], w.zero ? w.zero[r * w.groups + g] : 0);
+      for (int64_t i = g * w.group; i < (g + 1) * w.group; i += kChunk) {
+        __m512 lo, hi;
+        Unpack<Bits>::load(row, i, lut, lo, hi);
+        _mm512_storeu_ps(o + i, lo);
+        _mm512_storeu_ps(o + i + 16, hi);
+      }
+    }
+  }
+}
+#endif
+
+Weights check_weights(const torch::Tensor& q, const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero,
+                      int64_t group, int64_t bits) {
+#ifdef BRISK_X86
+  TORCH_CHECK(brisk_simd::cpu_has_avx512f(), "brisk group kernels: need AVX-512");
+#else
+  TORCH_CHECK(false, "brisk group kernels: need an x86-64 CPU with AVX-512");
+#endif
+  TORCH_CHECK(bits == 4 || bits == 8, "brisk group kernels: bits must be 4 or 8");
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.device().is_cpu(), "brisk group kernels: q must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(bits == 4 ? q.scalar_type() == torch::kUInt8 : q.scalar_type() == torch::kInt8,
+              "brisk group kernels: 4-bit q is uint8, 8-bit q is int8");
+  const int64_t out = q.size(0), in = bits == 4 ? q.size(1) * 2 : q.size(1);
+  TORCH_CHECK(group > 0 && group % 32 == 0 && in % group == 0, "brisk group kernels: group ", group,
+              " must be a multiple of 32 dividing ", in);
+  const int64_t groups = in / group;
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat16 && scale.is_contiguous() && scale.numel() == out * groups,
+              "brisk group kernels: scale must be contiguous float16 [out, in / group]");
+  TORCH_CHECK(bits == 8 || (zero.has_value() && zero->scalar_type() == torch::kFloat16 && zero->is_contiguous() &&
+                            zero->numel() == out * groups),
+              "brisk group kernels: 4-bit needs a contiguous float16 zero [out, in / group]");
+  return Weights{static_cast<const uint8_t*>(q.data_ptr()), static_cast<const uint16_t*>(scale.data_ptr()),
+                 bits == 4 ? static_cast<const uint16_t*>(zero->data_ptr()) : nullptr, out, in, group, groups};
+}
+
+}  // namespace
+
+// y[M, out] = x[M, in] @ W^T (+ bias), W group-quantized as above, accumulated in float32.
+torch::Tensor group_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                         const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
+                         const c10::optional<torch::Tensor>& bias) {
+  const Weights w = check_weights(q, scale, zero, group, bits);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.in, "brisk group_gemm: x does not fit the weight");
+  auto xf = x.to(torch::kFloat32).contiguous();
+  auto y = torch::empty({x.size(0), w.out}, x.options().dtype(torch::kFloat32));
+#ifdef BRISK_X86
+  if (bits == 4) gemm<4>(w, xf.data_ptr<float>(), y.data_ptr<float>(), x.size(0));
+  else gemm<8>(w, xf.data_ptr<float>(), y.data_ptr<float>(), x.size(0));
+#endif
+  if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
+  return y;
+}
+
+// The float32 [out, in] weight the kernel computes with (for large batches and references).
+torch::Tensor group_dequantize(const torch::Tensor& q, const torch::Tensor& scale,
+                               const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits) {
+  const Weights w = check_weights(q, scale, zero, group, bits);
+  auto out = torch::empty({w.out, w.in}, scale.options().dtype(torch::kFloat32));
+#ifdef BRISK_X86
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, w.out, 64, [&](int64_t r0, int64_t r1) {
+    if (bits == 4) dequant_rows<4>(w, o, r0, r1);
+    else dequant_rows<8>(w, o, r0, r1);
+  });
+#endif
+  return out;
+}

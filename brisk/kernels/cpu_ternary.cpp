@@ -1,0 +1,73 @@
+// Ternary weights {-1, 0, +1} x a scale per output row (quant/ternary.py, BitNet b1.58), stored
+// as two bit planes: plus[o, i / 8] and minus[o, i / 8], bit b of byte j = column 8 j + b, so two
+// bytes of a plane are the AVX-512 lane mask of 16 columns. The product adds the x lanes whose
+// weight is +1 and subtracts those whose weight is -1 (masked add/sub): no multiplication until
+// the row's sum meets its scale. 2 bits per weight.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+#include "simd.h"
+
+namespace {
+
+#ifdef BRISK_X86
+template <int MB>
+__attribute__((target("avx512f"))) void rows(const uint8_t* plus, const uint8_t* minus, const float* x, float* y,
+                                             int64_t in, int64_t out, int64_t m0, int64_t r0, int64_t r1) {
+  const int64_t rb = in / 8;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* p = plus + r * rb;
+    const uint8_t* n = minus + r * rb;
+    __m512 acc[MB];
+    for (int k = 0; k < MB; ++k) acc[k] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < in; i += 16) {
+      uint16_t pm, nm;
+      std::memcpy(&pm, p + i / 8, 2);
+      std::memcpy(&nm, n + i / 8, 2);
+      for (int k = 0; k < MB; ++k) {
+        const __m512 xv = _mm512_loadu_ps(x + (m0 + k) * in + i);
+        acc[k] = _mm512_mask_add_ps(acc[k], static_cast<__mmask16>(pm), acc[k], xv);
+        acc[k] = _mm512_mask_sub_ps(acc[k], static_cast<__mmask16>(nm), acc[k], xv);
+      }
+    }
+    for (int k = 0; k < MB; ++k) y[(m0 + k) * out + r] = _mm512_reduce_add_ps(acc[k]);
+  }
+}
+#endif
+
+}  // namespace
+
+// y[M, out] = (x[M, in] . T[out, in]^T) * scale[out] (+ bias), T ternary in two bit planes.
+torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& plus, const torch::Tensor& minus,
+                           const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(plus.scalar_type() == torch::kUInt8 && minus.scalar_type() == torch::kUInt8 && plus.dim() == 2 &&
+                  plus.sizes() == minus.sizes() && plus.is_contiguous() && minus.is_contiguous(),
+              "brisk ternary_gemm: plus and minus must be contiguous uint8 [out, in / 8] of one shape");
+  const int64_t out = plus.size(0), in = plus.size(1) * 8;
+  TORCH_CHECK(in % 16 == 0, "brisk ternary_gemm: input features must be a multiple of 16");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == in, "brisk ternary_gemm: x does not fit the weight");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.numel() == out, "brisk ternary_gemm: scale must be float32 [out]");
+  auto xf = x.to(torch::kFloat32).contiguous();
+  const int64_t m = xf.size(0);
+  auto y = torch::empty({m, out}, xf.options());
+#ifdef BRISK_X86
+  TORCH_CHECK(brisk_simd::cpu_has_avx512f(), "brisk ternary_gemm: needs AVX-512");
+  const uint8_t* pp = plus.data_ptr<uint8_t>();
+  const uint8_t* np = minus.data_ptr<uint8_t>();
+  const float* xp = xf.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, out, 16, [&](int64_t r0, int64_t r1) {
+    int64_t m0 = 0;
+    for (; m0 + 8 <= m; m0 += 8) rows<8>(pp, np, xp, yp, in, out, m0, r0, r1);
+    for (; m0 + 4 <= m; m0 += 4) rows<4>(pp, np, xp, yp, in, out, m0, r0, r1);
+    for (; m0 < m; ++m0) rows<1>(pp, np, xp, yp, in, out, m0, r0, r1);
+  });
+#else
+  TORCH_CHECK(false, "brisk ternary_gemm: needs an x86-64 CPU with AVX-512");
+#endif
+  y.mul_(scale.view({1, out}));
+  if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
+  return y;
+}

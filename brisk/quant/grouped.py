@@ -1,0 +1,153 @@
+"""Group-quantized Linear: 4-bit with a float scale and offset per group of input columns, or 8-bit
+with a scale per group. One module serves the int4 method (round-to-nearest or AWQ-scaled) and the
+GGUF blocks Q4_0, Q4_1 and Q8_0 kept quantized at run time (quant/gguf.py).
+
+Layout (also the C++ kernels', brisk/kernels/cpu_quant.cpp)::
+
+    4-bit  qweight uint8 [out, in/2]: each run of 32 columns takes 16 bytes, GGUF's order:
+           byte j = column j (low nibble) | column j+16 (high nibble)
+           w[o, i] = fma(q, scale[o, g], zero[o, g]),  g = i // group
+    8-bit  qweight int8 [out, in]:  w[o, i] = q * scale[o, g]
+    scale, zero: float16 [out, in/group] (GGUF's d and m are float16 too)
+
+So a GGUF Q4_1 block (d, m, 16 bytes) is a group of 32 with scale d and zero m as it stands, a
+Q4_0 block is zero = -8 d, and Q8_0 is the 8-bit form: no repacking of the nibbles.
+
+An optional `input_scale` [in] (AWQ) multiplies x before the product: the weight was quantized
+after its columns were scaled by 1 / input_scale, which protects the columns that meet large
+activations.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from brisk.kernels import group_dequantize, group_gemm, group_kernel_supported
+from brisk.model.layers import Linear
+
+KERNEL_MAX_ROWS = 128  # past this, dequantizing once and running a float GEMM is faster (prefill)
+CHUNK = 32  # columns per nibble run / GGUF block
+SCALE_MIN = 2.0**-24  # the smallest float16 (subnormal): an all-zero group still gets a usable scale
+
+
+def check_group(in_features: int, group: int) -> None:
+    if group <= 0 or group % CHUNK or in_features % group:
+        raise ValueError(f"quantization group size {group} must be a multiple of {CHUNK} that divides the "
+                         f"{in_features} input features of every layer; try group_size 32 or 64")
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in] with values 0..15 -> uint8 [out, in/2] in the layout above."""
+    out = q.shape[0]
+    runs = q.reshape(out, -1, 2, 16)  # [out, in/32, (low, high), 16]
+    return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(out, -1).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_nibbles`."""
+    runs = packed.reshape(packed.shape[0], -1, 16)
+    return torch.stack([runs & 15, runs >> 4], dim=2).reshape(packed.shape[0], -1)
+
+
+def dequantize_reference(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
+                         bits: int) -> torch.Tensor:
+    """Torch version of the kernels' dequantization (portable fallback, tests): float32 [out, in].
+
+    4-bit values are one fma, q * scale + zero rounded once, as the kernel's table; float64 holds
+    q * scale exactly, so one rounding to float32 reproduces it.
+    """
+    out = qweight.shape[0]
+    q = unpack_nibbles(qweight) if bits == 4 else qweight
+    q = q.reshape(out, -1, group)
+    if bits == 8:
+        return (q.float() * scale.float()[..., None]).reshape(out, -1)  # exact: 8 x 11 bits
+    assert zero is not None
+    return (q.double() * scale.double()[..., None] + zero.double()[..., None]).float().reshape(out, -1)
+
+
+def quantize_rtn_4bit(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest, asymmetric: per group, scale = (max - min) / 15 and zero = min (as Q4_1).
+    The float16 scale and zero are rounded first and q is chosen against them, the grid used."""
+    out, in_features = weight.shape
+    check_group(in_features, group)
+    w = weight.float().reshape(out, -1, group)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp(min=SCALE_MIN).half()
+    zero = lo.half()
+    q = torch.round((w - zero.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15).to(torch.uint8)
+    return pack_nibbles(q.reshape(out, in_features)), scale.contiguous(), zero.contiguous()
+
+
+def quantize_sym_8bit(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric 8-bit per group (as Q8_0): scale = max |w| / 127."""
+    out, in_features = weight.shape
+    check_group(in_features, group)
+    w = weight.float().reshape(out, -1, group)
+    scale = (w.abs().amax(dim=-1) / 127).clamp(min=SCALE_MIN).half()
+    q = torch.round(w / scale.float()[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(out, in_features).contiguous(), scale.contiguous()
+
+
+class GroupLinear(nn.Module):
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
+                 bits: int, bias: torch.Tensor | None, output_sizes: tuple[int, ...], dtype: torch.dtype) -> None:
+        super().__init__()
+        if bits not in (4, 8) or (bits == 4) != (zero is not None):
+            raise ValueError("GroupLinear: 4-bit weights need a zero per group, 8-bit ones none")
+        self.bits, self.group = bits, group
+        self.in_features = qweight.shape[1] * (2 if bits == 4 else 1)
+        self.out_features = qweight.shape[0]
+        check_group(self.in_features, group)
+        self.output_sizes = output_sizes
+        self.dtype = dtype  # what activations and outputs are
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)  # [out, in / group] float16
+        self.register_buffer("zero", zero)  # [out, in / group] float16, 4-bit only
+        self.register_buffer("bias", bias)
+        self.register_buffer("input_scale", None)  # [in] float32 when AWQ-scaled
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, group: int, bits: int,
+                    output_sizes: tuple[int, ...] | None = None,
+                    dtype: torch.dtype | None = None) -> GroupLinear:
+        if bits == 4:
+            q, scale, zero = quantize_rtn_4bit(weight, group)
+        else:
+            (q, scale), zero = quantize_sym_8bit(weight, group), None
+        b = None if bias is None else bias.detach().float()
+        return cls(q, scale, zero, group, bits, b, output_sizes or (weight.shape[0],), dtype or weight.dtype)
+
+    @classmethod
+    def from_linear(cls, linear: Linear, group: int, bits: int) -> GroupLinear:
+        return cls.from_weight(linear.weight, linear.bias, group, bits, linear.output_sizes)
+
+    def set_input_scale(self, input_scale: torch.Tensor) -> None:
+        self.input_scale = input_scale.float().contiguous()
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in]: the weight applied to x * input_scale."""
+        if group_kernel_supported(self.qweight):
+            return group_dequantize(self.qweight, self.scale, self.zero, self.group, self.bits)
+        return dequantize_reference(self.qweight, self.scale, self.zero, self.group, self.bits)
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), in]: rows of the effective weight (embedding lookups of a tied head)."""
+        zero = None if self.zero is None else self.zero[ids]
+        rows = dequantize_reference(self.qweight[ids], self.scale[ids], zero, self.group, self.bits)
+        return rows if self.input_scale is None else rows * self.input_scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.input_scale is not None:
+            flat = flat.float() * self.input_scale
+        if flat.shape[0] <= KERNEL_MAX_ROWS and group_kernel_supported(self.qweight):
+            y = group_gemm(flat, self.qweight, self.scale, self.zero, self.group, self.bits, self.bias)
+        else:
+            y = F.linear(flat.float(), self.dequantize(), self.bias)
+        return y.to(self.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        awq = ", awq" if self.input_scale is not None else ""
+        return f"in={self.in_features}, out={self.output_sizes}, {self.bits}-bit group {self.group}{awq}"

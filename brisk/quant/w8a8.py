@@ -1,0 +1,104 @@
+"""W8A8: integer matmuls end to end in the linear layers (SmoothQuant, Xiao et al. 2023).
+
+    weights:      q_w[n, k] = round(W[n, k] / s_w[n]),  s_w[n] = max_k |W[n, k]| / 127  (per channel)
+    activations:  q_x[m, k] = round(x[m, k] / a[m]),    a[m] = max_k |x[m, k]| / 127     (per token, at run time)
+    y[m, n]     = a[m] * s_w[n] * sum_k q_x[m, k] q_w[n, k]      (int32 accumulation, exact)
+
+A few input channels of an LLM's activations are 10-100x larger than the rest, and per-token
+int8 then rounds everything else to a handful of levels. With a calibration text, SmoothQuant
+moves that range into the weights: column k of W is multiplied by
+t_k = max|x_k|^alpha / max|W_k|^(1 - alpha) (alpha 0.5) and x_k is divided by it at run time
+(`input_scale` = 1 / t), so both sides quantize well.
+
+Decode-sized batches go through brisk's AVX512-VNNI kernel (`kernels.int8_dot_u8s8`, 64 int8
+products per instruction, ~150 GMAC/s here); from 17 rows torch._int_mm (oneDNN, 270-370 GMAC/s).
+Without either, the same integers are summed in float64 (exact, slow): results never change
+with the path, because integer sums have no rounding order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from brisk.kernels import have_vnni, int8_dot_u8s8, quantize_rows_u8
+from brisk.model.layers import Linear
+from brisk.quant.int8 import quantize_per_channel
+
+VNNI_MAX_ROWS = 16  # torch._int_mm (oneDNN) takes over from 17 rows: 268-371 vs ~160 GMAC/s at 32-128 rows here
+SMOOTH_ALPHA = 0.5
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8: (q int8 [M, K], a float32 [M]) with x ~ q * a."""
+    a = (x.abs().amax(dim=1) / 127).float()
+    a = torch.where(a > 0, a, torch.ones_like(a))
+    return torch.round(x / a[:, None]).clamp_(-127, 127).to(torch.int8), a
+
+
+class W8A8Linear(nn.Module):
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 output_sizes: tuple[int, ...], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features = qweight.shape[1]
+        self.out_features = qweight.shape[0]
+        self.output_sizes = output_sizes
+        self.dtype = dtype
+        self.register_buffer("qweight", qweight)  # [out, in] int8
+        self.register_buffer("scale", scale)  # [out] float32
+        self.register_buffer("bias", bias)
+        self.register_buffer("input_scale", None)  # [in] float32 when smoothed
+        # 128 * row sums: the VNNI kernel reads x as uint8 (q + 128); this takes the offset back out
+        self.register_buffer("offset", 128 * qweight.sum(dim=1, dtype=torch.int32))
+
+    @classmethod
+    def from_linear(cls, linear: Linear) -> W8A8Linear:
+        q, scale = quantize_per_channel(linear.weight)
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        return cls(q, scale, bias, linear.output_sizes, linear.weight.dtype)
+
+    def set_input_scale(self, input_scale: torch.Tensor) -> None:
+        self.input_scale = input_scale.float().contiguous()
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.qweight[ids].float() * self.scale[ids, None]
+        return rows if self.input_scale is None else rows * self.input_scale
+
+    def _int_dot(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum_k q_x q_w as int32 [M, out], a [M])."""
+        cpu = x.device.type == "cpu"
+        if cpu and x.shape[0] <= VNNI_MAX_ROWS and self.in_features % 64 == 0 and have_vnni():
+            xq, a = quantize_rows_u8(x)
+            return int8_dot_u8s8(xq, self.qweight) - self.offset, a
+        q, a = quantize_tokens(x)
+        if (cpu and x.shape[0] > 16) or (x.is_cuda and x.shape[0] > 16 and self.in_features % 8 == 0):
+            return torch._int_mm(q, self.qweight.t()), a
+        return (q.double() @ self.qweight.double().T).to(torch.int32), a  # exact: sums < 2**53
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        if self.input_scale is not None:
+            flat = flat * self.input_scale
+        acc, a = self._int_dot(flat)
+        y = acc.float() * a[:, None] * self.scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(self.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        smooth = ", smoothed" if self.input_scale is not None else ""
+        return f"in={self.in_features}, out={self.output_sizes}, w8a8{smooth}"
+
+
+def smoothquant_scales(model: nn.Module, ids: list[int], group: int = 0) -> dict[Linear, torch.Tensor]:
+    """Per decoder Linear, SmoothQuant's column factors from one forward over `ids`."""
+    from brisk.quant.awq import collect_inputs
+
+    return {linear: smooth_scales(linear.weight, x.abs().amax(dim=0)) for linear, x in collect_inputs(model, ids).items()}
+
+
+def smooth_scales(weight: torch.Tensor, x_absmax: torch.Tensor, alpha: float = SMOOTH_ALPHA) -> torch.Tensor:
+    """SmoothQuant's per-column factor t (multiply W's columns, divide x's channels)."""
+    w_absmax = weight.float().abs().amax(dim=0).clamp(min=1e-5)
+    t = x_absmax.clamp(min=1e-5).pow(alpha) / w_absmax.pow(1 - alpha)
+    return t.clamp(min=1e-2, max=1e2)

@@ -1,0 +1,165 @@
+"""Group-quantized weights (int4 and the GGUF blocks): exact packing, the kernels against the
+dequantized reference, AWQ scaling, and clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from brisk import kernels
+from brisk.config import ModelConfig, QuantConfig
+from brisk.loader.dequant import dequantize
+from brisk.model.layers import Linear
+from brisk.model.llama import LlamaForCausalLM
+from brisk.quant import apply
+from brisk.quant.awq import _best_scale
+from brisk.quant.gguf import NATIVE, to_group
+from brisk.quant.grouped import (
+    GroupLinear,
+    dequantize_reference,
+    pack_nibbles,
+    quantize_rtn_4bit,
+    unpack_nibbles,
+)
+
+needs_kernel = pytest.mark.skipif(not kernels.HAVE_CPU_GEMV or kernels.SMALL_GEMM_MAX_ROWS == 1,
+                                  reason="needs the AVX-512 kernels")
+
+
+def test_nibble_packing_round_trips_and_matches_gguf_order() -> None:
+    q = torch.randint(0, 16, (5, 96), dtype=torch.uint8)
+    packed = pack_nibbles(q)
+    assert packed.shape == (5, 48) and torch.equal(unpack_nibbles(packed), q)
+    # GGUF: byte j of a 32-column run = column j (low nibble) | column j + 16 (high nibble)
+    assert int(packed[0, 3]) == int(q[0, 3]) | (int(q[0, 19]) << 4)
+
+
+def test_rtn_error_is_at_most_half_a_step() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(16, 128) * 0.05
+    q, scale, zero = quantize_rtn_4bit(w, 64)
+    deq = dequantize_reference(q, scale, zero, 64, 4)
+    step = scale.repeat_interleave(64, dim=1)
+    assert ((deq - w).abs() <= step / 2 + 1e-7).all()
+    # values already on the grid come back exactly
+    q2, s2, z2 = quantize_rtn_4bit(deq, 64)
+    torch.testing.assert_close(dequantize_reference(q2, s2, z2, 64, 4), deq, rtol=0, atol=1e-7)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_dequantization_equals_the_reference(bits: int) -> None:
+    torch.manual_seed(1)
+    lin = GroupLinear.from_weight(torch.randn(40, 128), None, 32, bits)
+    ref = dequantize_reference(lin.qweight, lin.scale, lin.zero, 32, bits)
+    torch.testing.assert_close(lin.dequantize(), ref, rtol=1.2e-7, atol=0)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 33, 200])
+def test_group_linear_equals_its_dequantized_weight(bits: int, group: int, rows: int) -> None:
+    torch.manual_seed(0)
+    lin = Linear(128, (40, 24), bias=True)
+    lin.weight.data.normal_(0, 0.1)
+    lin.bias.data.normal_(0, 0.1)
+    q = GroupLinear.from_linear(lin, group, bits)
+    x = torch.randn(rows, 128)
+    torch.testing.assert_close(q(x), x @ q.dequantize().T + lin.bias, atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_each_row_gets_the_same_result_alone_or_in_a_batch() -> None:
+    torch.manual_seed(2)
+    q = GroupLinear.from_weight(torch.randn(72, 192), None, 64, 4)
+    x = torch.randn(31, 192)
+    batch = q(x)
+    assert all(torch.equal(batch[i:i + 1], q(x[i:i + 1])) for i in range(31))
+
+
+def _random_blocks(kind: GGMLQuantizationType, rows: int, cols: int) -> np.ndarray:
+    """Valid GGUF blocks: finite fp16 d (and m), random payload."""
+    size = NATIVE[kind][0]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (rows, cols // 32, size), dtype=np.uint8)
+    raw[..., 0:2] = np.frombuffer(rng.uniform(1e-3, 2e-2, (rows, cols // 32)).astype(np.float16).tobytes(),
+                                  np.uint8).reshape(rows, cols // 32, 2)
+    if kind == GGMLQuantizationType.Q4_1:
+        raw[..., 2:4] = np.frombuffer(rng.uniform(-0.2, 0, (rows, cols // 32)).astype(np.float16).tobytes(),
+                                      np.uint8).reshape(rows, cols // 32, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", list(NATIVE))
+def test_gguf_blocks_give_exactly_the_loaders_dequantized_weights(kind: GGMLQuantizationType) -> None:
+    raw = _random_blocks(kind, 6, 96)
+    q, scale, zero, bits = to_group(int(kind), torch.from_numpy(raw))
+    ours = dequantize_reference(q, scale, zero, 32, bits)
+    assert torch.equal(ours, dequantize(raw, kind, (6, 96)))
+    module = GroupLinear(q, scale, zero, 32, bits, None, (6,), torch.float32)
+    assert torch.equal(module.dequantize(), ours)
+
+
+def test_awq_scaling_protects_columns_that_meet_large_activations() -> None:
+    torch.manual_seed(3)
+    w = torch.randn(64, 128) * 0.05
+    x = torch.randn(256, 128)
+    x[:, :4] *= 40  # a few outlier channels, as LLM activations have
+    s = _best_scale(w, x, 64)
+    assert s is not None and s[:4].min() > s[4:].max()  # the outlier columns were scaled up
+
+    def err(weight_eff: torch.Tensor) -> float:
+        return float(((x @ weight_eff.T - x @ w.T) ** 2).mean())
+
+    rtn = dequantize_reference(*quantize_rtn_4bit(w, 64), 64, 4)
+    awq = dequantize_reference(*quantize_rtn_4bit(w * s, 64), 64, 4) / s
+    assert err(awq) < 0.8 * err(rtn)
+
+
+def _tiny_model(tied: bool) -> LlamaForCausalLM:
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=tied)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+def test_int4_apply_quantizes_body_in_4_bits_and_a_tied_head_in_8() -> None:
+    model = _tiny_model(tied=True)
+    assert apply(model, QuantConfig("int4", group_size=32)) == 2 * 4 + 1
+    assert not any(isinstance(m, Linear) for m in model.modules())
+    assert model.layers[0].mlp.down_proj.bits == 4 and model.lm_head.bits == 8
+    ids = torch.tensor([3, 60])
+    assert torch.equal(model.embed_tokens(ids), model.lm_head.dequantize()[ids])
+
+
+def test_awq_through_apply_adds_input_scales_and_keeps_the_model_close() -> None:
+    model = _tiny_model(tied=False)
+    from brisk.runtime.model_runner import ModelRunner, SeqStep
+
+    ids = list(range(1, 40))
+    before = ModelRunner(model, 1, 64).execute([SeqStep(0, 0, ids)])
+    apply(model, QuantConfig("int4", group_size=32, calibration="unused-here"), calibration_ids=ids)
+    scaled = [m for m in model.modules() if isinstance(m, GroupLinear) and m.input_scale is not None]
+    assert scaled and model.lm_head.input_scale is None  # the head stays unscaled
+    after = ModelRunner(model, 1, 64).execute([SeqStep(0, 0, ids)])
+    assert (after - before).abs().max() < 0.25 * before.abs().max()  # 4 bits on random weights: coarse
+
+
+def test_bad_options_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="group size 128 must be a multiple of 32 that divides the 576"):
+        GroupLinear.from_weight(torch.randn(8, 576), None, 128, 4)
+    with pytest.raises(ValueError, match="positive multiple of 32"):
+        QuantConfig("int4", group_size=48)
+    with pytest.raises(ValueError, match=r"calibration applies to int4 \(AWQ\) and w8a8"):
+        QuantConfig("int8", calibration="x.txt")
+    with pytest.raises(ValueError, match="unknown quantization option"):
+        QuantConfig.parse("int4", '{"groupsize": 64}')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        QuantConfig.parse("int4", "{group_size: 64}")
+    with pytest.raises(ValueError, match="load a .gguf model"):
+        apply(_tiny_model(tied=True), "gguf")

@@ -1,0 +1,64 @@
+"""Every quantization method on the real default model: through the batched engine, behind the
+server, and (gguf) the file's own blocks giving the float model's greedy text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from brisk import LLM, SamplingParams
+from brisk.bench.eval_ppl import weight_bytes
+from brisk.model.layers import Linear
+from brisk.quant.grouped import GroupLinear
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "gguf"])
+def test_quantized_model_through_the_batched_engine(method: str, brisk_llm: LLM) -> None:
+    llm = LLM("smollm2-135m", quantization=method, num_kv_blocks=256, max_model_len=1024)
+    batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    alone = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    assert batched == alone  # the batched engine changes nothing for a quantized model either
+    ref = [o.outputs[0].token_ids for o in brisk_llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    agree = sum(a == b for r, q in zip(ref, batched) for a, b in zip(r, q)) / sum(len(r) for r in ref)
+    assert agree >= (1.0 if method == "gguf" else 0.5)  # rounding may flip a near-tie; then texts part ways
+    assert not any(isinstance(m, Linear) for m in llm.model.modules())
+
+
+def test_gguf_native_blocks_are_the_float_models_weights(brisk_llm: LLM) -> None:
+    llm = LLM("smollm2-135m", quantization="gguf", num_kv_blocks=64, max_model_len=512)
+    qkv = llm.model.layers[3].self_attn.qkv_proj
+    assert isinstance(qkv, GroupLinear) and qkv.bits == 4 and qkv.group == 32  # Q4_1 as stored
+    assert llm.model.lm_head.bits == 8  # token_embd is Q8_0 in this file
+    assert torch.equal(qkv.dequantize(), brisk_llm.model.layers[3].self_attn.qkv_proj.weight)
+    ids = torch.tensor([1, 500, 49151])
+    assert torch.equal(llm.model.embed_tokens(ids), brisk_llm.model.embed_tokens(ids))
+    assert weight_bytes(llm.model) < 0.2 * weight_bytes(brisk_llm.model)
+
+
+def test_gguf_needs_a_gguf_file(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="keeps a GGUF file's own blocks"):
+        LLM(str(tmp_path), quantization="gguf")
+
+
+@pytest.mark.parametrize("method", ["int4", "gguf"])
+def test_quantized_model_behind_the_server(method: str) -> None:
+    from fastapi.testclient import TestClient
+
+    from brisk.server import build_app
+
+    llm = LLM("smollm2-135m", quantization=method, num_kv_blocks=128, max_model_len=512)
+    expected = llm.generate("Water boils at", SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+    app = build_app(llm, api_key="")
+    try:
+        with TestClient(app) as client:
+            r = client.post("/v1/completions", json={"prompt": "Water boils at", "max_tokens": 6, "temperature": 0})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+            assert r.json()["choices"][0]["text"] == expected[0].outputs[0].text
+    finally:
+        app.state.brisk.engine.shutdown()
