@@ -345,9 +345,8 @@ def _bench_throughput(args: argparse.Namespace, compare: list[str]) -> int:
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
-    from brisk.loader.convert import quantize_to_dir
-
     from brisk.config import QuantConfig
+    from brisk.loader.convert import quantize_to_dir
 
     quant = QuantConfig.parse(args.method, args.quant_config)
     out = quantize_to_dir(args.model, quant, args.out, args.dtype)

@@ -193,9 +193,9 @@ class QuantConfig:
                 options = json.loads(options)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"quantization config is not valid JSON ({exc}): {options!r}") from None
+        if not isinstance(options, (dict, type(None))):  # a user's value: ValueError, as everywhere here
+            raise ValueError(f"quantization config must be a JSON object, got {options!r}")  # noqa: TRY004
         options = dict(options or {})
-        if not isinstance(options, dict):
-            raise ValueError(f"quantization config must be a JSON object, got {options!r}")
         unknown = sorted(set(options) - set(QUANT_OPTIONS))
         if unknown:
             raise ValueError(f"unknown quantization option(s) {', '.join(unknown)}; known: {', '.join(QUANT_OPTIONS)}")

@@ -187,4 +187,4 @@ def tensor_types(file: GGUFFile) -> dict[str, int]:
     return counts
 
 
-__all__ = ["GGUFFile", "open_gguf", "gguf_model_config", "gguf_weights", "gguf_raw_weights", "tensor_types"]
+__all__ = ["GGUFFile", "gguf_model_config", "gguf_raw_weights", "gguf_weights", "open_gguf", "tensor_types"]

@@ -9,7 +9,12 @@ from pathlib import Path
 import torch
 
 from brisk.config import ModelConfig, QuantConfig
-from brisk.loader.gguf_loader import gguf_model_config, gguf_raw_weights, gguf_weights, open_gguf
+from brisk.loader.gguf_loader import (
+    gguf_model_config,
+    gguf_raw_weights,
+    gguf_weights,
+    open_gguf,
+)
 from brisk.loader.hf_loader import check_hf_dir, hf_model_config, hf_weights
 from brisk.loader.resolve import ModelSource, resolve_model
 from brisk.loader.tokenizer import Tokenizer

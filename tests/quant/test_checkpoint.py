@@ -14,7 +14,6 @@ from brisk.cli import main
 from brisk.config import QuantConfig
 from brisk.loader.convert import quantize_to_dir
 
-
 INT8 = QuantConfig("int8")
 CALIBRATION = """The river flows past the old mill, where the miller grinds wheat into flour every autumn.
 In 1887 the town council voted to build a stone bridge; it opened three years later, in 1890.

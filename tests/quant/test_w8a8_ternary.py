@@ -9,7 +9,12 @@ import torch
 from brisk import kernels
 from brisk.config import QuantConfig
 from brisk.model.layers import Linear
-from brisk.quant.ternary import TernaryLinear, pack_planes, quantize_absmean, unpack_planes
+from brisk.quant.ternary import (
+    TernaryLinear,
+    pack_planes,
+    quantize_absmean,
+    unpack_planes,
+)
 from brisk.quant.w8a8 import W8A8Linear, quantize_tokens, smooth_scales
 
 needs_vnni = pytest.mark.skipif(not kernels.have_vnni(), reason="needs the AVX512-VNNI kernel")
