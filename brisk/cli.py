@@ -14,14 +14,14 @@ from pathlib import Path
 
 from brisk.loader.resolve import DEFAULT_MODEL
 
-# The methods are checked by brisk.quant.check_method before any model loads (importing quant here
+# The methods are checked by brisk.config.QuantConfig before any model loads (importing quant here
 # would pull torch into every `brisk --help`); this line only describes them.
 QUANT_HELP = ("int8: weight-only per output channel; int4: weight-only, groups of group_size (default 64), "
               "AWQ-scaled given a calibration text; w8a8: int8 weights and per-token int8 activations, "
               "SmoothQuant given a calibration text; ternary: BitNet b1.58 absmean {-1,0,1} x scale, 2-bit "
               "(destroys a model not trained for it); gguf: a .gguf file's Q4_0/Q4_1/Q8_0 blocks as stored")
 QUANT_CONFIG_HELP = ('options as JSON: \'{"group_size": 64}\' (int4), \'{"calibration": "text.txt", '
-                     '"calibration_tokens": 512}\' (int4: AWQ, w8a8: SmoothQuant)')
+                     '"calibration_tokens": 4096}\' (int4: AWQ + GPTQ, w8a8: SmoothQuant)')
 
 
 def _add_quant(p: argparse.ArgumentParser, what: str) -> None:
@@ -87,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     qz = sub.add_parser("quantize", help="write a quantized copy of a model that loads without re-quantizing")
     qz.add_argument("model", help="built-in name, .gguf file or HF directory")
-    qz.add_argument("--method", required=True, help=f"quantization method ({QUANT_HELP})")
+    qz.add_argument("--method", required=True,
+                    help=f"quantization method: int8, int4, w8a8 or ternary ({QUANT_HELP}; a .gguf file needs no "
+                         "quantize step for gguf)")
     qz.add_argument("--quant-config", default=None, help=QUANT_CONFIG_HELP)
     qz.add_argument("--out", required=True, type=Path, help="output directory (load it with --model DIR)")
     qz.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the rest")

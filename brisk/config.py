@@ -172,7 +172,7 @@ class QuantConfig:
     method: str
     group_size: int = 64
     calibration: str | None = None
-    calibration_tokens: int = 512
+    calibration_tokens: int = 4096
 
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
@@ -182,6 +182,8 @@ class QuantConfig:
                              f"got {self.group_size!r}")
         if not isinstance(self.calibration_tokens, int) or self.calibration_tokens < 16:
             raise ValueError(f"calibration_tokens must be an integer >= 16, got {self.calibration_tokens!r}")
+        if self.calibration is not None and not isinstance(self.calibration, str):
+            raise ValueError(f"calibration must be the path of a text file, got {self.calibration!r}")
         if self.calibration is not None and self.method not in ("int4", "w8a8"):
             raise ValueError(f"calibration applies to int4 (AWQ) and w8a8 (SmoothQuant), not {self.method}")
 
@@ -204,7 +206,7 @@ class QuantConfig:
     def describe(self) -> str:
         """One line for logs and JSON: the method and the options that matter for it."""
         if self.method == "int4":
-            return f"int4 g{self.group_size} {'awq' if self.calibration else 'rtn'}"
+            return f"int4 g{self.group_size} {'awq+gptq' if self.calibration else 'rtn'}"
         if self.method == "w8a8":
             return f"w8a8{' smoothquant' if self.calibration else ''}"
         return self.method

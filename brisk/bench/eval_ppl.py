@@ -92,6 +92,11 @@ def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: in
         raise ValueError(f"--text {text} is not a file")
     llm = LLM(model_ref, dtype=dtype, max_model_len=max(window, 256), num_kv_blocks=96,  # KV only for the decode timing
               **(quant or {}))
+    from brisk.loader.quantized import quantization_of
+
+    if quantization_of(Path(model_ref)) is not None:
+        raise ValueError(f"{model_ref} is a quantized checkpoint: evaluate the original model with -q METHOD "
+                         "so the float32 reference it is compared with is the unquantized one")
     ids = read_tokens(llm, text, max_tokens)
     if len(ids) < 2:
         raise ValueError(f"{text} holds fewer than 2 tokens; nothing to score")

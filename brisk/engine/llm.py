@@ -37,7 +37,8 @@ class LLM:
     most that many times a decode-only step; default None: the token budget alone),
     `pack_weights` (CPU: keep oneDNN-packed copies of the weights for batched rows, ~1.3-2x faster
     prefill and batched decode for as much memory again as the weights; default True),
-    `quantization` ("int8", "int4", "gguf": swap the Linears for quantized ones at load, see quant/)
+    `quantization` ("int8", "int4", "w8a8", "ternary", "gguf": swap the Linears for quantized ones at
+    load, see quant/)
     with `quantization_config` ({"group_size": 64, "calibration": "text.txt"} for int4; a dict or
     a JSON string).
     """

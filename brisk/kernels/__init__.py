@@ -103,9 +103,16 @@ def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     return _C.int8_gemm(x, qweight, scale, bias)
 
 
-def group_kernel_supported(qweight: torch.Tensor) -> bool:
-    """True when `group_gemm` / `group_dequantize` can serve this weight: CPU with AVX-512, built."""
-    return SMALL_GEMM_MAX_ROWS > 1 and qweight.device.type == "cpu" and qweight.is_contiguous()
+def _built(name: str) -> bool:
+    """The extension is built and has `name` (an older in-tree build may lack newer kernels)."""
+    return _C is not None and hasattr(_C, name)
+
+
+def group_kernel_supported(qweight: torch.Tensor, x: torch.Tensor | None = None) -> bool:
+    """True when `group_gemm` / `group_dequantize` (and `ternary_gemm`) can serve this weight and
+    input: CPU with AVX-512, extension built."""
+    return (SMALL_GEMM_MAX_ROWS > 1 and _built("group_gemm") and qweight.device.type == "cpu"
+            and qweight.is_contiguous() and (x is None or x.device.type == "cpu"))
 
 
 def group_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
@@ -127,7 +134,7 @@ def group_dequantize(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
 
 def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when `rms_norm` can serve these float32 CPU tensors (AVX-512 build)."""
-    return (SMALL_GEMM_MAX_ROWS > 1 and x.device.type == "cpu" and x.dtype == torch.float32
+    return (SMALL_GEMM_MAX_ROWS > 1 and _built("rms_norm") and x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32)
 
 
@@ -139,7 +146,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def have_vnni() -> bool:
     """True when `int8_dot_u8s8` runs here: the extension is built and the CPU has AVX512-VNNI."""
-    return _C is not None and bool(_C.have_vnni())
+    return _built("have_vnni") and bool(_C.have_vnni())
 
 
 def quantize_rows_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

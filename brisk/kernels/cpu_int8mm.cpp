@@ -72,9 +72,10 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_rows_u8(const torch::Tensor& x
     float amax = 0.f;
     for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
     const float scale = amax > 0.f ? amax / 127.f : 1.f;
-    const float inv = 1.f / scale;
     for (int64_t i = 0; i < k; ++i) {
-      const float q = std::nearbyint(row[i] * inv);  // round half to even, as torch.round
+      // a division, not a multiply by 1 / scale (two roundings): the same integer as the torch
+      // path's torch.round(x / a), so a row's result never depends on which path its batch took
+      const float q = std::nearbyint(row[i] / scale);  // round half to even, as torch.round
       qp[r * k + i] = static_cast<uint8_t>(static_cast<int>(std::clamp(q, -127.f, 127.f)) + 128);
     }
     ap[r] = scale;
@@ -84,6 +85,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_rows_u8(const torch::Tensor& x
 
 // acc[M, N] int32 = sum_k xq_u8[m, k] * w[n, k]; xq from quantize_rows_u8, w int8 [N, K], K % 64 == 0.
 torch::Tensor int8_dot_u8s8(const torch::Tensor& xq, const torch::Tensor& w) {
+  TORCH_CHECK(xq.device().is_cpu() && w.device().is_cpu(), "brisk int8_dot_u8s8: CPU tensors only");
   TORCH_CHECK(xq.scalar_type() == torch::kUInt8 && w.scalar_type() == torch::kInt8 && xq.dim() == 2 && w.dim() == 2 &&
                   xq.is_contiguous() && w.is_contiguous() && xq.size(1) == w.size(1) && w.size(1) % 64 == 0,
               "brisk int8_dot_u8s8: uint8 [M, K] and contiguous int8 [N, K] with K a multiple of 64");

@@ -154,7 +154,8 @@ Weights check_weights(const torch::Tensor& q, const torch::Tensor& scale, const 
   TORCH_CHECK(false, "brisk group kernels: need an x86-64 CPU with AVX-512");
 #endif
   TORCH_CHECK(bits == 4 || bits == 8, "brisk group kernels: bits must be 4 or 8");
-  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.device().is_cpu(), "brisk group kernels: q must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.device().is_cpu() && scale.device().is_cpu(),
+              "brisk group kernels: q and scale must be contiguous CPU tensors");
   TORCH_CHECK(bits == 4 ? q.scalar_type() == torch::kUInt8 : q.scalar_type() == torch::kInt8,
               "brisk group kernels: 4-bit q is uint8, 8-bit q is int8");
   const int64_t out = q.size(0), in = bits == 4 ? q.size(1) * 2 : q.size(1);
@@ -177,6 +178,7 @@ torch::Tensor group_gemm(const torch::Tensor& x, const torch::Tensor& q, const t
                          const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
                          const c10::optional<torch::Tensor>& bias) {
   const Weights w = check_weights(q, scale, zero, group, bits);
+  TORCH_CHECK(x.device().is_cpu(), "brisk group_gemm: x must be on the CPU");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.in, "brisk group_gemm: x does not fit the weight");
   auto xf = x.to(torch::kFloat32).contiguous();
   auto y = torch::empty({x.size(0), w.out}, x.options().dtype(torch::kFloat32));

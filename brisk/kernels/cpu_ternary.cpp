@@ -47,6 +47,8 @@ torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& plus, co
               "brisk ternary_gemm: plus and minus must be contiguous uint8 [out, in / 8] of one shape");
   const int64_t out = plus.size(0), in = plus.size(1) * 8;
   TORCH_CHECK(in % 16 == 0, "brisk ternary_gemm: input features must be a multiple of 16");
+  TORCH_CHECK(x.device().is_cpu() && plus.device().is_cpu() && minus.device().is_cpu() && scale.device().is_cpu(),
+              "brisk ternary_gemm: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == in, "brisk ternary_gemm: x does not fit the weight");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.numel() == out, "brisk ternary_gemm: scale must be float32 [out]");
   auto xf = x.to(torch::kFloat32).contiguous();

@@ -67,7 +67,8 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
     tdtype = torch_dtype(dtype)
     saved = quantization_of(source.path) if source.kind == "hf" else None
     if saved is not None:
-        if quant is not None and (quant.method, quant.group_size) != (saved.method, saved.group_size):
+        if quant is not None and (quant.method != saved.method
+                                  or (quant.method == "int4" and quant.group_size != saved.group_size)):
             raise ValueError(f"{ref} is already quantized ({saved.describe()}); drop the quantization option "
                              f"({quant.describe()}) or quantize the original model")
         check_hf_dir(source.path)
@@ -97,7 +98,10 @@ def _quantize(model: LlamaForCausalLM, quant: QuantConfig, source: ModelSource, 
     from brisk.quant.gguf import apply_gguf, is_native
 
     if quant.method == "gguf":
-        apply_gguf(model, gguf_raw_weights(open_gguf(source.path), cfg, is_native))
+        counts = apply_gguf(model, gguf_raw_weights(open_gguf(source.path), cfg, is_native))
+        if counts["native"] == 0:
+            raise ValueError(f"{source.path} holds no Q4_0, Q4_1 or Q8_0 linear weights to keep as they are; "
+                             "load it without -q gguf (dequantized), or with int8 / int4")
         return
     calibration = None
     if quant.calibration is not None:
@@ -106,4 +110,7 @@ def _quantize(model: LlamaForCausalLM, quant: QuantConfig, source: ModelSource, 
             raise ValueError(f"calibration text {path} is not a file")
         text = path.read_text(encoding="utf-8", errors="replace")
         calibration = tokenizer.encode(text, add_special_tokens=False)[:quant.calibration_tokens]
+        if len(calibration) < 16:
+            raise ValueError(f"calibration text {path} gives {len(calibration)} tokens; at least 16 are needed "
+                             f"(a few hundred are better)")
     apply(model, quant, calibration)

@@ -61,10 +61,17 @@ def load_quantized_state(model: LlamaForCausalLM, path: Path, quant: QuantConfig
     """Swap in the method's modules, then fill every parameter and buffer from the checkpoint."""
     apply(model, quant)  # the modules' shapes; their contents are replaced just below
     state = load_file(str(path / "model.safetensors"))
-    for name in state:
-        if name.endswith(".input_scale"):  # AWQ-scaled / smoothed Linears carry one more buffer
-            model.get_submodule(name.rpartition(".")[0]).set_input_scale(state[name])
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    # written before tied heads were shared with the lookups: the float embedding is not needed now
+    if model.config.tie_word_embeddings:
+        state.pop("embed_tokens.weight", None)
+    try:
+        for name in state:
+            if name.endswith(".input_scale"):  # AWQ-scaled / smoothed Linears carry one more buffer
+                model.get_submodule(name.rpartition(".")[0]).set_input_scale(state[name])
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except (AttributeError, RuntimeError) as exc:
+        raise ValueError(f"{path} does not match a {quant.method} model of its config ({exc}); "
+                         "re-run `brisk quantize`") from None
     if missing or unexpected:
         raise ValueError(f"{path} does not match a {quant.method} model of its config (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}); re-run `brisk quantize`")

@@ -19,35 +19,39 @@ from torch import nn
 
 from brisk.config import QUANT_METHODS, QuantConfig
 from brisk.model.layers import Linear
+from brisk.quant.base import FollowDtype
 from brisk.quant.grouped import GroupLinear
 from brisk.quant.int8 import Int8Linear
 from brisk.quant.ternary import TernaryLinear
 from brisk.quant.w8a8 import W8A8Linear
 
-Maker = Callable[[Linear, QuantConfig], nn.Module]
+# (Linear, config, its calibration inputs or None) -> quantized module
+Maker = Callable[[Linear, QuantConfig, "torch.Tensor | None"], nn.Module]
+Calibrated = dict[Linear, tuple["torch.Tensor | None", "torch.Tensor | None"]]  # column scale, inputs
 
 # method -> (decoder Linear maker, LM head maker). int4's head is 8-bit in groups of 32 (GGUF's
 # Q8_0, what llama.cpp's own Q4 files keep for token_embd): the head sees every logit, and 4 bits
 # there cost more quality than the 14 MB they save.
 METHODS: dict[str, tuple[Maker, Maker]] = {
-    "int8": (lambda lin, cfg: Int8Linear.from_linear(lin), lambda lin, cfg: Int8Linear.from_linear(lin)),
-    "int4": (lambda lin, cfg: GroupLinear.from_linear(lin, cfg.group_size, 4),
-             lambda lin, cfg: GroupLinear.from_linear(lin, 32, 8)),
-    "w8a8": (lambda lin, cfg: W8A8Linear.from_linear(lin), lambda lin, cfg: W8A8Linear.from_linear(lin)),
+    "int8": (lambda lin, cfg, x: Int8Linear.from_linear(lin), lambda lin, cfg, x: Int8Linear.from_linear(lin)),
+    "int4": (lambda lin, cfg, x: GroupLinear.from_linear(lin, cfg.group_size, 4, calibration=x),
+             lambda lin, cfg, x: GroupLinear.from_linear(lin, 32, 8)),
+    "w8a8": (lambda lin, cfg, x: W8A8Linear.from_linear(lin), lambda lin, cfg, x: W8A8Linear.from_linear(lin)),
     # ternary's head stays 8-bit (Q8_0-like) as BitNet keeps its embedding and head in high precision
-    "ternary": (lambda lin, cfg: TernaryLinear.from_linear(lin), lambda lin, cfg: GroupLinear.from_linear(lin, 32, 8)),
+    "ternary": (lambda lin, cfg, x: TernaryLinear.from_linear(lin),
+                lambda lin, cfg, x: GroupLinear.from_linear(lin, 32, 8)),
 }
 
 
-def _calibrator(method: str) -> Callable[[nn.Module, list[int], int], dict[Linear, torch.Tensor]]:
-    """Column scales from calibration text: AWQ search for int4, SmoothQuant's migration for w8a8."""
+def _calibrator(method: str) -> Callable[[nn.Module, list[int], int], Calibrated]:
+    """From calibration text: AWQ scales and GPTQ inputs for int4, SmoothQuant's migration for w8a8."""
     if method == "int4":
-        from brisk.quant.awq import awq_scales
+        from brisk.quant.awq import awq_calibrate
 
-        return awq_scales
-    from brisk.quant.w8a8 import smoothquant_scales
+        return awq_calibrate
+    from brisk.quant.w8a8 import smoothquant_calibrate
 
-    return smoothquant_scales
+    return smoothquant_calibrate
 assert set(METHODS) | {"gguf"} == set(QUANT_METHODS)
 
 
@@ -56,7 +60,7 @@ def check_method(method: str) -> None:
         raise ValueError(f"unknown quantization method {method!r}; available: {', '.join(QUANT_METHODS)}")
 
 
-class HeadEmbedding(nn.Module):
+class HeadEmbedding(FollowDtype):
     """Token lookups that read rows of the quantized tied LM head (its only copy)."""
 
     def __init__(self, head: nn.Module, dtype: torch.dtype) -> None:
@@ -78,20 +82,29 @@ def apply(model: nn.Module, cfg: QuantConfig | str, calibration_ids: list[int] |
     """Quantize every Linear below `model` in place, and the LM head; returns how many were swapped.
 
     With `calibration_ids` the decoder's weight columns are scaled first, and their inputs divided
-    at run time: AWQ for int4 (quant/awq.py), SmoothQuant for w8a8 (quant/w8a8.py)."""
+    at run time: AWQ for int4 (quant/awq.py, then GPTQ rounding, quant/gptq.py), SmoothQuant for
+    w8a8 (quant/w8a8.py)."""
     cfg = QuantConfig(cfg) if isinstance(cfg, str) else cfg
     if cfg.method not in METHODS:
         raise ValueError(f"{cfg.method} keeps a GGUF file's own blocks: load a .gguf model with it")
     make_linear, make_head = METHODS[cfg.method]
-    scales: dict[Linear, torch.Tensor] = {}
+    device = next(model.parameters()).device
+    with torch.device(device):  # the Linears made here (tied head, scaled copies) go where the model is
+        return _apply(model, cfg, calibration_ids, make_linear, make_head)
+
+
+def _apply(model: nn.Module, cfg: QuantConfig, calibration_ids: list[int] | None, make_linear: Maker,
+           make_head: Maker) -> int:
+    calibrated: Calibrated = {}
     if calibration_ids is not None:
-        scales = _calibrator(cfg.method)(model, calibration_ids, cfg.group_size)
+        calibrated = _calibrator(cfg.method)(model, calibration_ids, cfg.group_size)
     targets = quantizable(model)
     for parent, name, child in targets:
         is_head = parent is model and name == "lm_head"
-        module = (make_head if is_head else make_linear)(_scaled(child, scales.get(child)), cfg)
-        if child in scales:
-            module.set_input_scale(1.0 / scales[child])  # type: ignore[operator]
+        scale, inputs = calibrated.get(child, (None, None))
+        module = (make_head if is_head else make_linear)(_scaled(child, scale), cfg, inputs)
+        if scale is not None:
+            module.set_input_scale(1.0 / scale)  # type: ignore[operator]
             module.dtype = child.weight.dtype  # the scaled copy is float32; activations keep the model's dtype
         setattr(parent, name, module)
     embed = getattr(model, "embed_tokens", None)
@@ -99,7 +112,7 @@ def apply(model: nn.Module, cfg: QuantConfig | str, calibration_ids: list[int] |
         head = Linear(embed.weight.shape[1], (embed.weight.shape[0],), dtype=embed.weight.dtype)
         with torch.no_grad():
             head.weight.copy_(embed.weight)
-        tie_head(model, make_head(head, cfg))
+        tie_head(model, make_head(head, cfg, None))
         targets.append((model, "lm_head", head))
     return len(targets)
 

@@ -49,9 +49,10 @@ def to_group(ggml_type: int, raw: torch.Tensor) -> Parts:
 
 
 def _group_linear(parts: list[Parts], like: Linear) -> GroupLinear:
-    q = torch.cat([p[0] for p in parts]).contiguous()
-    scale = torch.cat([p[1] for p in parts]).contiguous()
-    zero = None if parts[0][2] is None else torch.cat([p[2] for p in parts]).contiguous()  # type: ignore[misc]
+    device = like.weight.device  # the file's rows are on the CPU; the model may not be
+    q = torch.cat([p[0] for p in parts]).contiguous().to(device)
+    scale = torch.cat([p[1] for p in parts]).contiguous().to(device)
+    zero = None if parts[0][2] is None else torch.cat([p[2] for p in parts]).contiguous().to(device)  # type: ignore[misc]
     bias = None if like.bias is None else like.bias.detach().float()
     return GroupLinear(q, scale, zero, GROUP, parts[0][3], bias, like.output_sizes, like.weight.dtype)
 
@@ -81,7 +82,7 @@ def apply_gguf(model: nn.Module, raw: Iterable[tuple[str, int, torch.Tensor]]) -
             native += 1
     if tied_head is not None:
         embed = model.embed_tokens  # type: ignore[union-attr]
-        head = Linear(embed.weight.shape[1], (embed.weight.shape[0],), dtype=embed.weight.dtype)
+        head = Linear(embed.weight.shape[1], (embed.weight.shape[0],), dtype=embed.weight.dtype).to(embed.weight.device)
         tie_head(model, _group_linear([tied_head], head))
         native += 1
     return {"native": native, "float": len(quantizable(model))}

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from brisk.kernels import group_dequantize, group_gemm, group_kernel_supported
 from brisk.model.layers import Linear
+from brisk.quant.base import QuantizedLinear
 
 KERNEL_MAX_ROWS = 128  # past this, dequantizing once and running a float GEMM is faster (prefill)
 CHUNK = 32  # columns per nibble run / GGUF block
@@ -90,7 +90,7 @@ def quantize_sym_8bit(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, t
     return q.reshape(out, in_features).contiguous(), scale.contiguous()
 
 
-class GroupLinear(nn.Module):
+class GroupLinear(QuantizedLinear):
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
                  bits: int, bias: torch.Tensor | None, output_sizes: tuple[int, ...], dtype: torch.dtype) -> None:
         super().__init__()
@@ -110,9 +110,14 @@ class GroupLinear(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, group: int, bits: int,
-                    output_sizes: tuple[int, ...] | None = None,
-                    dtype: torch.dtype | None = None) -> GroupLinear:
-        if bits == 4:
+                    output_sizes: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
+                    calibration: torch.Tensor | None = None) -> GroupLinear:
+        """Round-to-nearest, or GPTQ (4-bit) given this layer's calibration X^T X / n [in, in]."""
+        if bits == 4 and calibration is not None:
+            from brisk.quant.gptq import gptq_quantize
+
+            q, scale, zero = gptq_quantize(weight, calibration, group)
+        elif bits == 4:
             q, scale, zero = quantize_rtn_4bit(weight, group)
         else:
             (q, scale), zero = quantize_sym_8bit(weight, group), None
@@ -120,8 +125,9 @@ class GroupLinear(nn.Module):
         return cls(q, scale, zero, group, bits, b, output_sizes or (weight.shape[0],), dtype or weight.dtype)
 
     @classmethod
-    def from_linear(cls, linear: Linear, group: int, bits: int) -> GroupLinear:
-        return cls.from_weight(linear.weight, linear.bias, group, bits, linear.output_sizes)
+    def from_linear(cls, linear: Linear, group: int, bits: int,
+                    calibration: torch.Tensor | None = None) -> GroupLinear:
+        return cls.from_weight(linear.weight, linear.bias, group, bits, linear.output_sizes, calibration=calibration)
 
     def set_input_scale(self, input_scale: torch.Tensor) -> None:
         self.input_scale = input_scale.float().contiguous()
@@ -142,7 +148,7 @@ class GroupLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if self.input_scale is not None:
             flat = flat.float() * self.input_scale
-        if flat.shape[0] <= KERNEL_MAX_ROWS and group_kernel_supported(self.qweight):
+        if flat.shape[0] <= KERNEL_MAX_ROWS and group_kernel_supported(self.qweight, flat):
             y = group_gemm(flat, self.qweight, self.scale, self.zero, self.group, self.bits, self.bias)
         else:
             y = F.linear(flat.float(), self.dequantize(), self.bias)

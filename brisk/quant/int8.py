@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from brisk.kernels import int8_gemm, int8_gemm_supported
 from brisk.model.layers import Linear
+from brisk.quant.base import QuantizedLinear
 
 KERNEL_MAX_ROWS = 128  # up to this many rows the int8 kernel beats dequantize + GEMM (measured)
 
@@ -32,7 +32,7 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, scale
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(QuantizedLinear):
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  output_sizes: tuple[int, ...], dtype: torch.dtype) -> None:
         super().__init__()
@@ -65,7 +65,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= KERNEL_MAX_ROWS and int8_gemm_supported(self.qweight):
+        if flat.shape[0] <= KERNEL_MAX_ROWS and int8_gemm_supported(self.qweight) and flat.device.type == "cpu":
             y = int8_gemm(flat, self.qweight, self.scale, self.bias)
         else:
             y = F.linear(flat.float(), self.dequantize(), self.bias)

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from brisk.kernels import group_kernel_supported, ternary_gemm
 from brisk.model.layers import Linear
+from brisk.quant.base import QuantizedLinear
 
 KERNEL_MAX_ROWS = 128
 _BITS = torch.arange(8, dtype=torch.uint8)
@@ -52,7 +52,7 @@ def unpack_planes(plus: torch.Tensor, minus: torch.Tensor) -> torch.Tensor:
     return bits(plus) - bits(minus)
 
 
-class TernaryLinear(nn.Module):
+class TernaryLinear(QuantizedLinear):
     def __init__(self, plus: torch.Tensor, minus: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  output_sizes: tuple[int, ...], dtype: torch.dtype) -> None:
         super().__init__()
@@ -77,7 +77,7 @@ class TernaryLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= KERNEL_MAX_ROWS and group_kernel_supported(self.plus):
+        if flat.shape[0] <= KERNEL_MAX_ROWS and group_kernel_supported(self.plus, flat):
             y = ternary_gemm(flat, self.plus, self.minus, self.scale, self.bias)
         else:
             y = F.linear(flat.float(), self.dequantize(), self.bias)

@@ -12,8 +12,9 @@ t_k = max|x_k|^alpha / max|W_k|^(1 - alpha) (alpha 0.5) and x_k is divided by it
 
 Decode-sized batches go through brisk's AVX512-VNNI kernel (`kernels.int8_dot_u8s8`, 64 int8
 products per instruction, ~150 GMAC/s here); from 17 rows torch._int_mm (oneDNN, 270-370 GMAC/s).
-Without either, the same integers are summed in float64 (exact, slow): results never change
-with the path, because integer sums have no rounding order.
+On CUDA torch._int_mm (cuBLASLt) serves every batch (padded past 16 rows); elsewhere the same
+integers are summed in float64 (exact, slow). Results never change with the path: integer sums
+have no rounding order, and every path quantizes x to the same integers.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 
 from brisk.kernels import have_vnni, int8_dot_u8s8, quantize_rows_u8
 from brisk.model.layers import Linear
+from brisk.quant.base import QuantizedLinear
 from brisk.quant.int8 import quantize_per_channel
 
 VNNI_MAX_ROWS = 16  # torch._int_mm (oneDNN) takes over from 17 rows: 268-371 vs ~160 GMAC/s at 32-128 rows here
@@ -36,7 +38,7 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / a[:, None]).clamp_(-127, 127).to(torch.int8), a
 
 
-class W8A8Linear(nn.Module):
+class W8A8Linear(QuantizedLinear):
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  output_sizes: tuple[int, ...], dtype: torch.dtype) -> None:
         super().__init__()
@@ -71,8 +73,13 @@ class W8A8Linear(nn.Module):
             xq, a = quantize_rows_u8(x)
             return int8_dot_u8s8(xq, self.qweight) - self.offset, a
         q, a = quantize_tokens(x)
-        if (cpu and x.shape[0] > 16) or (x.is_cuda and x.shape[0] > 16 and self.in_features % 8 == 0):
+        if cpu:
             return torch._int_mm(q, self.qweight.t()), a
+        if x.is_cuda and self.in_features % 8 == 0 and self.out_features % 8 == 0:
+            rows = q.shape[0]
+            if rows <= 16:  # CUDA's int8 matmul wants more than 16 rows: pad with zeros, drop them after
+                q = torch.cat([q, q.new_zeros(17 - rows, q.shape[1])])
+            return torch._int_mm(q, self.qweight.t())[:rows], a
         return (q.double() @ self.qweight.double().T).to(torch.int32), a  # exact: sums < 2**53
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,11 +97,13 @@ class W8A8Linear(nn.Module):
         return f"in={self.in_features}, out={self.output_sizes}, w8a8{smooth}"
 
 
-def smoothquant_scales(model: nn.Module, ids: list[int], group: int = 0) -> dict[Linear, torch.Tensor]:
-    """Per decoder Linear, SmoothQuant's column factors from one forward over `ids`."""
-    from brisk.quant.awq import collect_inputs
+def smoothquant_calibrate(model: nn.Module, ids: list[int], group: int = 0
+                          ) -> dict[Linear, tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Per decoder Linear, SmoothQuant's column factors from one forward over `ids` (no inputs kept)."""
+    from brisk.quant.awq import collect_stats
 
-    return {linear: smooth_scales(linear.weight, x.abs().amax(dim=0)) for linear, x in collect_inputs(model, ids).items()}
+    return {linear: (smooth_scales(linear.weight, stats.abs_max), None)  # type: ignore[arg-type]
+            for linear, stats in collect_stats(model, ids).items()}
 
 
 def smooth_scales(weight: torch.Tensor, x_absmax: torch.Tensor, alpha: float = SMOOTH_ALPHA) -> torch.Tensor:

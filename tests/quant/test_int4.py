@@ -14,7 +14,8 @@ from brisk.loader.dequant import dequantize
 from brisk.model.layers import Linear
 from brisk.model.llama import LlamaForCausalLM
 from brisk.quant import apply
-from brisk.quant.awq import _best_scale
+from brisk.quant.awq import InputStats, _best_scale
+from brisk.quant.gptq import gptq_quantize
 from brisk.quant.gguf import NATIVE, to_group
 from brisk.quant.grouped import (
     GroupLinear,
@@ -54,7 +55,7 @@ def test_kernel_dequantization_equals_the_reference(bits: int) -> None:
     torch.manual_seed(1)
     lin = GroupLinear.from_weight(torch.randn(40, 128), None, 32, bits)
     ref = dequantize_reference(lin.qweight, lin.scale, lin.zero, 32, bits)
-    torch.testing.assert_close(lin.dequantize(), ref, rtol=1.2e-7, atol=0)
+    assert torch.equal(lin.dequantize(), ref)  # q * fp16 scale + fp16 zero: exact in float64, one rounding
 
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32)])
@@ -106,7 +107,9 @@ def test_awq_scaling_protects_columns_that_meet_large_activations() -> None:
     w = torch.randn(64, 128) * 0.05
     x = torch.randn(256, 128)
     x[:, :4] *= 40  # a few outlier channels, as LLM activations have
-    s = _best_scale(w, x, 64)
+    stats = InputStats()
+    stats.add(x, keep_xtx=False, every=1)
+    s = _best_scale(w, stats, 64)
     assert s is not None and s[:4].min() > s[4:].max()  # the outlier columns were scaled up
 
     def err(weight_eff: torch.Tensor) -> float:
@@ -115,6 +118,21 @@ def test_awq_scaling_protects_columns_that_meet_large_activations() -> None:
     rtn = dequantize_reference(*quantize_rtn_4bit(w, 64), 64, 4)
     awq = dequantize_reference(*quantize_rtn_4bit(w * s, 64), 64, 4) / s
     assert err(awq) < 0.8 * err(rtn)
+
+
+def test_gptq_beats_round_to_nearest_on_correlated_inputs() -> None:
+    torch.manual_seed(4)
+    mix = torch.randn(96, 96) / 96**0.5
+    x = torch.randn(2048, 96) @ (torch.eye(96) + 3 * mix)  # correlated channels: errors can cancel
+    w = torch.randn(48, 96) * 0.05
+    rtn = dequantize_reference(*quantize_rtn_4bit(w, 32), 32, 4)
+    gptq = dequantize_reference(*gptq_quantize(w, x.T @ x / x.shape[0], 32), 32, 4)
+    held_out = torch.randn(512, 96) @ (torch.eye(96) + 3 * mix)
+
+    def err(weight_eff: torch.Tensor) -> float:
+        return float(((held_out @ (weight_eff - w).T) ** 2).mean())
+
+    assert err(gptq) < 0.9 * err(rtn)
 
 
 def _tiny_model(tied: bool) -> LlamaForCausalLM:

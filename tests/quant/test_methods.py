@@ -62,3 +62,19 @@ def test_quantized_model_behind_the_server(method: str) -> None:
             assert r.json()["choices"][0]["text"] == expected[0].outputs[0].text
     finally:
         app.state.brisk.engine.shutdown()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["int4", "w8a8", "ternary"])
+def test_quantized_linear_on_cuda_equals_cpu(method: str) -> None:
+    from brisk.config import QuantConfig
+    from brisk.quant import METHODS
+
+    torch.manual_seed(0)
+    lin = Linear(128, (64,), bias=True)
+    lin.weight.data.normal_(0, 0.1)
+    module = METHODS[method][0](lin, QuantConfig(method), None)
+    x = torch.randn(40, 128)
+    cpu = module(x)
+    torch.testing.assert_close(module.to("cuda")(x.cuda()).cpu(), cpu, atol=1e-4, rtol=1e-4)

@@ -46,6 +46,14 @@ def test_w8a8_equals_its_integer_definition_on_every_path(rows: int) -> None:
     assert (q(x) - ref).abs().max() < 0.03 * ref.abs().max()
 
 
+def test_w8a8_rows_are_the_same_alone_or_in_any_batch() -> None:
+    q = W8A8Linear.from_linear(_linear())
+    x = torch.randn(40, 128) * 2
+    alone = torch.cat([q(x[i:i + 1]) for i in range(40)])  # the VNNI kernel where there is one
+    assert torch.equal(q(x[:16]), alone[:16]) and torch.equal(q(x[:17]), alone[:17])  # int_mm from 17 rows
+    assert torch.equal(q(x), alone)
+
+
 @needs_vnni
 def test_vnni_kernel_matches_the_integer_sum_exactly() -> None:
     torch.manual_seed(1)
