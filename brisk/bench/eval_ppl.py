@@ -121,7 +121,7 @@ def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: in
         "window": window,
         "tokens_scored": total.tokens, "perplexity": round(math.exp(total.nll_sum / total.tokens), 4),
         "nll_per_token": round(total.nll_sum / total.tokens, 5),
-        "kl_vs_float32": round(total.kl_sum / total.tokens, 6) if reference is not None else 0.0,
+        "kl_vs_float32": round(total.kl_sum / total.tokens, 6) + 0.0 if reference is not None else 0.0,
         "top1_agreement_vs_float32": round(total.top1_agree / total.tokens, 5) if reference is not None else 1.0,
         "weight_mib": round(weight_bytes(llm.model) / 2**20, 1),
         "scoring_tokens_per_s": round(total.tokens / elapsed, 1),

@@ -146,13 +146,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def have_vnni() -> bool:
     """True when `int8_dot_u8s8` runs here: the extension is built and the CPU has AVX512-VNNI."""
-    return _built("have_vnni") and bool(_C.have_vnni())
+    return _built("quantize_rows") and bool(_C.have_vnni())
 
 
-def quantize_rows_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row symmetric int8 of x [M, K]: (q + 128 as uint8 [M, K], scales float32 [M])."""
+def quantize_rows(x: torch.Tensor, unsigned_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 of x [M, K]: (q [M, K], scales float32 [M]); q as uint8 holding
+    q + 128 with `unsigned_offset` (for `int8_dot_u8s8`), else int8 (for torch._int_mm)."""
     assert _C is not None
-    return _C.quantize_rows_u8(x)
+    return _C.quantize_rows(x, unsigned_offset)
+
+
+def int8_epilogue(acc: torch.Tensor, a: torch.Tensor, scale: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 acc * a[:, None] * scale (+ bias), one pass (same order as the torch expression)."""
+    assert _C is not None
+    return _C.int8_epilogue(acc, a, scale, bias)
 
 
 def int8_dot_u8s8(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,9 @@ torch::Tensor group_gemm(const torch::Tensor& x, const torch::Tensor& q, const t
 torch::Tensor group_dequantize(const torch::Tensor& q, const torch::Tensor& scale,
                                const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
-std::tuple<torch::Tensor, torch::Tensor> quantize_rows_u8(const torch::Tensor& x);
+std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x, bool unsigned_offset);
+torch::Tensor int8_epilogue(const torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& s,
+                            const c10::optional<torch::Tensor>& bias);
 torch::Tensor int8_dot_u8s8(const torch::Tensor& xq, const torch::Tensor& w);
 bool have_vnni();
 torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& plus, const torch::Tensor& minus,
@@ -35,8 +37,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("scale"), py::arg("zero"), py::arg("group"), py::arg("bits"));
   m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w for float32 rows", py::arg("x"), py::arg("w"),
         py::arg("eps"));
-  m.def("quantize_rows_u8", &quantize_rows_u8, "per-row symmetric int8 of x, stored + 128 as uint8; and the scales",
-        py::arg("x"));
+  m.def("quantize_rows", &quantize_rows, "per-row symmetric int8 of x (+ 128 as uint8 if unsigned_offset); scales",
+        py::arg("x"), py::arg("unsigned_offset"));
+  m.def("int8_epilogue", &int8_epilogue, "acc[M,N] * a[M] * s[N] (+ bias) as float32", py::arg("acc"), py::arg("a"),
+        py::arg("s"), py::arg("bias") = py::none());
   m.def("int8_dot_u8s8", &int8_dot_u8s8, "int32 [M, N] = uint8 xq [M, K] . int8 w [N, K] (AVX512-VNNI)", py::arg("xq"),
         py::arg("w"));
   m.def("have_vnni", &have_vnni, "whether this CPU runs the VNNI int8 kernels");

@@ -57,30 +57,65 @@ void rows(const uint8_t* xq, const int8_t* w, int32_t* acc, int64_t k_dim, int64
 
 }  // namespace
 
-// Per-token symmetric int8 quantization of x [M, K] float: (xq + 128 as uint8 [M, K], a [M]).
-std::tuple<torch::Tensor, torch::Tensor> quantize_rows_u8(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "brisk quantize_rows_u8: x must be a 2-D CPU tensor");
+namespace {
+// One row: a = max|x| / 127 (1 for an all-zero row), q = round(x / a) in [-127, 127], plus
+// `offset` (128 for the VNNI kernel's uint8, 0 for int8). A division, not a multiply by 1 / a
+// (two roundings): the same integers as the torch path's torch.round(x / a), whichever path.
+void quantize_row(const float* row, uint8_t* out, int64_t k, int offset, float* a) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
+  const float scale = amax > 0.f ? amax / 127.f : 1.f;
+  for (int64_t i = 0; i < k; ++i) {
+    const float q = std::nearbyint(row[i] / scale);  // round half to even, as torch.round
+    out[i] = static_cast<uint8_t>(static_cast<int>(std::clamp(q, -127.f, 127.f)) + offset);
+  }
+  *a = scale;
+}
+}  // namespace
+
+// Per-token symmetric int8 quantization of x [M, K] float: (q [M, K], a [M]); q is uint8 holding
+// q + 128 when `unsigned_offset` (the VNNI kernel's input), else int8 (torch._int_mm's).
+std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x, bool unsigned_offset) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "brisk quantize_rows: x must be a 2-D CPU tensor");
   auto xf = x.to(torch::kFloat32).contiguous();
   const int64_t m = xf.size(0), k = xf.size(1);
-  auto xq = torch::empty({m, k}, xf.options().dtype(torch::kUInt8));
+  auto xq = torch::empty({m, k}, xf.options().dtype(unsigned_offset ? torch::kUInt8 : torch::kInt8));
   auto a = torch::empty({m}, xf.options());
   const float* xp = xf.data_ptr<float>();
-  uint8_t* qp = xq.data_ptr<uint8_t>();
+  auto* qp = static_cast<uint8_t*>(xq.data_ptr());
   float* ap = a.data_ptr<float>();
-  for (int64_t r = 0; r < m; ++r) {
-    const float* row = xp + r * k;
-    float amax = 0.f;
-    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
-    const float scale = amax > 0.f ? amax / 127.f : 1.f;
-    for (int64_t i = 0; i < k; ++i) {
-      // a division, not a multiply by 1 / scale (two roundings): the same integer as the torch
-      // path's torch.round(x / a), so a row's result never depends on which path its batch took
-      const float q = std::nearbyint(row[i] / scale);  // round half to even, as torch.round
-      qp[r * k + i] = static_cast<uint8_t>(static_cast<int>(std::clamp(q, -127.f, 127.f)) + 128);
-    }
-    ap[r] = scale;
-  }
+  at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) quantize_row(xp + r * k, qp + r * k, k, unsigned_offset ? 128 : 0, ap + r);
+  });
   return {xq, a};
+}
+
+// y[m, n] = acc[m, n] * a[m] * s[n] (+ bias[n]) in float32, multiplied in that order (the torch
+// fallback's order, so every path gives the same floats).
+torch::Tensor int8_epilogue(const torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& s,
+                            const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(acc.scalar_type() == torch::kInt32 && acc.dim() == 2 && acc.is_contiguous() && acc.device().is_cpu(),
+              "brisk int8_epilogue: acc must be a contiguous int32 CPU [M, N]");
+  const int64_t m = acc.size(0), n = acc.size(1);
+  TORCH_CHECK(a.scalar_type() == torch::kFloat32 && a.numel() == m && s.scalar_type() == torch::kFloat32 &&
+                  s.numel() == n && a.is_contiguous() && s.is_contiguous(),
+              "brisk int8_epilogue: a [M] and s [N] must be contiguous float32");
+  auto y = torch::empty({m, n}, a.options());
+  const int32_t* ip = acc.data_ptr<int32_t>();
+  const float* ap = a.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  torch::Tensor b;
+  if (bias.has_value()) b = bias->to(torch::kFloat32).contiguous();
+  const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t c = 0; c < n; ++c) {
+        const float v = static_cast<float>(ip[r * n + c]) * ap[r] * sp[c];
+        yp[r * n + c] = bp ? v + bp[c] : v;
+      }
+  });
+  return y;
 }
 
 // acc[M, N] int32 = sum_k xq_u8[m, k] * w[n, k]; xq from quantize_rows_u8, w int8 [N, K], K % 64 == 0.

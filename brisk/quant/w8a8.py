@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from brisk.kernels import have_vnni, int8_dot_u8s8, quantize_rows_u8
+from brisk.kernels import have_vnni, int8_dot_u8s8, int8_epilogue, quantize_rows
 from brisk.model.layers import Linear
 from brisk.quant.base import QuantizedLinear
 from brisk.quant.int8 import quantize_per_channel
@@ -68,12 +68,14 @@ class W8A8Linear(QuantizedLinear):
 
     def _int_dot(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum_k q_x q_w as int32 [M, out], a [M])."""
-        cpu = x.device.type == "cpu"
-        if cpu and x.shape[0] <= VNNI_MAX_ROWS and self.in_features % 64 == 0 and have_vnni():
-            xq, a = quantize_rows_u8(x)
-            return int8_dot_u8s8(xq, self.qweight) - self.offset, a
+        if x.device.type == "cpu" and have_vnni():  # brisk's C++ quantizer (same integers as quantize_tokens)
+            if x.shape[0] <= VNNI_MAX_ROWS and self.in_features % 64 == 0:
+                xq, a = quantize_rows(x, True)
+                return int8_dot_u8s8(xq, self.qweight) - self.offset, a
+            q, a = quantize_rows(x, False)
+            return torch._int_mm(q, self.qweight.t()), a
         q, a = quantize_tokens(x)
-        if cpu:
+        if x.device.type == "cpu":
             return torch._int_mm(q, self.qweight.t()), a
         if x.is_cuda and self.in_features % 8 == 0 and self.out_features % 8 == 0:
             rows = q.shape[0]
@@ -87,9 +89,12 @@ class W8A8Linear(QuantizedLinear):
         if self.input_scale is not None:
             flat = flat * self.input_scale
         acc, a = self._int_dot(flat)
-        y = acc.float() * a[:, None] * self.scale
-        if self.bias is not None:
-            y = y + self.bias
+        if acc.device.type == "cpu" and have_vnni():
+            y = int8_epilogue(acc, a, self.scale, self.bias)
+        else:
+            y = acc.float() * a[:, None] * self.scale
+            if self.bias is not None:
+                y = y + self.bias
         return y.to(self.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

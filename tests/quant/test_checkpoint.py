@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from brisk import LLM, SamplingParams
+from brisk.bench.eval_ppl import eval_ppl
 from brisk.cli import main
 from brisk.config import QuantConfig
 from brisk.loader.convert import quantize_to_dir
@@ -72,6 +74,20 @@ def test_mismatches_are_clear_errors(q8_dir: Path, tmp_path: Path, capsys: pytes
     (bad / "quantization.json").write_text(json.dumps({"method": "int3"}))
     with pytest.raises(ValueError, match="quantized with 'int3'"):
         LLM(str(bad))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in q8_dir.iterdir():
+        if f.name != "model.safetensors":
+            (broken / f.name).symlink_to(f)
+    state = load_file(str(q8_dir / "model.safetensors"))
+    state["layers.0.mlp.down_proj.scale"] = torch.ones(3)
+    save_file(state, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match="does not match a int8 model of its config"):
+        LLM(str(broken))
+    text = tmp_path / "t.txt"
+    text.write_text("A few words to score. " * 10)
+    with pytest.raises(ValueError, match="is a quantized checkpoint"):
+        eval_ppl(str(q8_dir), "float32", text, 64, None)
     assert main(["quantize", "smollm2-135m", "--method", "int8", "--out", str(q8_dir / "config.json")]) == 2
     assert "not a directory" in capsys.readouterr().err
 

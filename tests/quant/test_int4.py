@@ -15,8 +15,8 @@ from brisk.model.layers import Linear
 from brisk.model.llama import LlamaForCausalLM
 from brisk.quant import apply
 from brisk.quant.awq import InputStats, _best_scale
-from brisk.quant.gptq import gptq_quantize
 from brisk.quant.gguf import NATIVE, to_group
+from brisk.quant.gptq import gptq_quantize
 from brisk.quant.grouped import (
     GroupLinear,
     dequantize_reference,

@@ -78,3 +78,32 @@ def test_quantized_linear_on_cuda_equals_cpu(method: str) -> None:
     x = torch.randn(40, 128)
     cpu = module(x)
     torch.testing.assert_close(module.to("cuda")(x.cuda()).cpu(), cpu, atol=1e-4, rtol=1e-4)
+
+
+def test_quantized_buffers_keep_their_dtypes_when_the_model_changes_dtype() -> None:
+    from brisk.config import ModelConfig
+    from brisk.model.llama import LlamaForCausalLM
+    from brisk.quant import apply
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    apply(model, "int4")
+    model.to(torch.bfloat16)
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert qkv.scale.dtype == torch.float16 and qkv.qweight.dtype == torch.uint8 and qkv.dtype == torch.bfloat16
+    assert model.embed_tokens(torch.tensor([3])).dtype == torch.bfloat16
+    assert qkv(torch.randn(2, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_calibration_text_too_short_is_a_clear_error(tmp_path: Path) -> None:
+    text = tmp_path / "short.txt"
+    text.write_text("Hello there.")
+    with pytest.raises(ValueError, match="at least 16 are needed"):
+        LLM("smollm2-135m", quantization="int4", quantization_config={"calibration": str(text)})
+    with pytest.raises(ValueError, match="is not a file"):
+        LLM("smollm2-135m", quantization="w8a8", quantization_config={"calibration": str(tmp_path / "none.txt")})
