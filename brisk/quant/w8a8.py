@@ -24,8 +24,7 @@ from torch import nn
 
 from brisk.kernels import have_vnni, int8_dot_u8s8, int8_epilogue, quantize_rows
 from brisk.model.layers import Linear
-from brisk.quant.base import QuantizedLinear
-from brisk.quant.int8 import quantize_per_channel
+from brisk.quant.int8 import Int8Linear
 
 VNNI_MAX_ROWS = 16  # torch._int_mm (oneDNN) takes over from 17 rows: 268-371 vs ~160 GMAC/s at 32-128 rows here
 SMOOTH_ALPHA = 0.5
@@ -38,32 +37,21 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / a[:, None]).clamp_(-127, 127).to(torch.int8), a
 
 
-class W8A8Linear(QuantizedLinear):
+class W8A8Linear(Int8Linear):
+    """Int8Linear's weights (per-channel int8), with activations quantized too."""
+
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  output_sizes: tuple[int, ...], dtype: torch.dtype) -> None:
-        super().__init__()
-        self.in_features = qweight.shape[1]
-        self.out_features = qweight.shape[0]
-        self.output_sizes = output_sizes
-        self.dtype = dtype
-        self.register_buffer("qweight", qweight)  # [out, in] int8
-        self.register_buffer("scale", scale)  # [out] float32
-        self.register_buffer("bias", bias)
+        super().__init__(qweight, scale, bias, output_sizes, dtype)
         self.register_buffer("input_scale", None)  # [in] float32 when smoothed
         # 128 * row sums: the VNNI kernel reads x as uint8 (q + 128); this takes the offset back out
         self.register_buffer("offset", 128 * qweight.sum(dim=1, dtype=torch.int32))
-
-    @classmethod
-    def from_linear(cls, linear: Linear) -> W8A8Linear:
-        q, scale = quantize_per_channel(linear.weight)
-        bias = None if linear.bias is None else linear.bias.detach().float()
-        return cls(q, scale, bias, linear.output_sizes, linear.weight.dtype)
 
     def set_input_scale(self, input_scale: torch.Tensor) -> None:
         self.input_scale = input_scale.float().contiguous()
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.qweight[ids].float() * self.scale[ids, None]
+        rows = super().dequantize_rows(ids)
         return rows if self.input_scale is None else rows * self.input_scale
 
     def _int_dot(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,10 +9,9 @@ import torch
 from gguf import GGMLQuantizationType
 
 from brisk import kernels
-from brisk.config import ModelConfig, QuantConfig
+from brisk.config import QuantConfig
 from brisk.loader.dequant import dequantize
 from brisk.model.layers import Linear
-from brisk.model.llama import LlamaForCausalLM
 from brisk.quant import apply
 from brisk.quant.awq import InputStats, _best_scale
 from brisk.quant.gguf import NATIVE, to_group
@@ -135,19 +134,8 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs() -> None:
     assert err(gptq) < 0.9 * err(rtn)
 
 
-def _tiny_model(tied: bool) -> LlamaForCausalLM:
-    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=tied)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    return model
-
-
-def test_int4_apply_quantizes_body_in_4_bits_and_a_tied_head_in_8() -> None:
-    model = _tiny_model(tied=True)
+def test_int4_apply_quantizes_body_in_4_bits_and_a_tied_head_in_8(tiny_llama) -> None:
+    model = tiny_llama(tied=True)
     assert apply(model, QuantConfig("int4", group_size=32)) == 2 * 4 + 1
     assert not any(isinstance(m, Linear) for m in model.modules())
     assert model.layers[0].mlp.down_proj.bits == 4 and model.lm_head.bits == 8
@@ -155,8 +143,8 @@ def test_int4_apply_quantizes_body_in_4_bits_and_a_tied_head_in_8() -> None:
     assert torch.equal(model.embed_tokens(ids), model.lm_head.dequantize()[ids])
 
 
-def test_awq_through_apply_adds_input_scales_and_keeps_the_model_close() -> None:
-    model = _tiny_model(tied=False)
+def test_awq_through_apply_adds_input_scales_and_keeps_the_model_close(tiny_llama) -> None:
+    model = tiny_llama(tied=False)
     from brisk.runtime.model_runner import ModelRunner, SeqStep
 
     ids = list(range(1, 40))
@@ -168,7 +156,7 @@ def test_awq_through_apply_adds_input_scales_and_keeps_the_model_close() -> None
     assert (after - before).abs().max() < 0.25 * before.abs().max()  # 4 bits on random weights: coarse
 
 
-def test_bad_options_are_clear_errors() -> None:
+def test_bad_options_are_clear_errors(tiny_llama) -> None:
     with pytest.raises(ValueError, match="group size 128 must be a multiple of 32 that divides the 576"):
         GroupLinear.from_weight(torch.randn(8, 576), None, 128, 4)
     with pytest.raises(ValueError, match="positive multiple of 32"):
@@ -180,4 +168,4 @@ def test_bad_options_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="not valid JSON"):
         QuantConfig.parse("int4", "{group_size: 64}")
     with pytest.raises(ValueError, match="load a .gguf model"):
-        apply(_tiny_model(tied=True), "gguf")
+        apply(tiny_llama(tied=True), "gguf")

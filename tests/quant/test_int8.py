@@ -7,9 +7,7 @@ import pytest
 import torch
 
 from brisk import kernels
-from brisk.config import ModelConfig
 from brisk.model.layers import Linear
-from brisk.model.llama import LlamaForCausalLM
 from brisk.quant import apply, check_method
 from brisk.quant.int8 import Int8Linear, quantize_per_channel
 
@@ -46,13 +44,8 @@ def test_int8_kernel_rejects_bad_input() -> None:
         kernels.int8_gemm(torch.zeros(2, 15), q, torch.ones(8))
 
 
-def test_apply_swaps_every_decoder_linear_and_the_model_still_runs() -> None:
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
+def test_apply_swaps_every_decoder_linear_and_the_model_still_runs(tiny_llama) -> None:
+    model = tiny_llama(tied=False, layers=2, hidden=32)
     ids = torch.tensor([1, 5, 9, 3])
     from brisk.runtime.model_runner import ModelRunner, SeqStep
 
@@ -65,14 +58,8 @@ def test_apply_swaps_every_decoder_linear_and_the_model_still_runs() -> None:
         check_method("int3")
 
 
-def test_a_tied_head_is_quantized_and_lookups_read_it() -> None:
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
+def test_a_tied_head_is_quantized_and_lookups_read_it(tiny_llama) -> None:
+    model = tiny_llama(tied=True, layers=1, hidden=32)
     h = torch.randn(3, 32)
     before = model.compute_logits(h)
     assert apply(model, "int8") == 4 + 1

@@ -10,6 +10,7 @@ import torch
 
 from brisk import LLM, SamplingParams
 from brisk.bench.eval_ppl import weight_bytes
+from brisk.config import QuantConfig
 from brisk.model.layers import Linear
 from brisk.quant.grouped import GroupLinear
 
@@ -68,7 +69,6 @@ def test_quantized_model_behind_the_server(method: str) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("method", ["int4", "w8a8", "ternary"])
 def test_quantized_linear_on_cuda_equals_cpu(method: str) -> None:
-    from brisk.config import QuantConfig
     from brisk.quant import METHODS
 
     torch.manual_seed(0)
@@ -80,19 +80,11 @@ def test_quantized_linear_on_cuda_equals_cpu(method: str) -> None:
     torch.testing.assert_close(module.to("cuda")(x.cuda()).cpu(), cpu, atol=1e-4, rtol=1e-4)
 
 
-def test_quantized_buffers_keep_their_dtypes_when_the_model_changes_dtype() -> None:
-    from brisk.config import ModelConfig
-    from brisk.model.llama import LlamaForCausalLM
+def test_quantized_buffers_keep_their_dtypes_when_the_model_changes_dtype(tiny_llama) -> None:
     from brisk.quant import apply
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    apply(model, "int4")
+    model = tiny_llama(tied=True, layers=1)
+    apply(model, QuantConfig("int4", group_size=32))  # the tiny MLP is 96 wide
     model.to(torch.bfloat16)
     qkv = model.layers[0].self_attn.qkv_proj
     assert qkv.scale.dtype == torch.float16 and qkv.qweight.dtype == torch.uint8 and qkv.dtype == torch.bfloat16
