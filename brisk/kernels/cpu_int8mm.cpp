@@ -90,8 +90,9 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x, b
   return {xq, a};
 }
 
-// y[m, n] = acc[m, n] * a[m] * s[n] (+ bias[n]) in float32, multiplied in that order (the torch
-// fallback's order, so every path gives the same floats).
+// y[m, n] = (acc[m, n] * s[n]) * a[m] (+ bias[n]) in float32, multiplied in that order: oneDNN's
+// packed int8 matmul gives exactly acc * s, and the torch fallback uses the same order, so every
+// path gives the same floats.
 torch::Tensor int8_epilogue(const torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& s,
                             const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(acc.scalar_type() == torch::kInt32 && acc.dim() == 2 && acc.is_contiguous() && acc.device().is_cpu(),
@@ -111,7 +112,7 @@ torch::Tensor int8_epilogue(const torch::Tensor& acc, const torch::Tensor& a, co
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t c = 0; c < n; ++c) {
-        const float v = static_cast<float>(ip[r * n + c]) * ap[r] * sp[c];
+        const float v = static_cast<float>(ip[r * n + c]) * sp[c] * ap[r];
         yp[r * n + c] = bp ? v + bp[c] : v;
       }
   });

@@ -44,11 +44,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
 
-    def pack(self) -> bool:
-        """Keep a oneDNN-packed copy of the weight for batched rows (kernels.pack_weight); False
-        where packing does not apply (not CPU, another dtype, torch without oneDNN)."""
+    def pack(self) -> int:
+        """Keep a oneDNN-packed copy of the weight for batched rows (kernels.pack_weight); returns
+        its bytes, 0 where packing does not apply (not CPU, another dtype, torch without oneDNN)."""
         self.packed = pack_weight(self.weight) if pack_supported(self.weight) else None
-        return self.packed is not None
+        return 0 if self.packed is None else self.weight.numel() * self.weight.element_size()
 
     def _rows(self, index: int) -> slice:
         start = sum(self.output_sizes[:index])

@@ -136,9 +136,8 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> int:
         """oneDNN-packed copies of every Linear and of a tied LM head, for batched rows on CPU
         (kernels.pack_weight). Returns the bytes the copies take; 0 where packing does not apply."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
-        packed = [m for m in linears if m.pack()]
-        nbytes = sum(m.weight.numel() * m.weight.element_size() for m in packed)
+        # Linear and the quantized modules that keep a packed copy (W8A8) share the pack() protocol
+        nbytes = sum(m.pack() for m in self.modules() if m is not self and callable(getattr(m, "pack", None)))
         if self.lm_head is None:  # tied, not quantized: the head is the embedding matrix
             tied = self.embed_tokens.weight
             self._tied_head_packed = pack_weight(tied) if pack_supported(tied) else None
@@ -153,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
     def unpack_weights(self) -> None:
         """Drop the packed copies (they go stale when weights change or the model moves)."""
         for m in self.modules():
-            if isinstance(m, Linear):
+            if hasattr(m, "packed"):
                 m.packed = None
         self._tied_head_packed = None
 

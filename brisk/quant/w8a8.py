@@ -11,7 +11,9 @@ t_k = max|x_k|^alpha / max|W_k|^(1 - alpha) (alpha 0.5) and x_k is divided by it
 (`input_scale` = 1 / t), so both sides quantize well.
 
 Decode-sized batches go through brisk's AVX512-VNNI kernel (`kernels.int8_dot_u8s8`, 64 int8
-products per instruction, ~150 GMAC/s here); from 17 rows torch._int_mm (oneDNN, 270-370 GMAC/s).
+products per instruction, ~150 GMAC/s here); from 17 rows a oneDNN int8 matmul on a weight packed
+once (`pack()`, 218-320 GMAC/s), or torch._int_mm where nothing is packed (it re-lays the weight
+out on every call).
 On CUDA torch._int_mm (cuBLASLt) serves every batch (padded past 16 rows); elsewhere the same
 integers are summed in float64 (exact, slow). Results never change with the path: integer sums
 have no rounding order, and every path quantizes x to the same integers.
@@ -22,7 +24,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from brisk.kernels import have_vnni, int8_dot_u8s8, int8_epilogue, quantize_rows
+from brisk.kernels import (
+    HAVE_ONEDNN_QLINEAR,
+    have_vnni,
+    int8_dot_u8s8,
+    int8_epilogue,
+    int8_packed_linear,
+    pack_int8_weight,
+    quantize_rows,
+)
 from brisk.model.layers import Linear
 from brisk.quant.int8 import Int8Linear
 
@@ -46,6 +56,18 @@ class W8A8Linear(Int8Linear):
         self.register_buffer("input_scale", None)  # [in] float32 when smoothed
         # 128 * row sums: the VNNI kernel reads x as uint8 (q + 128); this takes the offset back out
         self.register_buffer("offset", 128 * qweight.sum(dim=1, dtype=torch.int32))
+        self.packed: torch.Tensor | None = None  # see pack(); not a buffer: never saved
+        self._zero_points: torch.Tensor | None = None
+
+    def pack(self) -> int:
+        """Keep a oneDNN-packed copy of the int8 weight for batched rows (the model's pack_weights,
+        done by the paged runner on CPU); returns its bytes, 0 where it does not apply."""
+        if not (HAVE_ONEDNN_QLINEAR and self.qweight.device.type == "cpu"):
+            self.packed = None
+            return 0
+        self.packed = pack_int8_weight(self.qweight)
+        self._zero_points = torch.zeros(self.out_features, dtype=torch.long)
+        return self.qweight.numel()
 
     def set_input_scale(self, input_scale: torch.Tensor) -> None:
         self.input_scale = input_scale.float().contiguous()
@@ -72,17 +94,32 @@ class W8A8Linear(Int8Linear):
             return torch._int_mm(q, self.qweight.t())[:rows], a
         return (q.double() @ self.qweight.double().T).to(torch.int32), a  # exact: sums < 2**53
 
+    def _packed_product(self, x: torch.Tensor) -> torch.Tensor:
+        """(acc * scale) * a (+ bias) through the packed oneDNN weight (exactly float(acc) * scale)."""
+        assert self.packed is not None and self._zero_points is not None
+        if have_vnni():
+            xq, a = quantize_rows(x, True)
+        else:
+            q, a = quantize_tokens(x)
+            xq = (q.to(torch.int16) + 128).to(torch.uint8)
+        y = int8_packed_linear(xq, self.packed, self.scale, self._zero_points).mul_(a[:, None])
+        return y if self.bias is None else y.add_(self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
         if self.input_scale is not None:
             flat = flat * self.input_scale
-        acc, a = self._int_dot(flat)
-        if acc.device.type == "cpu" and have_vnni():
-            y = int8_epilogue(acc, a, self.scale, self.bias)
+        small = flat.shape[0] <= VNNI_MAX_ROWS and self.in_features % 64 == 0 and have_vnni()
+        if self.packed is not None and flat.device.type == "cpu" and not small:
+            y = self._packed_product(flat)
         else:
-            y = acc.float() * a[:, None] * self.scale
-            if self.bias is not None:
-                y = y + self.bias
+            acc, a = self._int_dot(flat)
+            if acc.device.type == "cpu" and have_vnni():
+                y = int8_epilogue(acc, a, self.scale, self.bias)
+            else:
+                y = acc.float() * self.scale * a[:, None]  # the C++ epilogue's order
+                if self.bias is not None:
+                    y = y + self.bias
         return y.to(self.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -46,12 +46,16 @@ def test_w8a8_equals_its_integer_definition_on_every_path(rows: int) -> None:
     assert (q(x) - ref).abs().max() < 0.03 * ref.abs().max()
 
 
-def test_w8a8_rows_are_the_same_alone_or_in_any_batch() -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_w8a8_rows_are_the_same_alone_or_in_any_batch(packed: bool) -> None:
     q = W8A8Linear.from_linear(_linear())
+    if packed:  # from 17 rows: oneDNN on the packed weight instead of torch._int_mm
+        assert q.pack() == (128 * 64 if kernels.HAVE_ONEDNN_QLINEAR else 0)
     x = torch.randn(40, 128) * 2
     alone = torch.cat([q(x[i:i + 1]) for i in range(40)])  # the VNNI kernel where there is one
-    assert torch.equal(q(x[:16]), alone[:16]) and torch.equal(q(x[:17]), alone[:17])  # int_mm from 17 rows
+    assert torch.equal(q(x[:16]), alone[:16]) and torch.equal(q(x[:17]), alone[:17])
     assert torch.equal(q(x), alone)
+    torch.testing.assert_close(q(x), _w8a8_reference(q, x), rtol=1e-6, atol=1e-6)
 
 
 @needs_vnni
