@@ -177,7 +177,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def have_vnni() -> bool:
     """True when `int8_dot_u8s8` runs here: the extension is built and the CPU has AVX512-VNNI."""
-    return _built("quantize_rows") and bool(_C.have_vnni())
+    return _HAVE_VNNI
+
+
+_HAVE_VNNI = _built("quantize_rows") and bool(_C.have_vnni())  # decided once: W8A8 asks on every call
 
 
 def quantize_rows(x: torch.Tensor, unsigned_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
