@@ -121,9 +121,10 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return _C.small_gemm(x, weight, bias)
 
 
-def int8_gemm_supported(qweight: torch.Tensor) -> bool:
-    """True when `int8_gemm` can serve this int8 weight: CPU with AVX-512, extension built."""
-    return SMALL_GEMM_MAX_ROWS > 1 and qweight.device.type == "cpu" and qweight.dtype == torch.int8 and qweight.is_contiguous()
+def int8_gemm_supported(qweight: torch.Tensor, x: torch.Tensor | None = None) -> bool:
+    """True when `int8_gemm` can serve this int8 weight and input: CPU with AVX-512, extension built."""
+    return (SMALL_GEMM_MAX_ROWS > 1 and qweight.device.type == "cpu" and qweight.dtype == torch.int8
+            and qweight.is_contiguous() and (x is None or x.device.type == "cpu"))
 
 
 def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

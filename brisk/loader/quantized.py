@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from brisk.config import QuantConfig
 from brisk.loader.hf_loader import hf_config_dict
 from brisk.model.llama import LlamaForCausalLM
-from brisk.quant import apply, check_method
+from brisk.quant import apply
 
 MARKER = "quantization.json"
 
@@ -34,7 +34,6 @@ def quantization_of(path: Path) -> QuantConfig | None:
     except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{marker} is unreadable ({exc}); re-run `brisk quantize`") from None
     try:
-        check_method(method)
         return QuantConfig.parse(method, saved)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{path} was quantized with {method!r}, which this brisk cannot load: {exc}") from None

@@ -25,9 +25,9 @@ from brisk.quant.int8 import Int8Linear
 from brisk.quant.ternary import TernaryLinear
 from brisk.quant.w8a8 import W8A8Linear
 
-# (Linear, config, its calibration inputs or None) -> quantized module
+# (Linear, config, X^T X / n of its calibration inputs or None) -> quantized module
 Maker = Callable[[Linear, QuantConfig, "torch.Tensor | None"], nn.Module]
-Calibrated = dict[Linear, tuple["torch.Tensor | None", "torch.Tensor | None"]]  # column scale, inputs
+Calibrated = dict[Linear, tuple["torch.Tensor | None", "torch.Tensor | None"]]  # column scale, X^T X / n
 
 # method -> (decoder Linear maker, LM head maker). int4's head is 8-bit in groups of 32 (GGUF's
 # Q8_0, what llama.cpp's own Q4 files keep for token_embd): the head sees every logit, and 4 bits
@@ -41,6 +41,7 @@ METHODS: dict[str, tuple[Maker, Maker]] = {
     "ternary": (lambda lin, cfg, x: TernaryLinear.from_linear(lin),
                 lambda lin, cfg, x: GroupLinear.from_linear(lin, 32, 8)),
 }
+assert set(METHODS) | {"gguf"} == set(QUANT_METHODS)
 
 
 def _calibrator(method: str) -> Callable[[nn.Module, list[int], int], Calibrated]:
@@ -52,12 +53,11 @@ def _calibrator(method: str) -> Callable[[nn.Module, list[int], int], Calibrated
     from brisk.quant.w8a8 import smoothquant_calibrate
 
     return smoothquant_calibrate
-assert set(METHODS) | {"gguf"} == set(QUANT_METHODS)
 
 
 def check_method(method: str) -> None:
-    if method not in QUANT_METHODS:
-        raise ValueError(f"unknown quantization method {method!r}; available: {', '.join(QUANT_METHODS)}")
+    """ValueError naming the available methods unless `method` is one (QuantConfig's own check)."""
+    QuantConfig(method)
 
 
 class HeadEmbedding(FollowDtype):

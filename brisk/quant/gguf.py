@@ -19,7 +19,6 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from brisk.model.layers import Linear
 from brisk.quant.grouped import GroupLinear
 
 GROUP = 32
@@ -48,13 +47,15 @@ def to_group(ggml_type: int, raw: torch.Tensor) -> Parts:
     return qs, d.contiguous(), zero.contiguous(), 4
 
 
-def _group_linear(parts: list[Parts], like: Linear) -> GroupLinear:
-    device = like.weight.device  # the file's rows are on the CPU; the model may not be
+def _group_linear(parts: list[Parts], output_sizes: tuple[int, ...], bias: torch.Tensor | None,
+                  weight: torch.Tensor) -> GroupLinear:
+    """The parts' rows stacked into one GroupLinear on `weight`'s device, for its dtype."""
+    device = weight.device  # the file's rows are on the CPU; the model may not be
     q = torch.cat([p[0] for p in parts]).contiguous().to(device)
     scale = torch.cat([p[1] for p in parts]).contiguous().to(device)
     zero = None if parts[0][2] is None else torch.cat([p[2] for p in parts]).contiguous().to(device)  # type: ignore[misc]
-    bias = None if like.bias is None else like.bias.detach().float()
-    return GroupLinear(q, scale, zero, GROUP, parts[0][3], bias, like.output_sizes, like.weight.dtype)
+    bias = None if bias is None else bias.detach().float()
+    return GroupLinear(q, scale, zero, GROUP, parts[0][3], bias, output_sizes, weight.dtype)
 
 
 def apply_gguf(model: nn.Module, raw: Iterable[tuple[str, int, torch.Tensor]]) -> dict[str, int]:
@@ -73,16 +74,15 @@ def apply_gguf(model: nn.Module, raw: Iterable[tuple[str, int, torch.Tensor]]) -
         if target is not None:
             found.setdefault(target[0], {})[target[1]] = to_group(ggml_type, rows)
     native = 0
+    names = {id(m): n for n, m in model.named_modules()}
     for parent, attr, linear in quantizable(model):
-        module_name = next(n for n, m in model.named_modules() if m is linear)
-        got = found.get(module_name, {})
+        got = found.get(names[id(linear)], {})
         parts = [got[i] for i in range(len(linear.output_sizes)) if i in got]
         if len(parts) == len(linear.output_sizes) and len({p[3] for p in parts}) == 1:
-            setattr(parent, attr, _group_linear(parts, linear))
+            setattr(parent, attr, _group_linear(parts, linear.output_sizes, linear.bias, linear.weight))
             native += 1
     if tied_head is not None:
-        embed = model.embed_tokens  # type: ignore[union-attr]
-        head = Linear(embed.weight.shape[1], (embed.weight.shape[0],), dtype=embed.weight.dtype).to(embed.weight.device)
-        tie_head(model, _group_linear([tied_head], head))
+        embed = model.embed_tokens.weight  # type: ignore[union-attr]
+        tie_head(model, _group_linear([tied_head], (embed.shape[0],), None, embed))
         native += 1
     return {"native": native, "float": len(quantizable(model))}

@@ -65,7 +65,7 @@ class Int8Linear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= KERNEL_MAX_ROWS and int8_gemm_supported(self.qweight) and flat.device.type == "cpu":
+        if flat.shape[0] <= KERNEL_MAX_ROWS and int8_gemm_supported(self.qweight, flat):
             y = int8_gemm(flat, self.qweight, self.scale, self.bias)
         else:
             y = F.linear(flat.float(), self.dequantize(), self.bias)
