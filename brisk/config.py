@@ -212,6 +212,90 @@ class QuantConfig:
         return self.method
 
 
+SPEC_METHODS = ("ngram", "draft", "early_exit", "medusa")  # spec/ registers one proposer per name
+SPEC_OPTIONS = ("method", "num_speculative_tokens", "max_speculative_tokens", "prompt_lookup_min",
+                "prompt_lookup_max", "model", "quantization", "quantization_config", "exit_layer", "heads")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding (`LLM(speculative_config={...})`, `--speculative-config '<json>'`).
+
+    `num_speculative_tokens`: draft tokens verified per step, or "auto": each request's length is
+    chosen every step by Thompson sampling over its acceptance history, up to
+    `max_speculative_tokens`, and may fall to 0 (plain decoding) when drafts stop being accepted.
+    Per method: ngram `prompt_lookup_min` / `prompt_lookup_max` (n-gram sizes matched against the
+    request's own tokens); draft `model` (+ `quantization`, `quantization_config`); early_exit
+    `exit_layer` (layers the draft runs; None: a quarter of them) and optional `heads` (a file of
+    trained exit head weights); medusa `heads` (written by `brisk train-heads`).
+    """
+
+    method: str
+    num_speculative_tokens: int | str = "auto"
+    max_speculative_tokens: int = 8
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    quantization: str | None = None
+    quantization_config: dict[str, Any] | None = None
+    exit_layer: int | None = None
+    heads: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; available: {', '.join(SPEC_METHODS)}")
+        k = self.num_speculative_tokens
+        if k != "auto" and not (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 15):
+            raise ValueError(f"num_speculative_tokens must be an integer in 1..15 or \"auto\", got {k!r}")
+        if not (isinstance(self.max_speculative_tokens, int) and 1 <= self.max_speculative_tokens <= 15):
+            raise ValueError(f"max_speculative_tokens must be an integer in 1..15, got {self.max_speculative_tokens!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(f"prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, "
+                             f"got {lo!r} and {hi!r}")
+        if self.method == "draft" and not self.model:
+            raise ValueError('speculative method "draft" needs "model": the draft model (a name, path or .gguf)')
+        if self.method != "draft" and (self.model or self.quantization or self.quantization_config):
+            raise ValueError(f'"model" and "quantization" configure the draft model; method {self.method!r} has none')
+        if self.method == "medusa" and not self.heads:
+            raise ValueError('speculative method "medusa" needs "heads": a file written by `brisk train-heads`')
+        if self.method in ("ngram", "draft") and self.heads:
+            raise ValueError(f'"heads" applies to early_exit and medusa, not {self.method}')
+        if self.exit_layer is not None and (self.method != "early_exit" or not isinstance(self.exit_layer, int)
+                                            or self.exit_layer < 1):
+            raise ValueError(f'"exit_layer" must be an integer >= 1 for method early_exit, got {self.exit_layer!r}')
+        if self.quantization is not None:
+            QuantConfig.parse(self.quantization, self.quantization_config)  # the same checks as the target's
+        elif self.quantization_config is not None:
+            raise ValueError('"quantization_config" needs "quantization" (e.g. "int4")')
+
+    @property
+    def auto(self) -> bool:
+        return self.num_speculative_tokens == "auto"
+
+    @property
+    def max_tokens(self) -> int:
+        """The most draft tokens one request verifies in a step."""
+        return self.max_speculative_tokens if self.auto else int(self.num_speculative_tokens)
+
+    @classmethod
+    def parse(cls, options: dict[str, Any] | str) -> SpecConfig:
+        """From a dict or a JSON object string, as `--speculative-config` gives it."""
+        if isinstance(options, str):
+            try:
+                options = json.loads(options)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative config is not valid JSON ({exc}): {options!r}") from None
+        if not isinstance(options, dict):
+            raise ValueError(f"speculative config must be a JSON object, got {options!r}")  # noqa: TRY004
+        unknown = sorted(set(options) - set(SPEC_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown speculative option(s) {', '.join(unknown)}; known: {', '.join(SPEC_OPTIONS)}")
+        if "method" not in options:
+            raise ValueError(f'speculative config needs "method": one of {", ".join(SPEC_METHODS)}')
+        return cls(**options)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What `LLM(...)` was asked for: the model reference and how to run it."""

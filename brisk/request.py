@@ -100,6 +100,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    @property
+    def uses_history(self) -> bool:
+        """Penalties need the tokens seen so far; batches without them skip building those lists."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     @staticmethod
     def _is_int(x: object) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)
@@ -144,6 +149,9 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first schedule; -1 = not yet
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    # Speculative decoding: draft tokens the next decode step should make room for (set by the
+    # engine's length controller before each schedule; the scheduler may grant fewer).
+    num_spec_wanted: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -163,3 +171,11 @@ class Request:
 
     def is_finished(self) -> bool:
         return self.status.finished
+
+    def banned_token_ids(self, num_pending: int = 0) -> list[int]:
+        """Ids that may not come next: EOS and stop ids before min_tokens outputs. `num_pending`:
+        outputs not yet appended that come first (speculative drafts being verified)."""
+        p = self.sampling_params
+        if self.num_output_tokens + num_pending >= p.min_tokens:
+            return []
+        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids)))

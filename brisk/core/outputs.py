@@ -11,6 +11,12 @@ One scheduled request, as the runner sees it:
 must then produce the next token from the logits of the last one. A middle chunk of a long
 prompt (chunked prefill) has `sample` False.
 
+A decode step with speculation reserves `num_spec_slots` more slots after its one known token:
+
+    all_token_ids  [ computed | t_last | d1 d2 .. dk (drafts, not in the request's tokens) ]
+    block_ids      cover start_pos + 1 + k slots; num_computed_tokens advances by 1 at schedule time
+                   and by the number of accepted drafts once they are verified.
+
 Contract with the runner: every SchedulerOutput is executed before the next `schedule()`, and
 within a step the KV of all scheduled tokens of a layer is written before attention reads the
 cache (a request later in `scheduled` may hit blocks that an earlier one fills in this step).
@@ -28,6 +34,9 @@ class ScheduledRequest:
     start_pos: int  # num_computed_tokens before this step (prefix-cache hits included)
     block_ids: list[int]  # the request's whole block table, covering start_pos + len(token_ids)
     sample: bool  # this step reaches the end of the known tokens: sample the next one
+    # Speculative decoding: KV slots reserved after token_ids for up to this many draft tokens.
+    # The proposer fills them in this step; the verifier keeps the accepted ones (see spec/).
+    num_spec_slots: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,8 @@
 """The scheduler: one token budget per step, no prefill or decode phases (vLLM v1 style).
 
 Every request has `num_computed_tokens`; a step lets it catch up by as many tokens as it is given
-(a whole prompt, a chunk of one, or one decode token). Running requests are served first, so a
+(a whole prompt, a chunk of one, or one decode token plus slots for the drafts that speculative
+decoding verifies in the same step). Running requests are served first, so a
 long prompt arriving never stalls the decodes (stall-free batching); waiting requests are then
 admitted first-come first-served. When KV blocks run out, the newest running request is
 preempted by recompute: its blocks are freed and it starts over from the front of the queue
@@ -91,8 +92,13 @@ class Scheduler:
             if num_new <= 0:  # does not fit the budget unchunked, or has nothing to compute
                 i += 1
                 continue
-            block_ids = self.kv.allocate_slots(request, num_new)
+            num_spec = self._num_spec_slots(request, num_new, budget)
+            block_ids = self.kv.allocate_slots(request, num_new + num_spec)
             while block_ids is None:
+                if num_spec:  # drafts are optional: give them up before preempting anyone
+                    num_spec = 0
+                    block_ids = self.kv.allocate_slots(request, num_new)
+                    continue
                 victim = self.running.pop()  # the newest; never one already scheduled this step
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -101,10 +107,19 @@ class Scheduler:
                 block_ids = self.kv.allocate_slots(request, num_new)
             if block_ids is None:
                 break  # the request preempted itself: it was the last one
-            scheduled.append(self._advance(request, num_new, block_ids))
-            budget -= num_new
+            scheduled.append(self._advance(request, num_new, block_ids, num_spec))
+            budget -= num_new + num_spec
             i += 1
         return budget
+
+    def _num_spec_slots(self, request: Request, num_new: int, budget: int) -> int:
+        """Draft slots for a decode step: what the engine asked for, within the step's budget, the
+        request's max_tokens and the context (all drafts accepted plus the bonus token must fit)."""
+        if num_new != 1 or request.num_spec_wanted <= 0 or request.num_tokens - request.num_computed_tokens != 1:
+            return 0
+        params = request.sampling_params
+        room = min(params.max_tokens - request.num_output_tokens, self.max_seq_len - request.num_tokens) - 1
+        return max(0, min(request.num_spec_wanted, budget - 1, room))
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         """Phase 2: admit waiting requests first-come first-served while budget and seats last."""
@@ -162,7 +177,7 @@ class Scheduler:
         parent = self._requests.get(request.parent_id) if request.parent_id is not None else None
         return parent is not None and parent.num_computed_tokens < parent.num_prompt_tokens
 
-    def _advance(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
+    def _advance(self, request: Request, num_new: int, block_ids: list[int], num_spec: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
         request.num_computed_tokens = start + num_new  # advanced at schedule time, as in vLLM v1
         if self._prompt_cap is not None and num_new > 1:
@@ -173,6 +188,7 @@ class Scheduler:
             start_pos=start,
             block_ids=block_ids,
             sample=start + num_new == request.num_tokens,
+            num_spec_slots=num_spec,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -200,6 +216,7 @@ class Scheduler:
             if not tokens or request is None:
                 continue
             assert item.sample, f"runner sampled for {item.request_id!r}, a mid-prompt chunk"
+            assert len(tokens) <= 1 + item.num_spec_slots, f"{len(tokens)} tokens for {item.request_id!r}"
             for token in tokens:
                 request.output_token_ids.append(token)
                 reason = self._stop_reason(request, token)
@@ -207,6 +224,10 @@ class Scheduler:
                     self._finish(request, reason, _STATUS_OF[reason])
                     finished.add(request.request_id)
                     break
+            else:
+                # Accepted drafts had their KV written this step; the last token never has (it is
+                # the next step's input). Rejected drafts' slots get overwritten, never read.
+                request.num_computed_tokens = request.num_tokens - 1
             updated.append(request)
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]

@@ -14,11 +14,12 @@ from typing import Any, Union
 
 from tqdm import tqdm
 
-from brisk.config import CacheConfig, EngineConfig, QuantConfig, SchedulerConfig
+from brisk.config import CacheConfig, EngineConfig, QuantConfig, SchedulerConfig, SpecConfig
 from brisk.engine.llm_engine import LLMEngine
 from brisk.engine.outputs import RequestOutput
 from brisk.loader.load import load_model
 from brisk.loader.resolve import DEFAULT_MODEL
+from brisk.model.llama import LlamaForCausalLM
 from brisk.request import SamplingParams
 
 # A prompt is text, or {"prompt_token_ids": [...]} for pre-tokenized input (as in vLLM).
@@ -40,7 +41,9 @@ class LLM:
     `quantization` ("int8", "int4", "w8a8", "ternary", "gguf": swap the Linears for quantized ones at
     load, see quant/)
     with `quantization_config` ({"group_size": 64, "calibration": "text.txt"} for int4; a dict or
-    a JSON string).
+    a JSON string),
+    `speculative_config` (lossless speculative decoding: {"method": "ngram" | "draft" | "early_exit" |
+    "medusa", "num_speculative_tokens": k or "auto", ...}, see config.SpecConfig; a dict or JSON).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str = "cpu",
@@ -50,7 +53,8 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  max_decode_slowdown: float | None = None, pack_weights: bool = True,
                  quantization: str | None = None,
-                 quantization_config: dict[str, Any] | str | None = None) -> None:
+                 quantization_config: dict[str, Any] | str | None = None,
+                 speculative_config: dict[str, Any] | str | None = None) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed)
         cache = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                             kv_cache_memory_gib=kv_cache_memory_gib, enable_prefix_caching=enable_prefix_caching)
@@ -58,6 +62,7 @@ class LLM:
             raise ValueError("quantization_config needs a quantization method (e.g. quantization='int4')")
         # checked before spending seconds on loading
         quant = None if quantization is None else QuantConfig.parse(quantization, quantization_config)
+        spec = None if speculative_config is None else SpecConfig.parse(speculative_config)
         loaded = load_model(model, dtype=dtype, device=device, max_model_len=max_model_len, quant=quant)
         self.quantization = loaded.quantization
         self.max_model_len = max_model_len or loaded.config.max_position_embeddings
@@ -68,10 +73,22 @@ class LLM:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.source.name
-        self.engine = LLMEngine(loaded.model, loaded.tokenizer, cache, sched, seed, pack_weights)
+        draft = None if spec is None or spec.method != "draft" else self._load_draft(spec, dtype, device)
+        self.engine = LLMEngine(loaded.model, loaded.tokenizer, cache, sched, seed, pack_weights, spec, draft)
         self._ids = itertools.count()
         # Outputs of open streams, kept when another call (a generate) runs the steps that make them.
         self._stream_buffers: dict[str, list[RequestOutput]] = {}
+
+    def _load_draft(self, spec: SpecConfig, dtype: str, device: str) -> LlamaForCausalLM:
+        """The draft model of method "draft": same tokenizer as the target, or a ValueError."""
+        assert spec.model is not None
+        quant = None if spec.quantization is None else QuantConfig.parse(spec.quantization, spec.quantization_config)
+        draft = load_model(spec.model, dtype=dtype, device=device, max_model_len=self.max_model_len, quant=quant)
+        if draft.tokenizer.vocab_size != self.tokenizer.vocab_size or \
+                draft.config.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"draft model {spec.model!r} has a vocabulary of {draft.config.vocab_size} tokens, the "
+                             f"target {self.model_config.vocab_size}: a draft must share the target's tokenizer")
+        return draft.model
 
     def _step(self) -> list[RequestOutput]:
         """One engine step; outputs of open streams go to their buffers, the rest are returned."""

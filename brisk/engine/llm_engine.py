@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from brisk.config import CacheConfig, SchedulerConfig
+from brisk.config import CacheConfig, SchedulerConfig, SpecConfig
 from brisk.core.outputs import SchedulerOutput
 from brisk.core.scheduler import Scheduler
 from brisk.engine.detokenizer import IncrementalDetokenizer
+from brisk.engine.speculative import build_speculator
 from brisk.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from brisk.loader.tokenizer import Tokenizer
 from brisk.model.llama import LlamaForCausalLM
@@ -45,6 +46,9 @@ class _Seq:
     prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
     first_token_time: float | None = None
     finish_time: float | None = None
+    num_pushed: int = 0  # output tokens handed to the detokenizer
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this sequence
+    num_accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclass
@@ -57,11 +61,6 @@ class _Group:
     arrival_time: float
 
 
-def _uses_history(p: SamplingParams) -> bool:
-    """Penalties need the tokens seen so far; other batches skip building those lists."""
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
 def num_kv_blocks(cache: CacheConfig, model: LlamaForCausalLM) -> int:
     """Blocks from an explicit count, or as many as `kv_cache_memory_gib` holds."""
     if cache.num_kv_blocks is not None:
@@ -72,7 +71,10 @@ def num_kv_blocks(cache: CacheConfig, model: LlamaForCausalLM) -> int:
 
 class LLMEngine:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, cache: CacheConfig,
-                 scheduler: SchedulerConfig, seed: int = 0, pack_weights: bool = True) -> None:
+                 scheduler: SchedulerConfig, seed: int = 0, pack_weights: bool = True,
+                 speculative: SpecConfig | None = None, draft_model: LlamaForCausalLM | None = None) -> None:
+        """`speculative`: speculative decoding (spec/); `draft_model` is the loaded draft for method
+        "draft" (the caller loads it: the engine never reads files)."""
         self.model = model
         self.tokenizer = tokenizer
         self.cache_config = cache
@@ -80,6 +82,8 @@ class LLMEngine:
         self.num_blocks = num_kv_blocks(cache, model)
         self.runner = PagedModelRunner(model, self.num_blocks, cache.block_size, pack_weights)
         self.scheduler = Scheduler(scheduler, cache.block_size, self.num_blocks, cache.enable_prefix_caching)
+        self.spec = None if speculative is None else build_speculator(
+            speculative, self.runner, cache, self.num_blocks, draft_model, pack_weights, seed)
         self._seeds = random.Random(seed)  # seeds for sampled requests that bring none
         self._seqs: dict[str, _Seq] = {}
         self._groups: dict[str, _Group] = {}
@@ -133,6 +137,8 @@ class LLMEngine:
         for sid in group.seq_ids:
             self.scheduler.abort_request(sid)
             self._seqs.pop(sid, None)
+            if self.spec is not None:
+                self.spec.release(sid, finished=True)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -144,33 +150,71 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return an output for every request that made progress."""
+        if self.spec is not None:
+            self.spec.plan(self.scheduler.running)
         sched = self.scheduler.schedule()
+        if self.spec is not None:
+            for rid in sched.preempted_ids:
+                self.spec.release(rid, finished=False)
         if sched.is_empty:
             assert not self.scheduler.has_unfinished(), "scheduler made no progress with requests queued"
             return []
         self.peak_kv_usage = max(self.peak_kv_usage, self.scheduler.kv_usage)
-        wants_rows = frozenset(s.request_id for s in sched.scheduled if self._wants_prompt_logprobs(s.request_id, s.start_pos))
         started = time.perf_counter()
         try:
-            logits, row_ids, every_row = self.runner.execute(sched.scheduled, wants_rows)
-            result = sample(logits, self._sampling_batch(row_ids)) if row_ids else None
+            sampled = self._compute(sched)
         except BaseException:
             self._abort_failed_step(sched)
             raise
         self.scheduler.observe_step(sched, time.perf_counter() - started)
         touched: set[str] = set()
+        for req in self.scheduler.update_from_output(sched, sampled):
+            self._on_tokens(self._seqs[req.request_id])
+            touched.add(self._seqs[req.request_id].group)
+            if req.is_finished() and self.spec is not None:
+                self.spec.release(req.request_id, finished=True)
+        return [self._output(g) for g in sorted(touched, key=lambda g: self._groups[g].arrival_time)]
+
+    def _compute(self, sched: SchedulerOutput) -> dict[str, list[int]]:
+        """Drafts (if speculating), one forward, sampling and verification: the new tokens of
+        every request that reached the end of its known tokens. Logprobs are recorded here."""
+        steps, drafts = sched.scheduled, {}
+        if self.spec is not None:
+            requests, generators = self._requests(), self._generators()
+            steps, drafts = self.spec.fill(sched, requests, generators)
+        prompt_rows = frozenset(s.request_id for s in sched.scheduled
+                                if self._wants_prompt_logprobs(s.request_id, s.start_pos))
+        started = time.perf_counter()
+        out = self.runner.execute(steps, prompt_rows | frozenset(drafts))
+        if self.spec is not None and all(s.num_tokens == 1 for s in sched.scheduled):  # decode-only steps
+            self.spec.observe_forward(time.perf_counter() - started, drafts, len(steps))
         for step in sched.scheduled:
-            if step.request_id in every_row:
-                self._record_prompt_logprobs(self._seqs[step.request_id], step.start_pos, every_row[step.request_id])
-        if result is not None:
-            for sid, lp in zip(row_ids, result.logprobs):
+            if step.request_id in prompt_rows:
+                self._record_prompt_logprobs(self._seqs[step.request_id], step.start_pos, out.of(step.request_id))
+        plain = [rid for rid in out.sample_ids if rid not in drafts]
+        sampled: dict[str, list[int]] = {}
+        if plain:
+            result = sample(out.last_rows(plain), self._sampling_batch(plain))
+            for sid, tok, lp in zip(plain, result.token_ids, result.logprobs):
+                sampled[sid] = [tok]
                 if lp is not None:
                     self._seqs[sid].logprobs.append(lp)
-            sampled = {sid: [tok] for sid, tok in zip(row_ids, result.token_ids)}
-            for req in self.scheduler.update_from_output(sched, sampled):
-                self._on_token(self._seqs[req.request_id])
-                touched.add(self._seqs[req.request_id].group)
-        return [self._output(g) for g in sorted(touched, key=lambda g: self._groups[g].arrival_time)]
+        if drafts:
+            assert self.spec is not None
+            for sid, res in self.spec.verify(out, drafts, requests, generators).items():
+                sampled[sid] = res.token_ids
+                seq = self._seqs[sid]
+                seq.num_draft_tokens += len(drafts[sid].token_ids)
+                seq.num_accepted_tokens += res.num_accepted
+                if res.logprobs is not None:
+                    seq.logprobs.extend(res.logprobs)
+        return sampled
+
+    def _requests(self) -> dict[str, Request]:
+        return {sid: seq.request for sid, seq in self._seqs.items()}
+
+    def _generators(self) -> dict[str, torch.Generator | None]:
+        return {sid: seq.generator for sid, seq in self._seqs.items()}
 
     def _abort_failed_step(self, sched: SchedulerOutput) -> None:
         """The forward or the sampler raised (a kernel error, Ctrl-C): the step's KV was not
@@ -197,8 +241,8 @@ class LLMEngine:
 
     def _sampling_batch(self, row_ids: list[str]) -> SamplingBatch:
         seqs = [self._seqs[sid] for sid in row_ids]
-        banned = [self._banned(s.request) for s in seqs]
-        penalties = any(_uses_history(s.request.sampling_params) for s in seqs)
+        banned = [s.request.banned_token_ids() for s in seqs]
+        penalties = any(s.request.sampling_params.uses_history for s in seqs)
         return SamplingBatch(
             params=[s.request.sampling_params for s in seqs],
             generators=[s.generator for s in seqs],
@@ -207,29 +251,30 @@ class LLMEngine:
             banned_token_ids=banned if any(banned) else [],
         )
 
-    @staticmethod
-    def _banned(req: Request) -> list[int]:
-        """EOS and stop ids may not end a sequence before min_tokens."""
-        p = req.sampling_params
-        if req.num_output_tokens >= p.min_tokens:
-            return []
-        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))
-
-    def _on_token(self, seq: _Seq) -> None:
+    def _on_tokens(self, seq: _Seq) -> None:
+        """Detokenize the tokens appended this step (one, or several after speculation), in order.
+        A stop string ends the sequence at its token: tokens verified after it are dropped, as if
+        they had never been generated."""
         req = seq.request
         now = time.perf_counter()
         if seq.first_token_time is None:
             seq.first_token_time = now
-        token = req.output_token_ids[-1]
-        stopped_by_token = req.finish_reason == FinishReason.STOP and (
-            token in req.sampling_params.stop_token_ids or token in req.eos_token_ids)
-        if not stopped_by_token:  # the stop token's text never reaches the output
+        new = req.output_token_ids[seq.num_pushed:]
+        for i, token in enumerate(new):
+            stopped_by_token = i == len(new) - 1 and req.finish_reason == FinishReason.STOP and (
+                token in req.sampling_params.stop_token_ids or token in req.eos_token_ids)
+            seq.num_pushed += 1
+            if stopped_by_token:  # the stop token's text never reaches the output
+                break
             seq.detok.push(token)
             if seq.detok.stopped:
+                del req.output_token_ids[seq.num_pushed:]
                 if req.is_finished():  # the scheduler ended it by length on this very token
                     req.finish_reason, req.status = FinishReason.STOP, RequestStatus.FINISHED_STOPPED
                 else:
                     self.scheduler.finish_request(req.request_id, FinishReason.STOP)
+                break
+        del seq.logprobs[req.num_output_tokens:]  # verified tokens past a stop carry no logprobs
         if req.is_finished():
             seq.detok.flush()  # a trailing partial character is shown, not dropped (no-op after a stop string)
             seq.finish_time = now
@@ -247,7 +292,8 @@ class LLMEngine:
             c.text = s.detok.text[:s.detok.emitted]  # text that may still become a stop string stays hidden
         firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
         metrics = RequestMetrics(group.arrival_time, min(firsts) if firsts else None,
-                                 max(s.finish_time or 0.0 for s in seqs) if finished else None)
+                                 max(s.finish_time or 0.0 for s in seqs) if finished else None,
+                                 sum(s.num_draft_tokens for s in seqs), sum(s.num_accepted_tokens for s in seqs))
         out = RequestOutput(group_id, group.prompt, group.prompt_token_ids, completions, finished, metrics,
                             num_cached_tokens=max(0, seqs[0].request.num_cached_tokens),
                             prompt_logprobs=self._prompt_logprobs_of(seqs[0]))
@@ -269,7 +315,8 @@ class LLMEngine:
         s = self.scheduler
         return {"running": s.num_running, "waiting": s.num_waiting, "kv_usage": s.kv_usage,
                 "prefix_hit_rate": s.prefix_hit_rate, "num_preemptions": s.num_preemptions,
-                "num_kv_blocks": self.num_blocks, "peak_kv_usage": self.peak_kv_usage}
+                "num_kv_blocks": self.num_blocks, "peak_kv_usage": self.peak_kv_usage,
+                **(self.spec.info() if self.spec is not None else {})}
 
     def reset_peak_stats(self) -> None:
         self.peak_kv_usage = self.scheduler.kv_usage

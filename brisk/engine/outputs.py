@@ -13,11 +13,18 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: float | None = None
     finish_time: float | None = None
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this request
+    num_accepted_tokens: int = 0  # of those, accepted
 
     @property
     def ttft(self) -> float | None:
         """Seconds from arrival to the first generated token."""
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / drafted tokens; None when nothing was drafted."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
 
 @dataclass

@@ -140,16 +140,44 @@ class PagedModelRunner:
                           all_rows)
 
     @torch.inference_mode()
-    def execute(self, steps: Sequence[ScheduledStep], all_rows_for: frozenset[str] = frozenset()
-                ) -> tuple[torch.Tensor, list[str], dict[str, torch.Tensor]]:
-        """Run one forward; return float32 logits `[num_sampled, vocab]`, their request ids, and for
-        the requests in `all_rows_for` the logits of every token they computed this step."""
+    def execute(self, steps: Sequence[ScheduledStep], all_rows_for: frozenset[str] = frozenset()) -> StepLogits:
+        """Run one forward; return float32 logits of each sampled request's last token and, for the
+        requests in `all_rows_for`, of every token they computed this step (prompt logprobs,
+        speculative verification), projected through the LM head in one call."""
         inputs = self.prepare(steps, all_rows_for)
         with sdpa_context(self.device):
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn)  # [num_tokens, hidden]
-        every = {rid: self.model.compute_logits(hidden[first:first + n])  # [n, vocab]
-                 for rid, (first, n) in inputs.all_rows.items()}
-        if not inputs.sample_rows:
-            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), [], every
-        rows = hidden[torch.tensor(inputs.sample_rows, device=self.device)]  # [num_sampled, hidden]
-        return self.model.compute_logits(rows), inputs.sample_ids, every
+        index: list[int] = []
+        rows: dict[str, tuple[int, int]] = {}
+        for rid, row in zip(inputs.sample_ids, inputs.sample_rows):
+            if rid not in inputs.all_rows:
+                rows[rid] = (len(index), 1)
+                index.append(row)
+        for rid, (first, n) in inputs.all_rows.items():
+            rows[rid] = (len(index), n)
+            index.extend(range(first, first + n))
+        if not index:
+            return StepLogits(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), {}, [])
+        picked = hidden if index == list(range(hidden.shape[0])) else hidden[torch.tensor(index, device=self.device)]
+        return StepLogits(self.model.compute_logits(picked), rows, inputs.sample_ids)  # [len(index), vocab]
+
+
+@dataclass
+class StepLogits:
+    """The logits one step produced: `rows[request] = (first, count)` into `logits`."""
+
+    logits: torch.Tensor  # [rows, vocab] float32
+    rows: dict[str, tuple[int, int]]  # count 1: the sampled row only; else every computed token's row
+    sample_ids: list[str]  # requests that reached the end of their known tokens, in batch order
+
+    def of(self, request_id: str) -> torch.Tensor:
+        """Every row of one request: [count, vocab]."""
+        first, n = self.rows[request_id]
+        return self.logits[first:first + n]
+
+    def last_rows(self, request_ids: list[str]) -> torch.Tensor:
+        """The sampled (last) row of each request, in order: [len(request_ids), vocab]."""
+        index = [self.rows[rid][0] + self.rows[rid][1] - 1 for rid in request_ids]
+        if index == list(range(self.logits.shape[0])):
+            return self.logits
+        return self.logits[torch.tensor(index, device=self.logits.device)]

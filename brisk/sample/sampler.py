@@ -93,7 +93,7 @@ def _sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     for p in batch.params:
         if p.logit_bias:
             p.check_vocab(vocab)  # the engine should check at admission; this keeps a bad id from crashing a step
-    penalised = _penalise(logits, batch)  # [B, V]; `logits` itself when no row needs any of it
+    penalised = penalise(logits, batch)  # [B, V]; `logits` itself when no row needs any of it
     greedy = [p.greedy for p in batch.params]
     if all(greedy):
         token_ids = penalised.argmax(dim=-1)  # [B]
@@ -102,7 +102,7 @@ def _sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     return SamplerOutput(token_ids.tolist(), _logprobs(logits, token_ids, batch.params))
 
 
-def _penalise(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def penalise(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Stages 1-3 on a float32 copy (or the input itself when no row asks for any of them)."""
     params, vocab, device = batch.params, logits.shape[-1], logits.device
     bias = any(p.logit_bias for p in params)
@@ -141,8 +141,19 @@ def _sample_rows(penalised: torch.Tensor, batch: SamplingBatch, greedy: list[boo
     rows = [i for i, g in enumerate(greedy) if not g]
     index = torch.tensor(rows, dtype=torch.int64, device=device)  # [S]
     every_row = len(rows) == len(greedy)
-    logits = (penalised if every_row else penalised.index_select(0, index)).float()  # [S, V]
-    params = [batch.params[i] for i in rows]
+    logits = penalised if every_row else penalised.index_select(0, index)  # [S, V]
+    probs = probabilities(logits, [batch.params[i] for i in rows])
+    drawn = draw(probs, [batch.generators[i] for i in rows])  # [S]
+    if every_row:
+        return drawn
+    return penalised.argmax(dim=-1).index_copy_(0, index, drawn)
+
+
+def probabilities(penalised: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Stages 4-7 and the softmax: the distribution a sampled row draws from. [S, V] -> [S, V] float32.
+    Speculative verification (spec/verify.py) accepts drafts against exactly this distribution."""
+    device = penalised.device
+    logits = penalised.float()
 
     def col(values: list[float]) -> torch.Tensor:  # one value per sampled row -> [S]
         return torch.tensor(values, dtype=torch.float32, device=device)
@@ -156,13 +167,10 @@ def _sample_rows(penalised: torch.Tensor, batch: SamplingBatch, greedy: list[boo
         logits = P.apply_top_k(logits, top_k, max(p.top_k for p in params))
     if any(p.top_p < 1.0 for p in params):
         logits = P.apply_top_p(logits, col([p.top_p for p in params]))
-    drawn = _draw(logits.softmax(dim=-1), [batch.generators[i] for i in rows])  # [S]
-    if every_row:
-        return drawn
-    return penalised.argmax(dim=-1).index_copy_(0, index, drawn)
+    return logits.softmax(dim=-1)
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row of probs [S, V], by an exponential race: argmax_i p_i / E_i with E_i ~ Exp(1)
     picks i with probability p_i (E_i / p_i ~ Exp(p_i), and the smallest of those is i's with
     probability p_i / sum p). Seeded rows draw their noise from their own generator; the rest

@@ -80,12 +80,18 @@ def _check_against_reference(dtype: torch.dtype, short_spans: str, device: str) 
     for chunk_sizes in plan:
         steps = [Step(k, seqs[k][done[k]:done[k] + n], done[k], tables[k], done[k] + n == lengths[k])
                  for k, n in chunk_sizes.items()]
-        logits, order, _ = runner.execute(steps)
+        out = runner.execute(steps, frozenset({"c"}))  # every row of c, as verification asks
+        logits, order = out.last_rows(out.sample_ids), out.sample_ids
         for k, n in chunk_sizes.items():
             done[k] += n
         for row, rid in enumerate(order):
             ref = _reference(model, seqs[rid][: done[rid]])
             assert (logits[row].cpu() - ref).abs().max() < tol * max(1.0, float(ref.abs().max()))
+        every = out.of("c")  # row j: the logits after the chunk's first j + 1 tokens
+        assert every.shape[0] == chunk_sizes["c"]
+        for j in range(every.shape[0]):
+            ref = _reference(model, seqs["c"][: done["c"] - chunk_sizes["c"] + j + 1])
+            assert (every[j].cpu() - ref).abs().max() < tol * max(1.0, float(ref.abs().max()))
     # then decode steps: every sequence grows by one token per step
     for _ in range(6):
         steps = []
@@ -93,7 +99,8 @@ def _check_against_reference(dtype: torch.dtype, short_spans: str, device: str) 
             tok = rng.randrange(CFG.vocab_size)
             seqs[k].append(tok)
             steps.append(Step(k, [tok], len(seqs[k]) - 1, tables[k]))
-        logits, order, _ = runner.execute(steps)
+        out = runner.execute(steps)
+        logits, order = out.last_rows(out.sample_ids), out.sample_ids
         for row, rid in enumerate(order):
             ref = _reference(model, seqs[rid])
             assert (logits[row].cpu() - ref).abs().max() < tol * max(1.0, float(ref.abs().max()))
@@ -101,5 +108,5 @@ def _check_against_reference(dtype: torch.dtype, short_spans: str, device: str) 
 
 def test_steps_without_sampling_return_no_rows() -> None:
     runner = PagedModelRunner(_model(torch.float32), num_blocks=8, block_size=4)
-    logits, order, _ = runner.execute([Step("x", [1, 2, 3], 0, [5, 6], sample=False)])
-    assert logits.shape == (0, CFG.vocab_size) and order == []
+    out = runner.execute([Step("x", [1, 2, 3], 0, [5, 6], sample=False)])
+    assert out.logits.shape == (0, CFG.vocab_size) and out.sample_ids == [] and out.rows == {}

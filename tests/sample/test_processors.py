@@ -7,7 +7,7 @@ import torch
 
 from brisk.request import SamplingParams
 from brisk.sample import processors as P
-from brisk.sample.sampler import SamplingBatch, _penalise
+from brisk.sample.sampler import SamplingBatch, penalise
 
 INF = float("inf")
 
@@ -72,10 +72,10 @@ def test_combined_min_p_top_k_top_p_masks() -> None:
 def test_logit_bias_adds_per_row_and_bans_win() -> None:
     logits = torch.zeros(2, 5)
     params = [SamplingParams(logit_bias={1: 2.5, 4: -100.0}), SamplingParams()]
-    out = _penalise(logits, SamplingBatch(params, [None, None], banned_token_ids=[[4], [0, 7]]))
+    out = penalise(logits, SamplingBatch(params, [None, None], banned_token_ids=[[4], [0, 7]]))
     assert out.tolist() == [[0, 2.5, 0, 0, -INF], [-INF, 0, 0, 0, 0]]  # ban beyond vocab (7) is ignored
     assert logits.eq(0).all()  # the input is never modified
-    out = _penalise(logits, SamplingBatch([SamplingParams(logit_bias={1: -100.0})] * 2, [None, None]))
+    out = penalise(logits, SamplingBatch([SamplingParams(logit_bias={1: -100.0})] * 2, [None, None]))
     assert out.tolist() == [[0, -100, 0, 0, 0]] * 2
 
 
@@ -89,7 +89,7 @@ def test_repetition_penalty_equals_hf_transformers() -> None:
     outputs = [torch.randint(vocab, (n,), generator=gen).tolist() for n in (10, 3, 7, 0)]
     batch = SamplingBatch([SamplingParams(repetition_penalty=r) for r in penalties], [None] * 4,
                           output_token_ids=outputs, prompt_token_ids=prompts)
-    ours = _penalise(logits, batch)
+    ours = penalise(logits, batch)
     for row, pen in enumerate(penalties):
         ids = torch.tensor([prompts[row] + outputs[row]], dtype=torch.int64)
         ref = hf.RepetitionPenaltyLogitsProcessor(pen)(ids, logits[row:row + 1].clone())
@@ -105,7 +105,7 @@ def test_frequency_and_presence_penalties_match_a_hand_computation() -> None:
     prompts = [[2, 2, 2], [4]]  # the prompt does not count for these penalties
     params = [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
               SamplingParams(frequency_penalty=-1.0, presence_penalty=1.5)]
-    out = _penalise(logits, SamplingBatch(params, [None] * 2, output_token_ids=outputs, prompt_token_ids=prompts))
+    out = penalise(logits, SamplingBatch(params, [None] * 2, output_token_ids=outputs, prompt_token_ids=prompts))
     expected = []
     for row, p in enumerate(params):
         r = logits[row].tolist()
@@ -122,4 +122,4 @@ def test_penalties_apply_in_order_bias_bans_repetition_frequency() -> None:
     p = SamplingParams(logit_bias={0: 2.0, 1: 1.0}, repetition_penalty=2.0, frequency_penalty=0.5)
     batch = SamplingBatch([p], [None], output_token_ids=[[0, 0, 1]], prompt_token_ids=[[2]], banned_token_ids=[[3]])
     # token 0: (2 + 2) / 2 - 0.5 * 2 = 1; token 1: (-2 + 1) * 2 - 0.5 = -2.5; token 2: 4 / 2; token 3: banned
-    assert _penalise(logits, batch).tolist() == [[1.0, -2.5, 2.0, -INF]]
+    assert penalise(logits, batch).tolist() == [[1.0, -2.5, 2.0, -INF]]

@@ -1,0 +1,167 @@
+"""Speculative decoding inside the step loop: plan draft lengths, fill drafts, verify, count.
+
+    plan()   before schedule(): Request.num_spec_wanted from the length controller
+    fill()   after schedule(): ask the proposer for drafts into the reserved slots; the runner
+             then scores [t_last, d1..dk] of those requests in the same forward as everything else
+    verify() after the forward: accepted tokens per request (spec/verify.py), counted per method
+    release() a request finished, was aborted or preempted: the proposer drops its state
+
+Lossless by construction: the verifier emits what the target would have; drafts only decide how
+many tokens one forward yields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from brisk.config import CacheConfig, SpecConfig
+from brisk.core.kv_cache_manager import KVCacheManager
+from brisk.core.outputs import ScheduledRequest, SchedulerOutput
+from brisk.model.llama import LlamaForCausalLM
+from brisk.request import Request
+from brisk.runtime.paged_runner import PagedModelRunner, StepLogits
+from brisk.spec.base import Draft, DraftRequest, Proposer
+from brisk.spec.length import DraftLength
+from brisk.spec.draft import DraftModelProposer
+from brisk.spec.ngram import NgramProposer
+from brisk.spec.verify import VerifyOutput, verify
+
+# Cost of verifying one more token in a decode step, as a fraction of the step (float32 default
+# model on 2 CPU cores: 1 + 4 tokens take ~1.25x one; `brisk bench spec` prints the measured ratio).
+VERIFY_COST = 0.06
+
+
+@dataclass
+class SpecStats:
+    """Counters since start-up (engine stats, /metrics, bench)."""
+
+    num_verify_steps: int = 0  # request-steps that verified at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_per_step(self) -> float:
+        """Drafts kept per verify step (the bonus token not counted)."""
+        return self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.num_verify_steps += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+
+
+class _Ema:
+    """Exponential moving average of a timing (None before the first sample)."""
+
+    def __init__(self, weight: float = 0.1) -> None:
+        self.weight = weight
+        self.value: float | None = None
+
+    def update(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.weight * (x - self.value)
+
+
+class Speculator:
+    def __init__(self, config: SpecConfig, proposer: Proposer, verify_cost: float = VERIFY_COST,
+                 seed: int = 0) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.length = DraftLength(config, proposer.draft_cost, verify_cost, seed)
+        self.verify_cost = verify_cost
+        self.stats = SpecStats()
+        self._draft_seconds = _Ema()  # one draft pass over the batch
+        self._plain_seconds = _Ema()  # one target forward, less the verified drafts' share
+        self._seen: set[str] = set()  # requests that have had a proposal since (re)admission
+
+    def plan(self, running: list[Request]) -> None:
+        """Draft lengths for the requests that will decode next step."""
+        for req in running:
+            req.num_spec_wanted = self.length.wanted(req.request_id)
+
+    def fill(self, sched: SchedulerOutput, requests: dict[str, Request],
+             generators: dict[str, torch.Generator | None]) -> tuple[list[ScheduledRequest], dict[str, Draft]]:
+        """The steps the runner computes (drafts appended to their requests' token ids) and the
+        non-empty drafts by request id."""
+        asks = [s for s in sched.scheduled if s.num_spec_slots > 0]
+        if not asks:
+            return sched.scheduled, {}
+        batch = [DraftRequest(s.request_id, requests[s.request_id].all_token_ids, s.num_spec_slots, s.block_ids,
+                              requests[s.request_id].sampling_params, generators[s.request_id]) for s in asks]
+        started = time.perf_counter()
+        proposed = self.proposer.propose(batch)
+        # A request's first proposal may include its whole prompt (a draft model's prefill): not
+        # a draft pass worth timing.
+        new = [s.request_id for s in asks if s.request_id not in self._seen]
+        if not new:
+            self._draft_seconds.update((time.perf_counter() - started) / max(s.num_spec_slots for s in asks))
+        self._seen.update(new)
+        drafts = {}
+        for ask, draft in zip(asks, proposed):
+            assert len(draft.token_ids) <= ask.num_spec_slots, f"{self.proposer.name} proposed too many tokens"
+            if draft.token_ids:
+                drafts[ask.request_id] = draft
+        steps = [dataclasses.replace(s, token_ids=s.token_ids + drafts[s.request_id].token_ids)
+                 if s.request_id in drafts else s for s in sched.scheduled]
+        return steps, drafts
+
+    def observe_forward(self, seconds: float, drafts: dict[str, Draft], num_requests: int) -> None:
+        """The target's forward took `seconds`: refresh the draft cost the length controller uses
+        (one draft pass over one plain decode step, both measured on this machine and batch)."""
+        mean_k = sum(len(d.token_ids) for d in drafts.values()) / max(1, num_requests)
+        self._plain_seconds.update(seconds / (1.0 + self.verify_cost * mean_k))
+        if self._draft_seconds.value is not None and self._plain_seconds.value:
+            self.length.step_cost = self.verify_cost + self._draft_seconds.value / self._plain_seconds.value
+
+    def verify(self, out: StepLogits, drafts: dict[str, Draft], requests: dict[str, Request],
+               generators: dict[str, torch.Generator | None]) -> dict[str, VerifyOutput]:
+        ids = list(drafts)
+        results = verify([out.of(rid) for rid in ids], [requests[rid] for rid in ids],
+                         [drafts[rid] for rid in ids], [generators[rid] for rid in ids])
+        for rid, res in zip(ids, results):
+            self.stats.add(len(drafts[rid].token_ids), res.num_accepted)
+            self.length.observe(rid, len(drafts[rid].token_ids), res.num_accepted)
+        return dict(zip(ids, results))
+
+    def release(self, request_id: str, finished: bool) -> None:
+        self.proposer.release(request_id)
+        self._seen.discard(request_id)
+        if finished:
+            self.length.forget(request_id)
+
+    def info(self) -> dict[str, float]:
+        s = self.stats
+        return {"spec_verify_steps": s.num_verify_steps, "spec_draft_tokens": s.num_draft_tokens,
+                "spec_accepted_tokens": s.num_accepted_tokens, "spec_acceptance_rate": s.acceptance_rate,
+                "spec_mean_accepted_per_step": s.mean_accepted_per_step}
+
+
+def build_speculator(config: SpecConfig, runner: PagedModelRunner, cache: CacheConfig, num_blocks: int,
+                     draft_model: LlamaForCausalLM | None, pack_weights: bool, seed: int) -> Speculator:
+    """The proposer `config.method` names, wired to what it needs from the engine."""
+    if config.method == "ngram":
+        proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    elif config.method == "draft":
+        assert draft_model is not None, "method draft needs the loaded draft model"
+        # as many tokens of draft KV as the target has: every running request can draft
+        draft_runner = PagedModelRunner(draft_model, num_blocks, cache.block_size, pack_weights)
+        kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        proposer = DraftModelProposer(draft_runner, kv, _weight_ratio(draft_model, runner.model))
+    else:
+        raise ValueError(f"speculative method {config.method!r} is not available yet")
+    return Speculator(config, proposer, seed=seed)
+
+
+def _weight_ratio(draft: torch.nn.Module, target: torch.nn.Module) -> float:
+    """A first guess of the draft's cost per pass (refined from timings as steps run): its weight
+    bytes over the target's, floored for the per-pass overhead that does not shrink with size."""
+    def nbytes(m: torch.nn.Module) -> int:
+        return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+    return max(0.2, nbytes(draft) / max(1, nbytes(target)))

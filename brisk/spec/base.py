@@ -1,0 +1,60 @@
+"""What every proposer speaks: one batch of draft requests in, one draft per request out.
+
+The engine asks for drafts after scheduling, when each decoding request's block table already
+covers its draft slots (`ScheduledRequest.num_spec_slots`), so a proposer that writes KV (early
+exit, into the target's own cache) has somewhere to write it:
+
+    position   ... p-1 | p = num_tokens - 1 | p+1 .. p+k
+    token          ... | t_last (known)     | d1 .. dk   <- the proposer fills these
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from brisk.request import SamplingParams
+
+
+@dataclass
+class DraftRequest:
+    """One request asking for up to `num_drafts` draft tokens this step."""
+
+    request_id: str
+    token_ids: list[int]  # every known token: prompt + output; the last one is t_last
+    num_drafts: int  # k >= 1: the slots reserved after t_last
+    block_ids: list[int]  # the target's block table, covering len(token_ids) + num_drafts slots
+    params: SamplingParams
+    generator: torch.Generator | None  # the request's own generator (None: the device default)
+
+    @property
+    def last_pos(self) -> int:
+        return len(self.token_ids) - 1
+
+
+@dataclass
+class Draft:
+    """Proposed tokens (possibly fewer than asked, possibly none) and the distribution each was
+    drawn from: `probs` [len(token_ids), vocab], or None when every token was chosen
+    deterministically (a point mass: n-gram lookup, greedy drafts)."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+
+
+class Proposer(Protocol):
+    """A source of draft tokens. `draft_cost`: one draft token's cost as a fraction of one target
+    decode step (0 for a lookup), which the length controller weighs against acceptance."""
+
+    name: str
+    draft_cost: float
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        """One Draft per request, in order; never more than `num_drafts` tokens."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """The request finished, was aborted or preempted: drop whatever is kept for it."""
+        ...

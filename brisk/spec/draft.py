@@ -1,0 +1,143 @@
+"""Draft-model proposals: a smaller (or quantized) brisk model with the target's tokenizer runs k
+batched decode steps ahead of the target, with its own paged KV cache.
+
+Per request the draft keeps a shadow sequence: the tokens whose KV its cache holds. Each step it
+first catches up on what the target emitted since (the accepted drafts it may already hold are
+kept, the rejected ones dropped by comparing token lists), then drafts:
+
+    pass 1   every request: [uncomputed known tokens] -> d1      (a whole prompt the first time)
+    pass j   requests still drafting: [d(j-1)] -> dj             (one token each, batched)
+
+The shadow's known tokens are the target's, so its full blocks go to the draft's own prefix cache
+exactly as the target's do; draft tokens are never published. Greedy requests draft the argmax;
+sampled ones draw from the draft's distribution with the request's generator and hand it to the
+verifier as q, which keeps the result exact and raises acceptance to sum(min(p, q)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from brisk.request import Request, SamplingParams
+from brisk.sample.sampler import draw, probabilities
+from brisk.spec.base import Draft, DraftRequest
+
+
+class DraftKV(Protocol):
+    """The draft's block manager (core.kv_cache_manager.KVCacheManager)."""
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]: ...
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[int] = ...) -> list[int] | None: ...
+    def free(self, request: Request) -> None: ...
+
+
+class DraftRunner(Protocol):
+    """The draft's forward (runtime.paged_runner.PagedModelRunner): last-row logits per request."""
+
+    def execute(self, steps: list, all_rows_for: frozenset[str] = ...) -> object: ...
+
+
+@dataclass
+class _Step:
+    """One request's work in a draft pass (the runner's ScheduledStep protocol)."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool = True
+
+
+@dataclass
+class _Shadow:
+    request: Request  # prompt_token_ids: the target's known tokens; num_computed_tokens: KV held
+    cached: list[int] = field(default_factory=list)  # the tokens whose KV the draft cache holds, in order
+
+
+class DraftModelProposer:
+    name = "draft"
+
+    def __init__(self, runner: DraftRunner, kv: DraftKV, draft_cost: float) -> None:
+        self.runner = runner
+        self.kv = kv
+        self.draft_cost = draft_cost
+        self._shadows: dict[str, _Shadow] = {}
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        steps = {r.request_id: self._catch_up(r) for r in requests}
+        tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in requests}
+        by_id = {r.request_id: r for r in requests}
+        active = [rid for rid, step in steps.items() if step is not None]
+        for j in range(max((r.num_drafts for r in requests), default=0)):
+            if not active:
+                break
+            out = self.runner.execute([steps[rid] for rid in active])
+            logits = out.last_rows(active)  # [len(active), vocab]
+            for row, rid in enumerate(active):
+                token, q = self._pick(logits[row], by_id[rid])
+                tokens[rid].append(token)
+                if q is not None:
+                    probs[rid].append(q)
+            active = [rid for rid in active if len(tokens[rid]) < by_id[rid].num_drafts]
+            for rid in active:  # the next pass feeds the token just drafted
+                step = steps[rid]
+                assert step is not None
+                step.start_pos += len(step.token_ids)
+                step.token_ids = [tokens[rid][-1]]
+        for rid, toks in tokens.items():
+            if toks:
+                shadow = self._shadows[rid]
+                shadow.cached.extend(toks[:-1])  # the last draft was never fed
+                shadow.request.num_computed_tokens = len(shadow.cached)
+        return [Draft(tokens[r.request_id], torch.stack(probs[r.request_id]) if probs[r.request_id] else None)
+                for r in requests]
+
+    def _catch_up(self, r: DraftRequest) -> _Step | None:
+        """Sync the shadow with the target's tokens and reserve slots for this step's passes;
+        None when the draft's pool is full (the request then goes without drafts this step)."""
+        shadow = self._shadows.get(r.request_id)
+        if shadow is None:
+            shadow = self._shadows[r.request_id] = _Shadow(Request(r.request_id, list(r.token_ids), SamplingParams()))
+            hit_ids, num_hit = self.kv.get_computed_blocks(shadow.request)
+            shadow.cached = list(r.token_ids[:num_hit])
+        else:
+            hit_ids = []
+            known = shadow.request.prompt_token_ids
+            old = len(known)
+            known.extend(r.token_ids[old:])
+            # The cache holds the old known tokens, then drafts: keep the drafts the target
+            # accepted, drop the rest (t_last, the newest known token, is never counted computed).
+            limit = min(len(shadow.cached), len(known) - 1)
+            keep = min(old, limit)
+            while keep < limit and shadow.cached[keep] == known[keep]:
+                keep += 1
+            del shadow.cached[keep:]
+        # shadow.cached is a prefix of the known tokens, now also of the computed count
+        shadow.request.num_computed_tokens = 0 if hit_ids else len(shadow.cached)
+        todo = r.token_ids[len(shadow.cached):]  # >= 1 token: t_last is never in the cache
+        blocks = self.kv.allocate_slots(shadow.request, len(todo) + r.num_drafts - 1, hit_ids)
+        if blocks is None:
+            self.release(r.request_id)
+            return None
+        shadow.request.num_computed_tokens = len(shadow.cached)
+        shadow.cached.extend(todo)
+        return _Step(r.request_id, list(todo), len(shadow.cached) - len(todo), blocks)
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, r: DraftRequest) -> tuple[int, torch.Tensor | None]:
+        """The draft token for one request: argmax when greedy, else a draw from the draft's own
+        distribution under the request's temperature / top-k / top-p (returned as q)."""
+        if r.params.greedy:
+            return int(logits.argmax()), None
+        q = probabilities(logits.unsqueeze(0), [r.params])  # [1, vocab]
+        return int(draw(q, [r.generator])[0]), q[0]
+
+    def release(self, request_id: str) -> None:
+        shadow = self._shadows.pop(request_id, None)
+        if shadow is not None:
+            self.kv.free(shadow.request)
