@@ -8,25 +8,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
+from brisk.cli_bench import add_bench_parsers, run_bench
+from brisk.cli_common import (
+    QUANT_CONFIG_HELP,
+    QUANT_HELP,
+    add_engine,
+    add_model,
+    add_quant,
+    engine_kwargs,
+    quant_kwargs,
+)
 from brisk.loader.resolve import DEFAULT_MODEL
-
-# The methods are checked by brisk.config.QuantConfig before any model loads (importing quant here
-# would pull torch into every `brisk --help`); this line only describes them.
-QUANT_HELP = ("int8: weight-only per output channel; int4: weight-only, groups of group_size (default 64), "
-              "AWQ-scaled given a calibration text; w8a8: int8 weights and per-token int8 activations, "
-              "SmoothQuant given a calibration text; ternary: BitNet b1.58 absmean {-1,0,1} x scale, 2-bit "
-              "(destroys a model not trained for it); gguf: a .gguf file's Q4_0/Q4_1/Q8_0 blocks as stored")
-QUANT_CONFIG_HELP = ('options as JSON: \'{"group_size": 64}\' (int4), \'{"calibration": "text.txt", '
-                     '"calibration_tokens": 4096}\' (int4: AWQ + GPTQ, w8a8: SmoothQuant)')
-
-
-def _add_quant(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--quantization", "-q", default=None, help=f"{what} ({QUANT_HELP})")
-    p.add_argument("--quant-config", default=None, help=QUANT_CONFIG_HELP)
 
 EXIT_USAGE = 2
 
@@ -40,20 +35,12 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not included in the output")
 
 
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                   help=f"built-in name, .gguf file or HF directory (default {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype (default float32)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context window to serve, in tokens (default: the model's own)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="brisk", description="brisk: fast exact-attention LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from a prompt, streaming it")
-    _add_model(gen)
+    add_model(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", "-p", help="the prompt text (streamed reply)")
     src.add_argument("--prompts-file", type=Path,
@@ -63,22 +50,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
     _add_sampling(gen)
-    _add_engine(gen)
+    add_engine(gen)
 
     ev = sub.add_parser("eval", help="quality evaluations")
     esub = ev.add_subparsers(dest="eval", required=True)
     ppl = esub.add_parser("ppl", help="perplexity on a text file, with KL and top-1 agreement vs float32")
     ppl.add_argument("--model", "-m", default=DEFAULT_MODEL, help=f"model reference (default {DEFAULT_MODEL})")
     ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    _add_quant(ppl, "evaluate a quantized model")
+    add_quant(ppl, "evaluate a quantized model")
     ppl.add_argument("--text", type=Path, required=True, help="UTF-8 text file, e.g. wikitext-2-raw/wiki.test.raw")
     ppl.add_argument("--window", type=int, default=1024, help="tokens per non-overlapping window (default 1024)")
     ppl.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")
     ppl.add_argument("--json", action="store_true", help="print only the JSON line")
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
-    _add_model(srv)
-    _add_engine(srv)
+    add_model(srv)
+    add_engine(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set BRISK_API_KEY)")
@@ -99,92 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--out", required=True, type=Path, help="output directory")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
-    bench = sub.add_parser("bench", help="benchmarks that print JSON")
-    bsub = bench.add_subparsers(dest="bench", required=True)
-    lat = bsub.add_parser("latency", help="single-stream TTFT and decode tokens/s (optionally beside HF transformers)")
-    _add_model(lat)
-    lat.add_argument("--dtype-list", default=None, help="comma-separated dtypes to run in one go, e.g. float32,bfloat16")
-    lat.add_argument("--prompt", default=None, help="prompt text (default: a short story request)")
-    lat.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    lat.add_argument("--new-tokens", type=int, default=128)
-    lat.add_argument("--repeats", type=int, default=3)
-    lat.add_argument("--compare", default="", help="peers to run side by side: hf")
-    _add_quant(lat, "quantize brisk's model at load")
-
-    thr = bsub.add_parser("throughput", help="offline batched throughput on a seeded chat-like workload")
-    _add_model(thr)
-    _add_engine(thr)
-    thr.add_argument("--num-prompts", type=int, default=32)
-    thr.add_argument("--input-len", type=int, default=None, help="fixed prompt length (default: chat-like 50-1000)")
-    thr.add_argument("--output-len", type=int, default=None, help="fixed output length (default: chat-like 20-400)")
-    thr.add_argument("--shared-prefix", type=int, default=0, help="tokens of a prefix common to every prompt")
-    thr.add_argument("--seed", type=int, default=0)
-    thr.add_argument("--compare", default="", help="peers to run side by side: hf, vllm (comma-separated)")
-    thr.add_argument("--vllm-python", default=os.environ.get("BRISK_VLLM_PYTHON"),
-                     help="python of a venv with vllm installed, for --compare vllm (env BRISK_VLLM_PYTHON)")
-    thr.add_argument("--hf-batch-size", type=int, default=None, help="HF generate() batch (default: all prompts)")
-
-    srvb = bsub.add_parser("serve", help="Poisson load against any OpenAI-compatible server (brisk, vLLM, llama.cpp)")
-    srvb.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    srvb.add_argument("--model", default=None, help="model name to send (default: none; brisk serves one)")
-    srvb.add_argument("--request-rate", type=float, default=float("inf"),
-                      help="mean requests per second, Poisson arrivals (default inf: all at once)")
-    srvb.add_argument("--num-prompts", type=int, default=32)
-    srvb.add_argument("--input-len", type=int, default=None, help="fixed prompt length (default: chat-like 50-1000)")
-    srvb.add_argument("--output-len", type=int, default=None, help="fixed output length (default: chat-like 20-400)")
-    srvb.add_argument("--vocab-size", type=int, default=49152, help="prompt token ids are drawn below this")
-    srvb.add_argument("--seed", type=int, default=0, help="same seed as `bench throughput`: the same workload")
-    srvb.add_argument("--api-key", default=os.environ.get("BRISK_API_KEY"))
-    srvb.add_argument("--plot", type=Path, default=None, help="write a PNG of the latency distributions here")
-
-    pre = bsub.add_parser("prefix", help="time to first token with a cached long prefix vs a cold cache")
-    _add_model(pre)
-    _add_engine(pre)
-    pre.add_argument("--prefix-len", type=int, default=1000)
-    pre.add_argument("--suffix-len", type=int, default=32)
-    pre.add_argument("--repeats", type=int, default=3)
-    pre.add_argument("--seed", type=int, default=0)
-
-    mix = bsub.add_parser("mixed", help="inter-token latency of running decodes while long prompts arrive")
-    _add_model(mix)
-    _add_engine(mix)
-    mix.add_argument("--decoders", type=int, default=16, help="running decode requests")
-    mix.add_argument("--long-len", type=int, default=1000, help="tokens of each arriving prompt")
-    mix.add_argument("--every", type=int, default=8, help="a long prompt arrives every N steps")
-    mix.add_argument("--steps", type=int, default=40)
-    mix.add_argument("--seed", type=int, default=0)
+    add_bench_parsers(sub)
+    _add_train_heads(sub)
     return parser
-
-
-def _add_engine(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (default 512)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default 64)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-gib)")
-    p.add_argument("--kv-cache-memory-gib", type=float, default=2.0, help="KV cache size (default 2 GiB)")
-    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
-    _add_quant(p, "quantize the model's linear layers at load")
-    p.add_argument("--no-pack-weights", action="store_true",
-                   help="do not keep oneDNN-packed weight copies (saves memory as large as the weights; "
-                        "slower prefill and batched decode)")
-    p.add_argument("--max-decode-slowdown", type=float, default=None,
-                   help="size prompt chunks so a step with running decodes takes at most this many times "
-                        "a decode-only step (e.g. 1.5; learned from step times; default: token budget only)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    return {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
-            "block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks,
-            "kv_cache_memory_gib": args.kv_cache_memory_gib, "max_model_len": args.max_model_len,
-            "enable_prefix_caching": not args.no_prefix_caching,
-            "enable_chunked_prefill": not args.no_chunked_prefill,
-            "max_decode_slowdown": args.max_decode_slowdown,
-            "pack_weights": not args.no_pack_weights, **quant_kwargs(args)}
-
-
-def quant_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    return {"quantization": args.quantization, "quantization_config": args.quant_config}
 
 
 def _read_prompts(path: Path, chat: bool, system: str | None) -> list[dict[str, object]]:
@@ -280,72 +184,6 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    compare = [c for c in getattr(args, "compare", "").split(",") if c]
-    peers = {"hf", "vllm"} if args.bench == "throughput" else {"hf"}
-    unknown = set(compare) - peers
-    if unknown:
-        raise ValueError(f"unknown --compare peer(s): {', '.join(sorted(unknown))}; available: {', '.join(sorted(peers))}")
-    if args.bench == "throughput":
-        return _bench_throughput(args, compare)
-    if args.bench == "serve":
-        return _bench_serve(args)
-    if args.bench in ("prefix", "mixed"):
-        return _bench_engine(args)
-    from brisk.bench.latency import DEFAULT_PROMPT, bench_latency
-
-    if args.new_tokens < 2 or args.repeats < 1:
-        raise ValueError("--new-tokens must be >= 2 and --repeats >= 1")
-    dtypes = args.dtype_list.split(",") if args.dtype_list else [args.dtype]
-    for dtype in dtypes:
-        result = bench_latency(args.model, dtype, args.prompt or DEFAULT_PROMPT, not args.no_chat,
-                               args.new_tokens, args.repeats, compare, quant_kwargs(args))
-        print(json.dumps(result), flush=True)
-    return 0
-
-
-def _bench_engine(args: argparse.Namespace) -> int:
-    from brisk.bench.serving_mix import bench_mixed, bench_prefix
-    from brisk.engine.llm import LLM
-
-    counts = ("decoders", "long_len", "every", "steps") if args.bench == "mixed" else ("prefix_len", "repeats")
-    for name in counts:
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    llm = LLM(args.model, dtype=args.dtype, **engine_kwargs(args))  # type: ignore[arg-type]
-    if args.bench == "prefix":
-        result = bench_prefix(llm, args.prefix_len, args.suffix_len, args.repeats, args.seed)
-    else:
-        result = bench_mixed(llm, args.decoders, args.long_len, args.every, args.steps, args.seed)
-    result.update(model=args.model, dtype=args.dtype)
-    print(json.dumps(result), flush=True)
-    return 0
-
-
-def _bench_serve(args: argparse.Namespace) -> int:
-    from brisk.bench.serving import bench_serve
-    from brisk.bench.throughput import make_workload
-
-    if args.num_prompts < 1 or not args.request_rate > 0:
-        raise ValueError("--num-prompts must be >= 1 and --request-rate > 0")
-    work = make_workload(args.num_prompts, args.vocab_size, args.seed, args.input_len, args.output_len)
-    result = bench_serve(args.url, args.model, work, args.request_rate, args.seed, args.api_key, args.plot)
-    print(json.dumps(result), flush=True)
-    return 0 if result["failed"] == 0 else 1
-
-
-def _bench_throughput(args: argparse.Namespace, compare: list[str]) -> int:
-    from brisk.bench.throughput import bench_throughput
-
-    if args.num_prompts < 1:
-        raise ValueError("--num-prompts must be >= 1")
-    result = bench_throughput(args.model, args.dtype, args.num_prompts, args.input_len, args.output_len,
-                              args.seed, args.shared_prefix, compare, args.hf_batch_size, engine_kwargs(args),
-                              args.vllm_python)
-    print(json.dumps(result), flush=True)
-    return 0
-
-
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from brisk.config import QuantConfig
     from brisk.loader.convert import quantize_to_dir
@@ -368,6 +206,37 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_train_heads(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    th = sub.add_parser("train-heads", help="train Medusa or early-exit heads on text the model generates itself")
+    th.add_argument("--model", "-m", default=DEFAULT_MODEL, help=f"model reference (default {DEFAULT_MODEL})")
+    th.add_argument("--kind", required=True, choices=["medusa", "early_exit"])
+    th.add_argument("--out", required=True, type=Path, help="heads file to write (.safetensors)")
+    th.add_argument("--num-heads", type=int, default=4, help="medusa: heads, one per draft token (default 4)")
+    th.add_argument("--exit-layer", type=int, default=None, help="early_exit: layers the draft runs (default: half)")
+    th.add_argument("--prompts-file", type=Path, default=None,
+                    help="prompts, one per line (default: built-in topic x template questions)")
+    th.add_argument("--num-prompts", type=int, default=480, help="prompts to answer (default 480)")
+    th.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default 256)")
+    th.add_argument("--epochs", type=int, default=3)
+    th.add_argument("--sequences", type=Path, default=None,
+                    help="JSON file keeping the generated answers: written on the first run, read (no generation) after")
+    th.add_argument("--draft-vocab", type=int, default=8192,
+                    help="draft among the N tokens most frequent in the training answers (FR-Spec; a fraction of "
+                         "the LM head's cost per draft; lossless: verification scores every token); 0 = all")
+
+
+def _cmd_train_heads(args: argparse.Namespace) -> int:
+    from brisk.engine.train_heads import run_train_heads
+
+    if args.num_heads < 1 or args.num_prompts < 10 or args.max_tokens < 8 or args.epochs < 1:
+        raise ValueError("need --num-heads >= 1, --num-prompts >= 10, --max-tokens >= 8, --epochs >= 1")
+    report = run_train_heads(args.model, args.kind, args.out, args.num_heads, args.exit_layer, args.num_prompts,
+                             args.max_tokens, args.epochs, args.prompts_file, args.draft_vocab, args.sequences,
+                             log=lambda d: print(json.dumps(d), file=sys.stderr, flush=True))
+    print(json.dumps(report), flush=True)
+    return 0
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from brisk.bench.eval_ppl import eval_ppl
 
@@ -382,8 +251,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": _cmd_generate, "convert": _cmd_convert, "bench": _cmd_bench, "serve": _cmd_serve,
-            "eval": _cmd_eval, "quantize": _cmd_quantize}
+COMMANDS = {"generate": _cmd_generate, "convert": _cmd_convert, "bench": run_bench, "serve": _cmd_serve,
+            "eval": _cmd_eval, "quantize": _cmd_quantize, "train-heads": _cmd_train_heads}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,10 +21,9 @@ import torch.nn.functional as F
 
 from brisk.engine.llm import LLM
 from brisk.loader.load import load_model
-from brisk.model.attention import ContiguousAttention, SeqSpan
-from brisk.model.llama import LlamaForCausalLM
+from brisk.model.llama import LlamaForCausalLM, forward_sequence
 from brisk.request import SamplingParams
-from brisk.runtime.model_runner import allocate_contiguous_kv, sdpa_context
+from brisk.runtime.model_runner import sdpa_context
 
 LOGIT_ROWS = 256  # positions turned into vocab-wide log-probs at a time (bounds memory)
 
@@ -46,11 +45,8 @@ def read_tokens(llm: LLM, path: Path, max_tokens: int | None) -> list[int]:
 @torch.inference_mode()
 def _hidden(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
     """Final hidden states of every position of one window: [n, hidden]."""
-    device = model.device
-    caches = allocate_contiguous_kv(model.config, 1, len(ids), model.dtype, device)
-    attn = ContiguousAttention(caches, [SeqSpan(0, 0, len(ids), 0)])
-    with sdpa_context(device):
-        return model(torch.tensor(ids, device=device), torch.arange(len(ids), device=device), attn)
+    with sdpa_context(model.device):
+        return forward_sequence(model, ids)
 
 
 @torch.inference_mode()

@@ -48,15 +48,17 @@ def _measure(run: Any, target: Any, ids: list[int], new_tokens: int, repeats: in
 
 
 def bench_latency(model: str, dtype: str, prompt: str, chat: bool, new_tokens: int, repeats: int,
-                  compare: list[str], quant: dict[str, Any] | None = None) -> dict[str, Any]:
+                  compare: list[str], options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`options`: more LLM(...) arguments (quantization, speculative_config)."""
     t0 = time.perf_counter()
-    llm = LLM(model, dtype=dtype, **(quant or {}))
+    llm = LLM(model, dtype=dtype, **(options or {}))
     load_s = time.perf_counter() - t0
     tok = llm.get_tokenizer()
     ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     result: dict[str, Any] = {
         "bench": "latency", "model": model, "dtype": dtype,
         "quantization": llm.quantization.describe() if llm.quantization else None,
+        "speculative_config": (options or {}).get("speculative_config"),
         "prompt_tokens": len(ids), "new_tokens": new_tokens,
         "repeats": repeats, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
     }

@@ -85,14 +85,18 @@ class Scheduler:
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> int:
         """Phase 1: every running request in order, preempting the newest when blocks run out."""
+        # Draft slots never take the budget of a later request's decode token.
+        decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            is_decode = request.num_tokens - request.num_computed_tokens == 1
+            decodes_left -= is_decode
             num_new = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:  # does not fit the budget unchunked, or has nothing to compute
                 i += 1
                 continue
-            num_spec = self._num_spec_slots(request, num_new, budget)
+            num_spec = self._num_spec_slots(request, num_new, budget - decodes_left)
             block_ids = self.kv.allocate_slots(request, num_new + num_spec)
             while block_ids is None:
                 if num_spec:  # drafts are optional: give them up before preempting anyone

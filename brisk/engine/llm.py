@@ -79,6 +79,21 @@ class LLM:
         # Outputs of open streams, kept when another call (a generate) runs the steps that make them.
         self._stream_buffers: dict[str, list[RequestOutput]] = {}
 
+    def with_speculation(self, speculative_config: dict[str, Any] | str | None) -> LLM:
+        """The same loaded model and tokenizer behind a fresh engine with other speculative
+        decoding settings (None: plain decoding): side-by-side runs without a reload."""
+        spec = None if speculative_config is None else SpecConfig.parse(speculative_config)
+        other = object.__new__(LLM)
+        other.__dict__.update(self.__dict__)
+        e = self.engine
+        draft = None if spec is None or spec.method != "draft" else \
+            other._load_draft(spec, self.config.dtype, self.config.device)
+        other.engine = LLMEngine(self.model, self.tokenizer, e.cache_config, e.scheduler_config, self.config.seed,
+                                 e.runner.packed_weight_bytes > 0, spec, draft)
+        other._ids = itertools.count()
+        other._stream_buffers = {}
+        return other
+
     def _load_draft(self, spec: SpecConfig, dtype: str, device: str) -> LlamaForCausalLM:
         """The draft model of method "draft": same tokenizer as the target, or a ValueError."""
         assert spec.model is not None

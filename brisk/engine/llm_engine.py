@@ -199,9 +199,10 @@ class LLMEngine:
                 sampled[sid] = [tok]
                 if lp is not None:
                     self._seqs[sid].logprobs.append(lp)
-        if drafts:
-            assert self.spec is not None
-            for sid, res in self.spec.verify(out, drafts, requests, generators).items():
+        if self.spec is not None:
+            verified = self.spec.verify(out, drafts, requests, generators) if drafts else {}
+            self.spec.observe_hidden(out, verified)
+            for sid, res in verified.items():
                 sampled[sid] = res.token_ids
                 seq = self._seqs[sid]
                 seq.num_draft_tokens += len(drafts[sid].token_ids)

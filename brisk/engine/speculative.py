@@ -27,6 +27,9 @@ from brisk.runtime.paged_runner import PagedModelRunner, StepLogits
 from brisk.spec.base import Draft, DraftRequest, Proposer
 from brisk.spec.length import DraftLength
 from brisk.spec.draft import DraftModelProposer
+from brisk.spec.early_exit import EarlyExitProposer
+from brisk.spec.heads import load_draft_vocab, load_heads
+from brisk.spec.medusa import MedusaProposer
 from brisk.spec.ngram import NgramProposer
 from brisk.spec.verify import VerifyOutput, verify
 
@@ -74,7 +77,9 @@ class Speculator:
                  seed: int = 0) -> None:
         self.config = config
         self.proposer = proposer
-        self.length = DraftLength(config, proposer.draft_cost, verify_cost, seed)
+        # a proposer may draft at most so many tokens (Medusa: one per head)
+        self.length = DraftLength(config, proposer.draft_cost, verify_cost, seed,
+                                  max_k=min(config.max_tokens, getattr(proposer, "max_drafts", config.max_tokens)))
         self.verify_cost = verify_cost
         self.stats = SpecStats()
         self._draft_seconds = _Ema()  # one draft pass over the batch
@@ -130,6 +135,16 @@ class Speculator:
             self.length.observe(rid, len(drafts[rid].token_ids), res.num_accepted)
         return dict(zip(ids, results))
 
+    def observe_hidden(self, out: StepLogits, verified: dict[str, VerifyOutput]) -> None:
+        """Proposers that read the target's hidden state (Medusa) get, per request, the row that
+        produced its newest token."""
+        observe = getattr(self.proposer, "observe", None)
+        if observe is None:
+            return
+        for rid in out.sample_ids:
+            first, count = out.rows[rid]
+            observe(rid, out.hidden[first + (verified[rid].num_accepted if rid in verified else count - 1)])
+
     def release(self, request_id: str, finished: bool) -> None:
         self.proposer.release(request_id)
         self._seen.discard(request_id)
@@ -148,6 +163,13 @@ def build_speculator(config: SpecConfig, runner: PagedModelRunner, cache: CacheC
     """The proposer `config.method` names, wired to what it needs from the engine."""
     if config.method == "ngram":
         proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    elif config.method == "early_exit":
+        proposer = _early_exit(config, runner)
+    elif config.method == "medusa":
+        assert config.heads is not None
+        model = runner.model
+        heads, _ = load_heads(config.heads, "medusa", model.config.hidden_size, model.dtype, model.device)
+        proposer = MedusaProposer(model, heads, load_draft_vocab(config.heads, model))
     elif config.method == "draft":
         assert draft_model is not None, "method draft needs the loaded draft model"
         # as many tokens of draft KV as the target has: every running request can draft
@@ -157,6 +179,20 @@ def build_speculator(config: SpecConfig, runner: PagedModelRunner, cache: CacheC
     else:
         raise ValueError(f"speculative method {config.method!r} is not available yet")
     return Speculator(config, proposer, seed=seed)
+
+
+def _early_exit(config: SpecConfig, runner: PagedModelRunner) -> EarlyExitProposer:
+    """The exit layer: the config's, else the one the heads file was trained for, else half the model."""
+    model = runner.model
+    head, meta = (None, {}) if config.heads is None else load_heads(
+        config.heads, "early_exit", model.config.hidden_size, model.dtype, model.device)
+    trained_for = int(meta["exit_layer"]) if "exit_layer" in meta else None
+    layer = config.exit_layer or trained_for or model.config.num_hidden_layers // 2
+    if head is not None and trained_for is not None and layer != trained_for:
+        raise ValueError(f"the exit head in {config.heads!r} was trained at layer {trained_for}, not {layer}; "
+                         "drop exit_layer or train a head for that layer")
+    vocab = None if config.heads is None else load_draft_vocab(config.heads, model)
+    return EarlyExitProposer(model, runner, layer, head, vocab)
 
 
 def _weight_ratio(draft: torch.nn.Module, target: torch.nn.Module) -> float:

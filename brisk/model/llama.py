@@ -15,7 +15,7 @@ from torch import nn
 
 from brisk.config import ModelConfig
 from brisk.kernels import pack_supported, pack_weight
-from brisk.model.attention import AttentionMetadata
+from brisk.model.attention import AttentionMetadata, ContiguousAttention, SeqSpan
 from brisk.model.layers import Embedding, Linear, RMSNorm, linear, silu_and_mul
 from brisk.model.rotary import apply_rotary, rope_tables
 
@@ -117,21 +117,33 @@ class LlamaForCausalLM(nn.Module):
         return (module_name, 0) if leaf == "weight" and isinstance(module, Linear) else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
+                attn_metadata: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden].
+
+        `num_layers`: run only the first that many layers, then the final norm (early-exit
+        self-speculation); their KV is written to the cache as in a full pass."""
         h = self.embed_tokens(input_ids)  # [n, hidden]
         cos = self.rope_cos[positions].unsqueeze(1)  # [n, 1, head_dim]
         sin = self.rope_sin[positions].unsqueeze(1)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             h, residual = layer(h, residual, cos, sin, attn_metadata)
-        return self.norm(h + residual)
+        return self.norm(h if residual is None else h + residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] float32 logits."""
         if self.lm_head is None:
             return linear(hidden, self.embed_tokens.weight, None, self._tied_head_packed).float()
         return self.lm_head(hidden).float()
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the LM head's effective weight for token `ids`: [len(ids), hidden] float32
+        (dequantized when the head is quantized). Draft heads project onto such a subset."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        dequantize = getattr(head, "dequantize_rows", None)
+        if dequantize is not None:
+            return dequantize(ids).float()
+        return head.weight.index_select(0, ids).float()
 
     def pack_weights(self) -> int:
         """oneDNN-packed copies of every Linear and of a tied LM head, for batched rows on CPU
@@ -191,6 +203,18 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {', '.join(sorted(missing)[:8])}"
                              f"{' …' if len(missing) > 8 else ''}")
+
+
+@torch.inference_mode()
+def forward_sequence(model: LlamaForCausalLM, ids: list[int], num_layers: int | None = None) -> torch.Tensor:
+    """One whole sequence through a fresh contiguous KV cache (evaluation, calibration, training
+    data for heads): the final-normed hidden state of every position, [len(ids), hidden]."""
+    cfg, n, device, dtype = model.config, len(ids), model.device, model.dtype
+    shape = (1, cfg.num_key_value_heads, n, cfg.head_dim)
+    caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+              for _ in range(cfg.num_hidden_layers)]
+    return model(torch.tensor(ids, device=device), torch.arange(n, device=device),
+                 ContiguousAttention(caches, [SeqSpan(0, 0, n, 0)]), num_layers)
 
 
 def _missing(expected: set[str], loaded: set[str], model: nn.Module) -> set[str]:

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from brisk.model.attention import ContiguousAttention, SeqSpan
 from brisk.model.layers import Linear
+from brisk.model.llama import forward_sequence
 from brisk.quant.grouped import dequantize_reference, quantize_rtn_4bit
 
 ALPHAS = [i / 10 for i in range(11)]
@@ -74,21 +74,11 @@ def collect_stats(model: nn.Module, ids: list[int], keep_xtx: bool = False) -> d
     hooks = [m.register_forward_pre_hook(hook) for m in linears]
     try:
         for start in range(0, len(ids), window):
-            _forward(model, ids[start:start + window])
+            forward_sequence(model, ids[start:start + window])
     finally:
         for h in hooks:
             h.remove()
     return stats
-
-
-def _forward(model: nn.Module, ids: list[int]) -> None:
-    cfg = model.config  # type: ignore[attr-defined]
-    n, device, dtype = len(ids), model.device, model.dtype  # type: ignore[attr-defined]
-    shape = (1, cfg.num_key_value_heads, n, cfg.head_dim)
-    caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-              for _ in range(cfg.num_hidden_layers)]
-    model(torch.tensor(ids, device=device), torch.arange(n, device=device),
-          ContiguousAttention(caches, [SeqSpan(0, 0, n, 0)]))
 
 
 def _best_scale(weight: torch.Tensor, stats: InputStats, group: int) -> torch.Tensor | None:

@@ -157,9 +157,20 @@ class PagedModelRunner:
             rows[rid] = (len(index), n)
             index.extend(range(first, first + n))
         if not index:
-            return StepLogits(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), {}, [])
+            return StepLogits(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), {}, [],
+                              hidden[:0])
         picked = hidden if index == list(range(hidden.shape[0])) else hidden[torch.tensor(index, device=self.device)]
-        return StepLogits(self.model.compute_logits(picked), rows, inputs.sample_ids)  # [len(index), vocab]
+        return StepLogits(self.model.compute_logits(picked), rows, inputs.sample_ids, picked)  # [len(index), vocab]
+
+    @torch.inference_mode()
+    def exit_hidden(self, steps: Sequence[ScheduledStep], num_layers: int) -> torch.Tensor:
+        """Early exit: run the first `num_layers` layers (writing their KV) and return the normed
+        hidden state of each step's last token, in step order: [len(steps), hidden]."""
+        inputs = self.prepare(steps)
+        with sdpa_context(self.device):
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, num_layers)  # [num_tokens, hidden]
+        order = {rid: row for rid, row in zip(inputs.sample_ids, inputs.sample_rows)}
+        return hidden[torch.tensor([order[s.request_id] for s in steps], device=self.device)]
 
 
 @dataclass
@@ -169,6 +180,7 @@ class StepLogits:
     logits: torch.Tensor  # [rows, vocab] float32
     rows: dict[str, tuple[int, int]]  # count 1: the sampled row only; else every computed token's row
     sample_ids: list[str]  # requests that reached the end of their known tokens, in batch order
+    hidden: torch.Tensor  # [rows, hidden]: the final hidden states the logits came from (Medusa heads read them)
 
     def of(self, request_id: str) -> torch.Tensor:
         """Every row of one request: [count, vocab]."""

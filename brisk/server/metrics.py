@@ -21,6 +21,15 @@ from brisk.engine.outputs import RequestOutput
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
+_SPEC_GAUGES = {
+    "spec_verify_steps": "request-steps that verified draft tokens",
+    "spec_draft_tokens": "draft tokens verified",
+    "spec_accepted_tokens": "draft tokens accepted",
+    "spec_acceptance_rate": "accepted / drafted tokens",
+    "spec_mean_accepted_per_step": "draft tokens accepted per verify step (the bonus token not counted)",
+}
+
+
 class ServerMetrics:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -41,6 +50,13 @@ class ServerMetrics:
         self.e2e = Histogram("brisk_e2e_request_latency_seconds", "arrival to finish", registry=r,
                              buckets=_LATENCY_BUCKETS)
         self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens counted, time of last output)
+        # Speculative decoding (engine counters since start-up; absent without speculation).
+        method = engine.engine.spec.config.method if engine.engine.spec is not None else None
+        self.spec_method = method
+        if method is not None:
+            labels = {"method": method}
+            self.spec = {key: Gauge(f"brisk_{key}", text, registry=r, labelnames=["method"]).labels(**labels)
+                         for key, text in _SPEC_GAUGES.items()}
 
     def on_request(self, prompt_tokens: int) -> None:
         self.requests.inc()
@@ -75,4 +91,7 @@ class ServerMetrics:
         self.kv_usage.set(info.get("kv_usage", 0.0))
         self.kv_used.set(round(info.get("kv_usage", 0.0) * total))
         self.hit_rate.set(info.get("prefix_hit_rate", 0.0))
+        if self.spec_method is not None:
+            for key, gauge in self.spec.items():
+                gauge.set(info.get(key, 0.0))
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from brisk.request import SamplingParams
+from brisk.sample.sampler import draw, probabilities
 
 
 @dataclass
@@ -58,3 +59,13 @@ class Proposer(Protocol):
     def release(self, request_id: str) -> None:
         """The request finished, was aborted or preempted: drop whatever is kept for it."""
         ...
+
+
+def pick_draft_token(logits: torch.Tensor, r: DraftRequest) -> tuple[int, torch.Tensor | None]:
+    """One draft token from a draft distribution's logits [vocab]: the argmax for a greedy request
+    (a point mass), else a draw under the request's temperature / min-p / top-k / top-p with its
+    own generator, returned with the distribution it came from (q for the verifier)."""
+    if r.params.greedy:
+        return int(logits.argmax()), None
+    q = probabilities(logits.unsqueeze(0), [r.params])  # [1, vocab]
+    return int(draw(q, [r.generator])[0]), q[0]

@@ -22,8 +22,7 @@ from typing import Protocol
 import torch
 
 from brisk.request import Request, SamplingParams
-from brisk.sample.sampler import draw, probabilities
-from brisk.spec.base import Draft, DraftRequest
+from brisk.spec.base import Draft, DraftRequest, pick_draft_token
 
 
 class DraftKV(Protocol):
@@ -79,7 +78,7 @@ class DraftModelProposer:
             out = self.runner.execute([steps[rid] for rid in active])
             logits = out.last_rows(active)  # [len(active), vocab]
             for row, rid in enumerate(active):
-                token, q = self._pick(logits[row], by_id[rid])
+                token, q = pick_draft_token(logits[row], by_id[rid])
                 tokens[rid].append(token)
                 if q is not None:
                     probs[rid].append(q)
@@ -127,15 +126,6 @@ class DraftModelProposer:
         shadow.request.num_computed_tokens = len(shadow.cached)
         shadow.cached.extend(todo)
         return _Step(r.request_id, list(todo), len(shadow.cached) - len(todo), blocks)
-
-    @staticmethod
-    def _pick(logits: torch.Tensor, r: DraftRequest) -> tuple[int, torch.Tensor | None]:
-        """The draft token for one request: argmax when greedy, else a draw from the draft's own
-        distribution under the request's temperature / top-k / top-p (returned as q)."""
-        if r.params.greedy:
-            return int(logits.argmax()), None
-        q = probabilities(logits.unsqueeze(0), [r.params])  # [1, vocab]
-        return int(draw(q, [r.generator])[0]), q[0]
 
     def release(self, request_id: str) -> None:
         shadow = self._shadows.pop(request_id, None)

@@ -38,9 +38,10 @@ def expected_tokens(a: float, k: int) -> float:
 class DraftLength:
     """Per-request draft lengths (plain Python: the engine sets Request.num_spec_wanted from it)."""
 
-    def __init__(self, cfg: SpecConfig, draft_cost: float, verify_cost: float, seed: int = 0) -> None:
+    def __init__(self, cfg: SpecConfig, draft_cost: float, verify_cost: float, seed: int = 0,
+                 max_k: int | None = None) -> None:
         self.auto = cfg.auto
-        self.max_k = cfg.max_tokens
+        self.max_k = cfg.max_tokens if max_k is None else max_k
         self.step_cost = draft_cost + verify_cost  # of each extra draft token, in target decode steps
         self._posterior: dict[str, list[float]] = {}  # request id -> [alpha, beta]
         self._overall = list(PRIOR)  # every request's observations, decayed alike

@@ -90,3 +90,16 @@ def test_prefix_cache_never_publishes_draft_slots() -> None:
     sched.update_from_output(out, {"a": [40]})  # every draft rejected
     assert [b.block_id for b in sched.kv.pool.blocks if b.block_hash is not None] == [0]
     assert req.num_computed_tokens == 4 == BS
+
+
+def test_drafts_never_take_another_decode_s_budget() -> None:
+    sched = make_sched(budget=6, max_seqs=4)
+    reqs = [make(f"r{i}", 1, max_tokens=20, base=100 * i) for i in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    sched.update_from_output(sched.schedule(), {r.request_id: [7] for r in reqs})  # four 1-token prompts
+    for r in reqs:
+        r.num_spec_wanted = 8
+    out = sched.schedule()  # 4 decodes in a budget of 6: 2 draft slots in all, for the first request
+    assert [s.num_spec_slots for s in out.scheduled] == [2, 0, 0, 0]
+    assert out.num_batched_tokens == 6

@@ -1,0 +1,195 @@
+"""`brisk bench ...`: the benchmark subcommands (each prints JSON), split from cli.py to keep it small."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from brisk.cli_common import (
+    add_engine,
+    add_model,
+    add_quant,
+    add_spec,
+    engine_kwargs,
+    quant_kwargs,
+    spec_kwargs,
+)
+
+
+def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    bench = sub.add_parser("bench", help="benchmarks that print JSON")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    lat = bsub.add_parser("latency", help="single-stream TTFT and decode tokens/s (optionally beside HF transformers)")
+    add_model(lat)
+    lat.add_argument("--dtype-list", default=None, help="comma-separated dtypes to run in one go, e.g. float32,bfloat16")
+    lat.add_argument("--prompt", default=None, help="prompt text (default: a short story request)")
+    lat.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    lat.add_argument("--new-tokens", type=int, default=128)
+    lat.add_argument("--repeats", type=int, default=3)
+    lat.add_argument("--compare", default="", help="peers to run side by side: hf")
+    add_quant(lat, "quantize brisk's model at load")
+    add_spec(lat)
+
+    thr = bsub.add_parser("throughput", help="offline batched throughput on a seeded chat-like workload")
+    add_model(thr)
+    add_engine(thr)
+    thr.add_argument("--num-prompts", type=int, default=32)
+    thr.add_argument("--input-len", type=int, default=None, help="fixed prompt length (default: chat-like 50-1000)")
+    thr.add_argument("--output-len", type=int, default=None, help="fixed output length (default: chat-like 20-400)")
+    thr.add_argument("--shared-prefix", type=int, default=0, help="tokens of a prefix common to every prompt")
+    thr.add_argument("--seed", type=int, default=0)
+    thr.add_argument("--compare", default="", help="peers to run side by side: hf, vllm (comma-separated)")
+    thr.add_argument("--vllm-python", default=os.environ.get("BRISK_VLLM_PYTHON"),
+                     help="python of a venv with vllm installed, for --compare vllm (env BRISK_VLLM_PYTHON)")
+    thr.add_argument("--hf-batch-size", type=int, default=None, help="HF generate() batch (default: all prompts)")
+
+    srvb = bsub.add_parser("serve", help="Poisson load against any OpenAI-compatible server (brisk, vLLM, llama.cpp)")
+    srvb.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    srvb.add_argument("--model", default=None, help="model name to send (default: none; brisk serves one)")
+    srvb.add_argument("--request-rate", type=float, default=float("inf"),
+                      help="mean requests per second, Poisson arrivals (default inf: all at once)")
+    srvb.add_argument("--num-prompts", type=int, default=32)
+    srvb.add_argument("--input-len", type=int, default=None, help="fixed prompt length (default: chat-like 50-1000)")
+    srvb.add_argument("--output-len", type=int, default=None, help="fixed output length (default: chat-like 20-400)")
+    srvb.add_argument("--vocab-size", type=int, default=49152, help="prompt token ids are drawn below this")
+    srvb.add_argument("--seed", type=int, default=0, help="same seed as `bench throughput`: the same workload")
+    srvb.add_argument("--api-key", default=os.environ.get("BRISK_API_KEY"))
+    srvb.add_argument("--plot", type=Path, default=None, help="write a PNG of the latency distributions here")
+
+    pre = bsub.add_parser("prefix", help="time to first token with a cached long prefix vs a cold cache")
+    add_model(pre)
+    add_engine(pre)
+    pre.add_argument("--prefix-len", type=int, default=1000)
+    pre.add_argument("--suffix-len", type=int, default=32)
+    pre.add_argument("--repeats", type=int, default=3)
+    pre.add_argument("--seed", type=int, default=0)
+
+    mix = bsub.add_parser("mixed", help="inter-token latency of running decodes while long prompts arrive")
+    add_model(mix)
+    add_engine(mix)
+    mix.add_argument("--decoders", type=int, default=16, help="running decode requests")
+    mix.add_argument("--long-len", type=int, default=1000, help="tokens of each arriving prompt")
+    mix.add_argument("--every", type=int, default=8, help="a long prompt arrives every N steps")
+    mix.add_argument("--steps", type=int, default=40)
+    mix.add_argument("--seed", type=int, default=0)
+
+    spb = bsub.add_parser("spec", help="speculative decoding: every method beside plain decoding, batch 1")
+    add_model(spb)
+    add_quant(spb, "quantize the target at load")
+    spb.add_argument("--methods", default="ngram,draft,early_exit,medusa",
+                     help="comma-separated methods to run (default: all four; medusa needs --medusa-heads)")
+    spb.add_argument("--num-speculative-tokens", default="auto", help="k per step, or auto (default)")
+    spb.add_argument("--draft-model", default=None, help="draft model of method draft (default: the target's name)")
+    spb.add_argument("--draft-quantization", default="gguf",
+                     help="quantization of the draft model (default gguf: the file's own 4-bit blocks)")
+    spb.add_argument("--medusa-heads", default=None, help="heads file from `brisk train-heads --kind medusa`")
+    spb.add_argument("--exit-heads", default=None, help="exit head from `brisk train-heads --kind early_exit`")
+    spb.add_argument("--exit-layer", type=int, default=None, help="early_exit: layers the draft runs")
+    spb.add_argument("--max-tokens", type=int, default=128, help="tokens per reply (default 128)")
+    spb.add_argument("--workloads", default="input_grounded,open_chat", help="comma-separated workloads")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    compare = [c for c in getattr(args, "compare", "").split(",") if c]
+    peers = {"hf", "vllm"} if args.bench == "throughput" else {"hf"}
+    unknown = set(compare) - peers
+    if unknown:
+        raise ValueError(f"unknown --compare peer(s): {', '.join(sorted(unknown))}; available: {', '.join(sorted(peers))}")
+    if args.bench == "throughput":
+        return _bench_throughput(args, compare)
+    if args.bench == "serve":
+        return _bench_serve(args)
+    if args.bench in ("prefix", "mixed"):
+        return _bench_engine(args)
+    if args.bench == "spec":
+        return _bench_spec(args)
+    from brisk.bench.latency import DEFAULT_PROMPT, bench_latency
+
+    if args.new_tokens < 2 or args.repeats < 1:
+        raise ValueError("--new-tokens must be >= 2 and --repeats >= 1")
+    dtypes = args.dtype_list.split(",") if args.dtype_list else [args.dtype]
+    for dtype in dtypes:
+        result = bench_latency(args.model, dtype, args.prompt or DEFAULT_PROMPT, not args.no_chat,
+                               args.new_tokens, args.repeats, compare, {**quant_kwargs(args), **spec_kwargs(args)})
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from brisk.bench.serving_mix import bench_mixed, bench_prefix
+    from brisk.engine.llm import LLM
+
+    counts = ("decoders", "long_len", "every", "steps") if args.bench == "mixed" else ("prefix_len", "repeats")
+    for name in counts:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    llm = LLM(args.model, dtype=args.dtype, **engine_kwargs(args))  # type: ignore[arg-type]
+    if args.bench == "prefix":
+        result = bench_prefix(llm, args.prefix_len, args.suffix_len, args.repeats, args.seed)
+    else:
+        result = bench_mixed(llm, args.decoders, args.long_len, args.every, args.steps, args.seed)
+    result.update(model=args.model, dtype=args.dtype)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from brisk.bench.serving import bench_serve
+    from brisk.bench.throughput import make_workload
+
+    if args.num_prompts < 1 or not args.request_rate > 0:
+        raise ValueError("--num-prompts must be >= 1 and --request-rate > 0")
+    work = make_workload(args.num_prompts, args.vocab_size, args.seed, args.input_len, args.output_len)
+    result = bench_serve(args.url, args.model, work, args.request_rate, args.seed, args.api_key, args.plot)
+    print(json.dumps(result), flush=True)
+    return 0 if result["failed"] == 0 else 1
+
+
+def _bench_throughput(args: argparse.Namespace, compare: list[str]) -> int:
+    from brisk.bench.throughput import bench_throughput
+
+    if args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    result = bench_throughput(args.model, args.dtype, args.num_prompts, args.input_len, args.output_len,
+                              args.seed, args.shared_prefix, compare, args.hf_batch_size, engine_kwargs(args),
+                              args.vllm_python)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def spec_methods(args: argparse.Namespace, target: str) -> dict[str, dict[str, object]]:
+    """Speculative configs of the methods asked for; medusa without heads is an error."""
+    k: object = args.num_speculative_tokens if args.num_speculative_tokens == "auto" else int(args.num_speculative_tokens)
+    configs: dict[str, dict[str, object]] = {}
+    for method in [m for m in args.methods.split(",") if m]:
+        cfg: dict[str, object] = {"method": method, "num_speculative_tokens": k}
+        if method == "draft":
+            cfg.update(model=args.draft_model or target, quantization=args.draft_quantization or None)
+        elif method == "early_exit":
+            cfg.update({"heads": args.exit_heads} if args.exit_heads else {})
+            cfg.update({"exit_layer": args.exit_layer} if args.exit_layer else {})
+        elif method == "medusa":
+            if not args.medusa_heads:
+                raise ValueError("--methods includes medusa: give --medusa-heads (from `brisk train-heads --kind medusa`)")
+            cfg["heads"] = args.medusa_heads
+        configs[method] = cfg
+    return configs
+
+
+def _bench_spec(args: argparse.Namespace) -> int:
+    from brisk.bench.spec_bench import bench_spec, workloads
+    from brisk.config import SpecConfig
+    from brisk.engine.llm import LLM
+
+    methods = spec_methods(args, args.model)
+    for cfg in methods.values():
+        SpecConfig.parse(cfg)  # every config checked before any model loads
+    names = [w for w in args.workloads.split(",") if w]
+    unknown = set(names) - set(workloads())
+    if unknown or args.max_tokens < 2:
+        raise ValueError(f"unknown workload(s) {sorted(unknown)} (known: {', '.join(workloads())}) or --max-tokens < 2")
+    base = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, **quant_kwargs(args))  # type: ignore[arg-type]
+    print(json.dumps(bench_spec(base, methods, args.max_tokens, names)), flush=True)
+    return 0

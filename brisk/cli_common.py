@@ -1,0 +1,76 @@
+"""Argument groups shared by `brisk` subcommands (cli.py, cli_bench.py) and their kwargs for LLM(...)."""
+
+from __future__ import annotations
+
+import argparse
+
+from brisk.loader.resolve import DEFAULT_MODEL
+
+# The methods are checked by brisk.config.QuantConfig before any model loads (importing quant here
+# would pull torch into every `brisk --help`); this line only describes them.
+QUANT_HELP = ("int8: weight-only per output channel; int4: weight-only, groups of group_size (default 64), "
+              "AWQ-scaled given a calibration text; w8a8: int8 weights and per-token int8 activations, "
+              "SmoothQuant given a calibration text; ternary: BitNet b1.58 absmean {-1,0,1} x scale, 2-bit "
+              "(destroys a model not trained for it); gguf: a .gguf file's Q4_0/Q4_1/Q8_0 blocks as stored")
+QUANT_CONFIG_HELP = ('options as JSON: \'{"group_size": 64}\' (int4), \'{"calibration": "text.txt", '
+                     '"calibration_tokens": 4096}\' (int4: AWQ + GPTQ, w8a8: SmoothQuant)')
+
+
+def add_quant(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--quantization", "-q", default=None, help=f"{what} ({QUANT_HELP})")
+    p.add_argument("--quant-config", default=None, help=QUANT_CONFIG_HELP)
+
+def add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help=f"built-in name, .gguf file or HF directory (default {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype (default float32)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context window to serve, in tokens (default: the model's own)")
+
+
+def add_engine(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (default 512)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default 64)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-gib)")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=2.0, help="KV cache size (default 2 GiB)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+    add_quant(p, "quantize the model's linear layers at load")
+    p.add_argument("--no-pack-weights", action="store_true",
+                   help="do not keep oneDNN-packed weight copies (saves memory as large as the weights; "
+                        "slower prefill and batched decode)")
+    p.add_argument("--max-decode-slowdown", type=float, default=None,
+                   help="size prompt chunks so a step with running decodes takes at most this many times "
+                        "a decode-only step (e.g. 1.5; learned from step times; default: token budget only)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+            "block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks,
+            "kv_cache_memory_gib": args.kv_cache_memory_gib, "max_model_len": args.max_model_len,
+            "enable_prefix_caching": not args.no_prefix_caching,
+            "enable_chunked_prefill": not args.no_chunked_prefill,
+            "max_decode_slowdown": args.max_decode_slowdown,
+            "pack_weights": not args.no_pack_weights, **quant_kwargs(args), **spec_kwargs(args)}
+
+
+def quant_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return {"quantization": args.quantization, "quantization_config": args.quant_config}
+
+
+
+
+SPEC_HELP = ('lossless speculative decoding, as JSON: \'{"method": "ngram"}\' (prompt lookup), '
+             '\'{"method": "draft", "model": "smollm2-135m", "quantization": "gguf"}\', '
+             '\'{"method": "early_exit", "exit_layer": 15, "heads": "exit.safetensors"}\', '
+             '\'{"method": "medusa", "heads": "medusa.safetensors"}\'; add "num_speculative_tokens": k '
+             '(default "auto": chosen per request by Thompson sampling)')
+
+
+def add_spec(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-config", default=None, help=SPEC_HELP)
+
+
+def spec_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return {"speculative_config": args.speculative_config}

@@ -1,0 +1,78 @@
+"""Early-exit self-speculation: the target's first `exit_layer` layers, its final norm and LM head
+(optionally through a trained exit head) draft k tokens; the full model verifies them.
+
+The draft passes write the KV of their layers into the target's own cache, at the slots the
+scheduler reserved after t_last: no second cache, no catch-up. The verify pass then rewrites those
+layers' KV at the same positions before any attention reads it, so the draft's values are never
+used by the target (nothing stale is read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from brisk.model.llama import LlamaForCausalLM
+from brisk.spec.base import Draft, DraftRequest, pick_draft_token
+from brisk.spec.heads import DraftVocab, ResidualHeads
+
+
+class ExitRunner(Protocol):
+    """runtime.paged_runner.PagedModelRunner.exit_hidden"""
+
+    def exit_hidden(self, steps: list, num_layers: int) -> torch.Tensor: ...
+
+
+@dataclass
+class _Step:
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool = True
+
+
+class EarlyExitProposer:
+    name = "early_exit"
+
+    def __init__(self, model: LlamaForCausalLM, runner: ExitRunner, exit_layer: int,
+                 head: ResidualHeads | None = None, vocab: DraftVocab | None = None) -> None:
+        layers = model.config.num_hidden_layers
+        if not 1 <= exit_layer < layers:
+            raise ValueError(f"exit_layer must be between 1 and {layers - 1} for a {layers}-layer model, got {exit_layer}")
+        self.model = model
+        self.runner = runner
+        self.exit_layer = exit_layer
+        self.head = head
+        self.vocab = vocab
+        self.draft_cost = exit_layer / layers  # refined from timings as steps run
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        steps = [_Step(r.request_id, [r.token_ids[-1]], r.last_pos, r.block_ids) for r in requests]
+        tokens: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        active = list(range(len(requests)))
+        while active:
+            hidden = self.runner.exit_hidden([steps[i] for i in active], self.exit_layer)  # [A, hidden]
+            if self.head is not None:
+                hidden = self.head(hidden)[:, 0]
+            logits = self._project(hidden)  # [A, vocab]
+            for row, i in enumerate(active):
+                token, q = pick_draft_token(logits[row], requests[i])
+                tokens[i].append(token)
+                if q is not None:
+                    probs[i].append(q)
+                steps[i] = _Step(steps[i].request_id, [token], steps[i].start_pos + 1, steps[i].block_ids)
+            active = [i for i in active if len(tokens[i]) < requests[i].num_drafts]
+        return [Draft(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+
+    def _project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits: over the heads' frequent-token subset when they bring one (a fraction of
+        the LM head's cost), else the full LM head."""
+        return self.vocab.logits(hidden) if self.vocab is not None else self.model.compute_logits(hidden)
+
+    def release(self, request_id: str) -> None:
+        pass  # the draft's KV lives in the target's blocks

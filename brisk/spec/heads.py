@@ -1,0 +1,112 @@
+"""Small trained heads on the target's hidden states, shared by Medusa and early exit.
+
+Each head is one residual block in front of the target's own (frozen) LM head:
+
+    head_k(h) = h + SiLU(W_k h + b_k)          logits_k = lm_head(head_k(h))
+
+W_k and b_k start at zero, so an untrained head is exactly the LM head. Sharing the LM head keeps
+a head at hidden^2 parameters (0.33 M for SmolLM2-135M) instead of a vocabulary-sized matrix.
+Medusa: K heads on the final hidden state, head k guessing the token k+1 places after the one the
+LM head predicts. Early exit: one head on the normed hidden state after `exit_layer` layers.
+
+Files (`brisk train-heads`) are safetensors with the kind, sizes and base model in the metadata,
+checked on load against the model they are used with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from brisk.model.llama import LlamaForCausalLM
+
+KINDS = ("medusa", "early_exit")
+
+
+class ResidualHeads(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size, dtype=dtype))  # [K, out, in]
+        self.bias = nn.Parameter(torch.zeros(num_heads, hidden_size, dtype=dtype))
+
+    @property
+    def num_heads(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> [rows, K, hidden]."""
+        inner = torch.einsum("rh,koh->rko", h, self.weight) + self.bias  # [rows, K, hidden]
+        return h.unsqueeze(1) + F.silu(inner)
+
+
+class DraftVocab:
+    """The tokens drafts are chosen among (FR-Spec's frequency-ranked subset): the LM head rows of
+    the most frequent tokens in the heads' training text, copied once. A draft head's projection
+    then reads a fraction of the vocabulary matrix; verification still scores the full vocabulary,
+    so a token outside the subset is simply never drafted (nothing is lost but acceptance)."""
+
+    def __init__(self, token_ids: torch.Tensor, model: LlamaForCausalLM) -> None:
+        self.vocab_size = model.config.vocab_size
+        self.token_ids = token_ids.to(model.device)  # [N] long
+        self.weight = model.head_rows(self.token_ids).to(model.dtype).contiguous()  # [N, hidden]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> [rows, vocab] float32: the subset's logits, -inf for every other token
+        (the argmax and the sampler's processing then need no index mapping)."""
+        sub = F.linear(hidden, self.weight).float()  # [rows, N]
+        full = sub.new_full((sub.shape[0], self.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.token_ids, sub)
+
+
+def save_heads(path: str | Path, heads: ResidualHeads, kind: str, base_model: str, exit_layer: int | None = None,
+               extra: dict[str, str] | None = None, vocab: torch.Tensor | None = None) -> None:
+    """`vocab`: the token ids drafts may use (DraftVocab), most frequent first; None: all."""
+    assert kind in KINDS
+    meta = {"kind": kind, "num_heads": str(heads.num_heads), "hidden_size": str(heads.weight.shape[1]),
+            "base_model": base_model, **({"exit_layer": str(exit_layer)} if exit_layer is not None else {}),
+            **(extra or {})}
+    tensors = {"weight": heads.weight.detach().float().contiguous(), "bias": heads.bias.detach().float().contiguous()}
+    if vocab is not None:
+        tensors["vocab"] = vocab.to(torch.int64).contiguous()
+    save_file(tensors, str(path), metadata=meta)
+
+
+def load_draft_vocab(path: str | Path, model: LlamaForCausalLM) -> DraftVocab | None:
+    """The heads file's draft vocabulary for this model, or None when the file has none."""
+    ids = load_file(str(path)).get("vocab")
+    if ids is None:
+        return None
+    vocab_size = model.config.vocab_size
+    if ids.dim() != 1 or not len(ids) or int(ids.max()) >= vocab_size or int(ids.min()) < 0:
+        raise ValueError(f"{str(path)!r}: its draft vocabulary does not fit a {vocab_size}-token model")
+    return DraftVocab(ids, model)
+
+
+def load_heads(path: str | Path, kind: str, hidden_size: int, dtype: torch.dtype,
+               device: torch.device | str) -> tuple[ResidualHeads, dict[str, str]]:
+    """Heads of `kind` for a model with `hidden_size`; ValueError for a wrong file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"heads file {str(path)!r} not found; write one with `brisk train-heads --kind {kind}`")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix
+        raise ValueError(f"{str(path)!r} is not a heads file written by `brisk train-heads` ({exc})") from None
+    if meta.get("kind") != kind:
+        raise ValueError(f"{str(path)!r} holds {meta.get('kind') or 'unknown'} heads, not {kind} heads")
+    weight, bias = tensors.get("weight"), tensors.get("bias")
+    if weight is None or bias is None or weight.dim() != 3 or weight.shape[1:] != (hidden_size, hidden_size):
+        raise ValueError(f"{str(path)!r}: heads for hidden size {meta.get('hidden_size')}, this model has {hidden_size}")
+    heads = ResidualHeads(hidden_size, weight.shape[0], dtype)
+    with torch.no_grad():
+        heads.weight.copy_(weight)
+        heads.bias.copy_(bias)
+    return heads.to(device).eval().requires_grad_(False), meta
