@@ -218,6 +218,9 @@ def _add_train_heads(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     th.add_argument("--num-prompts", type=int, default=480, help="prompts to answer (default 480)")
     th.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default 256)")
     th.add_argument("--epochs", type=int, default=3)
+    th.add_argument("--parallel", action="store_true",
+                    help="medusa: classic parallel heads (default: sequential, Hydra-style heads that also read "
+                         "the tokens drafted before theirs)")
     th.add_argument("--sequences", type=Path, default=None,
                     help="JSON file keeping the generated answers: written on the first run, read (no generation) after")
     th.add_argument("--draft-vocab", type=int, default=8192,
@@ -232,7 +235,7 @@ def _cmd_train_heads(args: argparse.Namespace) -> int:
         raise ValueError("need --num-heads >= 1, --num-prompts >= 10, --max-tokens >= 8, --epochs >= 1")
     report = run_train_heads(args.model, args.kind, args.out, args.num_heads, args.exit_layer, args.num_prompts,
                              args.max_tokens, args.epochs, args.prompts_file, args.draft_vocab, args.sequences,
-                             log=lambda d: print(json.dumps(d), file=sys.stderr, flush=True))
+                             not args.parallel, log=lambda d: print(json.dumps(d), file=sys.stderr, flush=True))
     print(json.dumps(report), flush=True)
     return 0
 

@@ -37,6 +37,7 @@ def add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     add_quant(p, "quantize the model's linear layers at load")
+    add_spec(p)
     p.add_argument("--no-pack-weights", action="store_true",
                    help="do not keep oneDNN-packed weight copies (saves memory as large as the weights; "
                         "slower prefill and batched decode)")

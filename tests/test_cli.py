@@ -119,3 +119,25 @@ def test_usage_error_exits_2(capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["generate"])  # --prompt is required
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", "--prompt", "hi", "--speculative-config", "{method: ngram}"], "not valid JSON"),
+    (["generate", "--prompt", "hi", "--speculative-config", '{"method": "lookahead"}'], "unknown speculative method"),
+    (["bench", "spec", "--methods", "medusa"], "--medusa-heads"),
+    (["bench", "spec", "--methods", "ngram", "--workloads", "poetry"], "unknown workload"),
+    (["train-heads", "--kind", "medusa", "--out", "x.safetensors", "--num-heads", "0"], "--num-heads >= 1"),
+])
+def test_speculative_options_are_checked_before_loading(argv: list[str], match: str, capsys) -> None:
+    code, _, err = _run(capsys, *argv)
+    assert code == 2 and match in err
+
+
+def test_bench_spec_prints_json(gguf_path, capsys) -> None:
+    code, out, _ = _run(capsys, "bench", "spec", "--methods", "ngram", "--workloads", "open_chat",
+                        "--max-tokens", "6", "--num-speculative-tokens", "3")
+    assert code == 0
+    result = json.loads(out.strip().splitlines()[-1])
+    ngram = result["workloads"]["open_chat"]["methods"]["ngram"]
+    assert ngram["identical_to_plain"] is True and ngram["tokens_per_s"] > 0
+    assert result["workloads"]["open_chat"]["plain_tokens_per_s"] > 0

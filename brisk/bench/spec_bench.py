@@ -24,23 +24,23 @@ from brisk.request import SamplingParams
 from brisk.spec.length import expected_tokens
 
 PASSAGES = [
-    "The lighthouse at Point Arden was built in 1872 from granite quarried two miles inland. Its lamp, first "
+    ("The lighthouse at Point Arden was built in 1872 from granite quarried two miles inland. Its lamp, first "
     "fuelled by whale oil and later by kerosene, was converted to electricity in 1931. The last keeper, "
     "Margaret Hale, left in 1968 when the light was automated. Today the tower is a museum run by volunteers, "
-    "and the original Fresnel lens is displayed in the keeper's cottage beside it.",
-    "Sourdough bread rises without commercial yeast. A starter of flour and water captures wild yeasts and "
+    "and the original Fresnel lens is displayed in the keeper's cottage beside it."),
+    ("Sourdough bread rises without commercial yeast. A starter of flour and water captures wild yeasts and "
     "lactic acid bacteria from the air and the flour itself. Bakers feed the starter daily, discarding part "
     "of it each time. The bacteria give the bread its sour taste, while the yeasts produce the carbon dioxide "
-    "that lifts the dough. A loaf typically needs twelve to eighteen hours from mixing to baking.",
-    "The Arden City council voted on Tuesday to extend the tram line by four kilometres to the university "
+    "that lifts the dough. A loaf typically needs twelve to eighteen hours from mixing to baking."),
+    ("The Arden City council voted on Tuesday to extend the tram line by four kilometres to the university "
     "campus. The project will cost 120 million dollars and add five new stops. Construction is planned to "
     "start in March and finish within three years. Council member Julia Ortiz said the extension would take "
-    "about two thousand cars off the road every day.",
+    "about two thousand cars off the road every day."),
 ]
 CODE = [
     "def average(values):\n    total = 0\n    for v in values:\n        total = total + v\n    return total / len(values)\n",
-    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def add(self, n):\n        self.count = self.count + n\n"
-    "        return self.count\n",
+    ("class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def add(self, n):\n        self.count = self.count + n\n"
+    "        return self.count\n"),
 ]
 TASKS = [
     "Summarize the following text in two sentences.\n\n{p}",

@@ -25,16 +25,16 @@ from brisk.model.llama import LlamaForCausalLM
 from brisk.request import Request
 from brisk.runtime.paged_runner import PagedModelRunner, StepLogits
 from brisk.spec.base import Draft, DraftRequest, Proposer
-from brisk.spec.length import DraftLength
 from brisk.spec.draft import DraftModelProposer
 from brisk.spec.early_exit import EarlyExitProposer
 from brisk.spec.heads import load_draft_vocab, load_heads
+from brisk.spec.length import DraftLength
 from brisk.spec.medusa import MedusaProposer
 from brisk.spec.ngram import NgramProposer
 from brisk.spec.verify import VerifyOutput, verify
 
-# Cost of verifying one more token in a decode step, as a fraction of the step (float32 default
-# model on 2 CPU cores: 1 + 4 tokens take ~1.25x one; `brisk bench spec` prints the measured ratio).
+# Cost of verifying one more token in a decode step, as a fraction of the step, when nothing was
+# measured (tests); the engine measures the real curve at start-up (measure_verify_costs).
 VERIFY_COST = 0.06
 
 
@@ -73,18 +73,21 @@ class _Ema:
 
 
 class Speculator:
-    def __init__(self, config: SpecConfig, proposer: Proposer, verify_cost: float = VERIFY_COST,
-                 seed: int = 0) -> None:
+    def __init__(self, config: SpecConfig, proposer: Proposer, verify_costs: list[float] | None = None,
+                 seed: int = 0, measure_costs: bool = True) -> None:
+        """`verify_costs[k]`: measured extra cost of verifying k drafts (None: VERIFY_COST * k).
+        `measure_costs`: refine the draft cost from timings (False: keep the proposer's estimate,
+        for reproducible draft lengths in tests)."""
         self.config = config
         self.proposer = proposer
-        # a proposer may draft at most so many tokens (Medusa: one per head)
-        self.length = DraftLength(config, proposer.draft_cost, verify_cost, seed,
-                                  max_k=min(config.max_tokens, getattr(proposer, "max_drafts", config.max_tokens)))
-        self.verify_cost = verify_cost
+        max_k = min(config.max_tokens, getattr(proposer, "max_drafts", config.max_tokens))  # Medusa: one per head
+        self.verify_costs = verify_costs or [VERIFY_COST * k for k in range(config.max_tokens + 1)]
+        self.length = DraftLength(config, proposer.draft_cost, self.verify_costs, seed, max_k=max_k)
         self.stats = SpecStats()
         self._draft_seconds = _Ema()  # one draft pass over the batch
         self._plain_seconds = _Ema()  # one target forward, less the verified drafts' share
         self._seen: set[str] = set()  # requests that have had a proposal since (re)admission
+        self.measure_costs = measure_costs
 
     def plan(self, running: list[Request]) -> None:
         """Draft lengths for the requests that will decode next step."""
@@ -120,10 +123,10 @@ class Speculator:
     def observe_forward(self, seconds: float, drafts: dict[str, Draft], num_requests: int) -> None:
         """The target's forward took `seconds`: refresh the draft cost the length controller uses
         (one draft pass over one plain decode step, both measured on this machine and batch)."""
-        mean_k = sum(len(d.token_ids) for d in drafts.values()) / max(1, num_requests)
-        self._plain_seconds.update(seconds / (1.0 + self.verify_cost * mean_k))
-        if self._draft_seconds.value is not None and self._plain_seconds.value:
-            self.length.step_cost = self.verify_cost + self._draft_seconds.value / self._plain_seconds.value
+        longest = max((len(d.token_ids) for d in drafts.values()), default=0)
+        self._plain_seconds.update(seconds / (1.0 + self.verify_costs[longest]))
+        if self.measure_costs and self._draft_seconds.value is not None and self._plain_seconds.value:
+            self.length.draft_cost = self._draft_seconds.value / self._plain_seconds.value
 
     def verify(self, out: StepLogits, drafts: dict[str, Draft], requests: dict[str, Request],
                generators: dict[str, torch.Generator | None]) -> dict[str, VerifyOutput]:
@@ -178,7 +181,51 @@ def build_speculator(config: SpecConfig, runner: PagedModelRunner, cache: CacheC
         proposer = DraftModelProposer(draft_runner, kv, _weight_ratio(draft_model, runner.model))
     else:
         raise ValueError(f"speculative method {config.method!r} is not available yet")
-    return Speculator(config, proposer, seed=seed)
+    return Speculator(config, proposer, measure_verify_costs(runner, config.max_tokens), seed=seed)
+
+
+@torch.inference_mode()
+def measure_verify_costs(runner: PagedModelRunner, max_k: int, repeats: int = 4) -> list[float]:
+    """Extra cost of scoring k more tokens in one sequence's decode step, k = 0..max_k, relative
+    to a one-token step: measured on this machine at start-up (~0.6 s) at k = 1, 2, 4, 8, ...
+    (each shape warmed up first, the fastest of `repeats`), interpolated between, made
+    non-decreasing. It writes scratch KV into the first blocks, which hold no request yet."""
+    default = [VERIFY_COST * k for k in range(max_k + 1)]
+    context = min(64, runner.model.rope_cos.shape[0] - max_k - 2)
+    blocks = list(range(-(-(context + max_k + 1) // runner.block_size)))
+    if runner.device.type != "cpu" or context < 1 or len(blocks) > runner.num_blocks:
+        return default  # accelerators (launch-bound, flat) and tiny caches keep the default
+
+    def seconds(n: int) -> float:
+        step = _Scratch([0] * n, context, blocks)
+        runner.execute([step], frozenset({step.request_id}))  # warm-up of this shape
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            runner.execute([step], frozenset({step.request_id}))
+            times.append(time.perf_counter() - started)
+        return min(times)  # interference only ever adds time
+
+    runner.execute([_Scratch([0] * context, 0, blocks)])  # a context to attend over
+    base = seconds(1)
+    points = sorted({k for k in (1, 2, 4, 8, max_k) if k <= max_k})
+    measured = {0: 0.0, **{k: max(0.0, seconds(1 + k) / base - 1.0) for k in points}}
+    costs = [0.0]
+    for k in range(1, max_k + 1):
+        lo = max(p for p in measured if p <= k)
+        hi = min(p for p in measured if p >= k)
+        cost = measured[lo] if hi == lo else measured[lo] + (k - lo) / (hi - lo) * (measured[hi] - measured[lo])
+        costs.append(max(costs[-1], cost))
+    return costs
+
+
+@dataclasses.dataclass
+class _Scratch:
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    request_id: str = "scratch"
+    sample: bool = True
 
 
 def _early_exit(config: SpecConfig, runner: PagedModelRunner) -> EarlyExitProposer:

@@ -2,8 +2,9 @@
 
 The prompts are chat questions built from topic x template (or a file, one prompt per line); the
 target answers them greedily in one batched run, and spec/train.py fits the heads on its answers.
-The benchmark's open-chat prompts (bench/spec_bench.py) are written separately, so the figures
-measure heads on questions they never saw.
+The benchmark's open-chat prompts (bench/spec_bench.py) are written separately and no topic here
+is one of theirs (no friendship, space, hiking, job interviews or flight), so the figures measure
+heads on questions they never saw.
 """
 
 from __future__ import annotations
@@ -31,14 +32,26 @@ TOPICS = [
     "the Olympic Games", "penguins", "bread baking", "the immune system", "wind turbines",
     "ancient Egypt", "time management", "the periodic table", "hurricanes", "public speaking",
     "the Renaissance", "cryptography", "tea", "glaciers", "the stock exchange", "bicycles",
-    "the solar system", "meditation", "democracy", "plate tectonics", "octopuses", "saving money",
-    "the Industrial Revolution", "nuclear energy", "friendship", "gardening", "the ocean tides",
+    "meditation", "democracy", "plate tectonics", "octopuses", "saving money",
+    "the Industrial Revolution", "nuclear energy", "gardening", "the ocean tides",
     "smartphones", "the Silk Road", "exercise", "languages",
+    "volunteering", "board games", "the human brain", "street food", "libraries", "thunderstorms",
+    "photography", "the Amazon river", "robots", "marathons", "castles", "mushrooms", "elections",
+    "video games", "deserts", "kindness", "origami", "trains", "whales", "the printing of money",
+    "cooking pasta", "learning to swim", "moving to a new city", "writing a resume", "birthdays",
+    "music lessons", "pets", "traffic", "snow", "the first day of school", "museums",
+    "vegetarian food", "social media", "lighthouses", "volcanic islands", "fairy tales",
+    "the alphabet", "bridges", "picnics", "recycling plastic", "spiders", "clocks", "rain",
+    "negotiating a salary", "learning math", "budget travel", "houseplants",
+    "farming", "chocolate", "sharks", "teamwork", "pottery",
 ]
 TEMPLATES = [
     "Explain {t} to a ten-year-old.", "Write a short paragraph about {t}.", "What are the most important facts about {t}?",
     "Give me three tips related to {t}.", "Describe the history of {t} in a few sentences.",
     "Why does {t} matter?", "Write a short poem about {t}.", "What are common misconceptions about {t}?",
+    "Tell me a story involving {t}.", "How would you teach someone about {t}?", "List pros and cons of {t}.",
+    "What is your opinion on {t}?", "Write a tweet about {t}.", "Summarize what people should know about {t}.",
+    "Answer briefly: what is {t}?", "Write an email to a friend about {t}.",
 ]
 
 
@@ -50,7 +63,7 @@ def training_prompts(count: int, seed: int = 0) -> list[str]:
 
 def run_train_heads(model: str, kind: str, out: Path, num_heads: int = 4, exit_layer: int | None = None,
                     num_prompts: int = 480, max_tokens: int = 256, epochs: int = 3, prompts_file: Path | None = None,
-                    draft_vocab: int = 8192, sequences_file: Path | None = None,
+                    draft_vocab: int = 8192, sequences_file: Path | None = None, sequential: bool = True,
                     log: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
     """Generate, train, save; returns the report (also what the CLI prints as JSON). `sequences_file`:
     where the generated answers are kept (read instead of generating when it exists)."""
@@ -72,11 +85,12 @@ def run_train_heads(model: str, kind: str, out: Path, num_heads: int = 4, exit_l
             sequences_file.write_text(json.dumps(sequences), encoding="utf-8")
     generated = sum(len(ids) - n for ids, n in sequences)
     log({"generated_tokens": generated, "sequences": len(sequences), "seconds": round(time.perf_counter() - started, 1)})
-    cfg = HeadTraining(kind=kind, num_heads=num_heads if kind == "medusa" else 1, exit_layer=exit_layer, epochs=epochs)
+    cfg = HeadTraining(kind=kind, num_heads=num_heads if kind == "medusa" else 1, exit_layer=exit_layer,
+                       sequential=sequential, epochs=epochs)
     cut = max(1, len(sequences) // 10)  # the first tenth is held out
-    heads, report = train_heads(llm.model, features(llm.model, sequences[cut:], cfg),
-                                features(llm.model, sequences[:cut], cfg), cfg, log)
     vocab, coverage = _frequent_tokens(sequences[cut:], sequences[:cut], draft_vocab, llm.model_config.vocab_size)
+    heads, report = train_heads(llm.model, features(llm.model, sequences[cut:], cfg),
+                                features(llm.model, sequences[:cut], cfg), cfg, vocab, log)
     save_heads(out, heads, kind, llm.model_name, exit_layer if kind == "early_exit" else None,
                {"sequences": str(len(sequences)), "generated_tokens": str(generated)}, vocab)
     return {"kind": kind, "out": str(out), "model": llm.model_name, "num_heads": heads.num_heads,

@@ -107,62 +107,61 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const T* w, const T* x, float
 #endif
 
 #ifdef BRISK_X86
-// A few rows of x against the same weights (small decode batches): each weight row is read from
-// memory once for all rows of x, and every (x row, weight row) dot product is summed in exactly
-// the order rows_avx512 uses for a single row, so a token's result does not depend on how many
-// other tokens share its batch.
-template <typename T, int MB>
+// A few rows of x against the same weights (small decode batches, speculative verification): each
+// block of four weight rows is read from memory once for all rows of x, and every (x row, weight
+// row) dot product is summed in exactly the order rows_avx512 uses for a single row, so a token's
+// result does not depend on how many other tokens share its batch.
+//
+// Micro-kernel: R weight rows (4, or 1 for the leftover rows) x MB rows of x (1..4), R * MB
+// independent accumulators; x rows beyond four take further passes over the same weight rows,
+// which are then in L1 (4 rows x `in` floats), so DRAM sees each weight once.
+template <typename T, int R, int MB>
+__attribute__((target("avx512f"))) inline void block_avx512(const T* a, const float* x, float* y, int64_t out,
+                                                            int64_t in, int64_t vec_end, bool prefetch) {
+  __m512 acc[R][MB];
+  for (int j = 0; j < R; ++j)
+    for (int k = 0; k < MB; ++k) acc[j][k] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < vec_end; i += 16) {
+    if (prefetch)  // two blocks ahead, as rows_avx512 does
+      for (int j = 0; j < R; ++j) _mm_prefetch(reinterpret_cast<const char*>(a + (8 + j) * in + i), _MM_HINT_T0);
+    __m512 wv[R];
+    for (int j = 0; j < R; ++j) wv[j] = load16(a + j * in + i);
+    for (int k = 0; k < MB; ++k) {
+      const __m512 xv = _mm512_loadu_ps(x + k * in + i);
+      for (int j = 0; j < R; ++j) acc[j][k] = _mm512_fmadd_ps(wv[j], xv, acc[j][k]);
+    }
+  }
+  for (int k = 0; k < MB; ++k) {
+    for (int j = 0; j < R; ++j) {
+      float t = _mm512_reduce_add_ps(acc[j][k]);
+      for (int64_t i = vec_end; i < in; ++i) t = std::fma(to_float(a[j * in + i]), x[k * in + i], t);
+      y[k * out + j] = t;
+    }
+  }
+}
+
+// All rows of x against weight rows [r, r + R): passes of up to four x rows.
+template <typename T, int R>
+__attribute__((target("avx512f"))) inline void block_rows_avx512(const T* a, const float* x, float* y,
+                                                                 int64_t m_rows, int64_t out, int64_t in,
+                                                                 int64_t vec_end) {
+  int64_t m = 0;
+  for (; m + 4 <= m_rows; m += 4) block_avx512<T, R, 4>(a, x + m * in, y + m * out, out, in, vec_end, m == 0);
+  switch (m_rows - m) {
+    case 3: block_avx512<T, R, 3>(a, x + m * in, y + m * out, out, in, vec_end, m == 0); break;
+    case 2: block_avx512<T, R, 2>(a, x + m * in, y + m * out, out, in, vec_end, m == 0); break;
+    case 1: block_avx512<T, R, 1>(a, x + m * in, y + m * out, out, in, vec_end, m == 0); break;
+    default: break;
+  }
+}
+
+template <typename T>
 __attribute__((target("avx512f"))) void small_gemm_avx512(const T* w, const float* x, float* y, int64_t m_rows,
                                                           int64_t out, int64_t r0, int64_t r1, int64_t in) {
   const int64_t vec_end = in - in % 16;
-  // Two weight rows at a time share every load of x (2 x MB accumulators stay in registers); each
-  // (row, x row) pair still has one accumulator summed in the same order as gemv.
   int64_t r = r0;
-  for (; r + 2 <= r1; r += 2) {
-    const T* a = w + r * in;
-    const T* b = a + in;
-    for (int64_t m0 = 0; m0 + MB <= m_rows; m0 += MB) {
-      __m512 acc_a[MB], acc_b[MB];
-      for (int k = 0; k < MB; ++k) acc_a[k] = acc_b[k] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < vec_end; i += 16) {
-        // The next pair's weights come from DRAM: ask for them now so the loads overlap this
-        // pair's arithmetic (without it the cores wait on memory ~40% of the time at 32 rows).
-        _mm_prefetch(reinterpret_cast<const char*>(a + 4 * in + i), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(b + 4 * in + i), _MM_HINT_T0);
-        const __m512 wa = load16(a + i), wb = load16(b + i);
-        for (int k = 0; k < MB; ++k) {
-          const __m512 xv = _mm512_loadu_ps(x + (m0 + k) * in + i);
-          acc_a[k] = _mm512_fmadd_ps(wa, xv, acc_a[k]);
-          acc_b[k] = _mm512_fmadd_ps(wb, xv, acc_b[k]);
-        }
-      }
-      for (int k = 0; k < MB; ++k) {
-        float ta = _mm512_reduce_add_ps(acc_a[k]), tb = _mm512_reduce_add_ps(acc_b[k]);
-        for (int64_t i = vec_end; i < in; ++i) {
-          ta = std::fma(to_float(a[i]), x[(m0 + k) * in + i], ta);
-          tb = std::fma(to_float(b[i]), x[(m0 + k) * in + i], tb);
-        }
-        y[(m0 + k) * out + r] = ta;
-        y[(m0 + k) * out + r + 1] = tb;
-      }
-    }
-  }
-  for (; r < r1; ++r) {
-    const T* a = w + r * in;
-    for (int64_t m0 = 0; m0 + MB <= m_rows; m0 += MB) {
-      __m512 acc[MB];
-      for (int k = 0; k < MB; ++k) acc[k] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < vec_end; i += 16) {
-        const __m512 wv = load16(a + i);
-        for (int k = 0; k < MB; ++k) acc[k] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + (m0 + k) * in + i), acc[k]);
-      }
-      for (int k = 0; k < MB; ++k) {
-        float t = _mm512_reduce_add_ps(acc[k]);
-        for (int64_t i = vec_end; i < in; ++i) t = std::fma(to_float(a[i]), x[(m0 + k) * in + i], t);
-        y[(m0 + k) * out + r] = t;
-      }
-    }
-  }
+  for (; r + 4 <= r1; r += 4) block_rows_avx512<T, 4>(w + r * in, x, y + r, m_rows, out, in, vec_end);
+  for (; r < r1; ++r) block_rows_avx512<T, 1>(w + r * in, x, y + r, m_rows, out, in, vec_end);
 }
 #endif
 
@@ -219,22 +218,13 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const c10::op
 }
 
 namespace {
-// The row loop shared by small_gemm and int8_gemm: output rows split over threads, rows of x in
-// chunks of 8, then 4, 2, 1 so the accumulators stay in registers.
+// The row loop shared by small_gemm and int8_gemm: output rows split over threads in whole blocks
+// of four (as gemv splits them, so every row is summed exactly as gemv sums it).
 template <typename T>
 void small_gemm_rows(const T* wp, const float* xp, float* yp, int64_t m_rows, int64_t out, int64_t in) {
-  at::parallel_for(0, out, 32, [&](int64_t r0, int64_t r1) {
-    int64_t done = 0;
-    auto chunk = [&](auto mb_tag) {
-      constexpr int MB = decltype(mb_tag)::value;
-      const int64_t n = (m_rows - done) / MB * MB;
-      if (n > 0) small_gemm_avx512<T, MB>(wp, xp + done * in, yp + done * out, n, out, r0, r1, in);
-      done += n;
-    };
-    chunk(std::integral_constant<int, 8>{});
-    chunk(std::integral_constant<int, 4>{});
-    chunk(std::integral_constant<int, 2>{});
-    chunk(std::integral_constant<int, 1>{});
+  const int64_t groups = (out + kRows - 1) / kRows;
+  at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {
+    small_gemm_avx512<T>(wp, xp, yp, m_rows, out, g0 * kRows, std::min(out, g1 * kRows), in);
   });
 }
 }  // namespace

@@ -4,6 +4,7 @@ Each head is one residual block in front of the target's own (frozen) LM head:
 
     head_k(h) = h + SiLU(W_k h + b_k)          logits_k = lm_head(head_k(h))
 
+(or its sequential form, which also reads the drafted tokens; see ResidualHeads).
 W_k and b_k start at zero, so an untrained head is exactly the LM head. Sharing the LM head keeps
 a head at hidden^2 parameters (0.33 M for SmolLM2-135M) instead of a vocabulary-sized matrix.
 Medusa: K heads on the final hidden state, head k guessing the token k+1 places after the one the
@@ -22,15 +23,26 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from brisk.model.layers import linear
 from brisk.model.llama import LlamaForCausalLM
 
 KINDS = ("medusa", "early_exit")
 
 
 class ResidualHeads(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, dtype: torch.dtype = torch.float32) -> None:
+    """K residual blocks. Parallel (Medusa): head k reads the hidden state h alone. Sequential
+    (Hydra-style, `sequential=True`): head k also reads the embedding of the token before the one
+    it guesses and the previous head's output, so the chain knows which tokens were drafted:
+
+        g_0 = h,   g_k = g_(k-1) + SiLU(W_k [g_(k-1); emb(x_(t+k))] + b_k),   logits_k = lm_head(g_k)
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, dtype: torch.dtype = torch.float32,
+                 sequential: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size, dtype=dtype))  # [K, out, in]
+        self.sequential = sequential
+        width = 2 * hidden_size if sequential else hidden_size
+        self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size, width, dtype=dtype))  # [K, out, in]
         self.bias = nn.Parameter(torch.zeros(num_heads, hidden_size, dtype=dtype))
 
     @property
@@ -38,9 +50,16 @@ class ResidualHeads(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden] -> [rows, K, hidden]."""
+        """Parallel heads: [rows, hidden] -> [rows, K, hidden]."""
+        assert not self.sequential, "sequential heads run one at a time (head())"
         inner = torch.einsum("rh,koh->rko", h, self.weight) + self.bias  # [rows, K, hidden]
         return h.unsqueeze(1) + F.silu(inner)
+
+    def head(self, k: int, g: torch.Tensor, emb: torch.Tensor | None = None) -> torch.Tensor:
+        """Head k on [rows, hidden] (+ the previous token's embedding [rows, hidden] when sequential)."""
+        x = torch.cat([g, emb], dim=-1) if self.sequential else g  # [rows, in]
+        assert emb is not None or not self.sequential
+        return g + F.silu(F.linear(x, self.weight[k], self.bias[k]))
 
 
 class DraftVocab:
@@ -57,7 +76,7 @@ class DraftVocab:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] float32: the subset's logits, -inf for every other token
         (the argmax and the sampler's processing then need no index mapping)."""
-        sub = F.linear(hidden, self.weight).float()  # [rows, N]
+        sub = linear(hidden, self.weight).float()  # [rows, N]; one row: brisk's streaming GEMV
         full = sub.new_full((sub.shape[0], self.vocab_size), float("-inf"))
         return full.index_copy_(1, self.token_ids, sub)
 
@@ -67,7 +86,7 @@ def save_heads(path: str | Path, heads: ResidualHeads, kind: str, base_model: st
     """`vocab`: the token ids drafts may use (DraftVocab), most frequent first; None: all."""
     assert kind in KINDS
     meta = {"kind": kind, "num_heads": str(heads.num_heads), "hidden_size": str(heads.weight.shape[1]),
-            "base_model": base_model, **({"exit_layer": str(exit_layer)} if exit_layer is not None else {}),
+            "sequential": str(int(heads.sequential)), "base_model": base_model, **({"exit_layer": str(exit_layer)} if exit_layer is not None else {}),
             **(extra or {})}
     tensors = {"weight": heads.weight.detach().float().contiguous(), "bias": heads.bias.detach().float().contiguous()}
     if vocab is not None:
@@ -103,9 +122,11 @@ def load_heads(path: str | Path, kind: str, hidden_size: int, dtype: torch.dtype
     if meta.get("kind") != kind:
         raise ValueError(f"{str(path)!r} holds {meta.get('kind') or 'unknown'} heads, not {kind} heads")
     weight, bias = tensors.get("weight"), tensors.get("bias")
-    if weight is None or bias is None or weight.dim() != 3 or weight.shape[1:] != (hidden_size, hidden_size):
+    sequential = meta.get("sequential") == "1"
+    width = 2 * hidden_size if sequential else hidden_size
+    if weight is None or bias is None or weight.dim() != 3 or weight.shape[1:] != (hidden_size, width):
         raise ValueError(f"{str(path)!r}: heads for hidden size {meta.get('hidden_size')}, this model has {hidden_size}")
-    heads = ResidualHeads(hidden_size, weight.shape[0], dtype)
+    heads = ResidualHeads(hidden_size, weight.shape[0], dtype, sequential)
     with torch.no_grad():
         heads.weight.copy_(weight)
         heads.bias.copy_(bias)

@@ -1,19 +1,27 @@
 """How many draft tokens each request verifies next step.
 
-A fixed `num_speculative_tokens` is simply that. Under "auto" each request keeps a Beta posterior
-over the probability `a` that one draft token is accepted (as in Early-Exit Speculative Decoding,
-EESD): every step it draws `a` from the posterior (Thompson sampling) and picks the k that
-maximises tokens gained per unit of cost,
+A fixed `num_speculative_tokens` is simply that. Under "auto" each request keeps Beta posteriors
+over its drafts' acceptance (as in Early-Exit Speculative Decoding, EESD, with one refinement):
+p1, that the first draft is accepted, and p2, that a draft is accepted once the one before it was.
+Drafts come in runs (an n-gram match copies a whole span, a good draft model agrees for a while),
+so p2 is usually well above p1, and one i.i.d. rate would undervalue long drafts. Every step it
+draws p1 from its posterior (Thompson sampling) and picks the k that maximises tokens
+gained per unit of cost (p1 drawn, p2 at its mean, see `wanted`):
 
-    E[tokens | a, k] = (1 - a^(k+1)) / (1 - a)        (Leviathan et al.)
-    cost(k)          = 1 + (verify_cost + draft_cost) * k     (in target decode steps)
+    E[tokens | p1, p2, k] = 1 + p1 (1 - p2^k) / (1 - p2)     (= Leviathan et al.'s when p1 = p2)
+    cost(k)               = 1 + verify(k) + draft_cost * k   (in target decode steps)
 
-k = 0 (plain decoding) wins when the drawn `a` is low: speculation turns itself off for a request
-whose drafts stop being accepted. The posterior forgets (counts decay by `DECAY` per update and,
-while off, per step), so its spread grows back and a request whose text turns repetitive later is
-tried again. A new request starts from what the engine has seen so far (all requests' evidence,
-scaled down to `START_EVIDENCE` observations): requests of one workload behave alike, and a
-uniform start would spend its first dozens of steps exploring.
+verify(k), the extra cost of scoring k more tokens in the target's forward, is not linear on a
+CPU: the second row leaves the single-row streaming kernels, further rows then cost little. The
+engine measures it at start-up (engine/speculative.py); without a measurement a linear 0.06 per
+token is assumed. draft_cost is measured from the proposer's timings as steps run.
+
+k = 0 (plain decoding) wins when the drawn p1 is low: speculation turns itself off for a request
+whose drafts stop being accepted. The posteriors forget (counts decay by `DECAY` per update and,
+while off, per step), so their spread grows back and a request whose text turns repetitive later
+is tried again. A new request starts from what the engine has seen so far (all requests'
+evidence, scaled down to `START_EVIDENCE` observations): requests of one workload behave alike,
+and a uniform start would spend its first dozens of steps exploring.
 """
 
 from __future__ import annotations
@@ -35,16 +43,29 @@ def expected_tokens(a: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+def expected_run_tokens(p1: float, p2: float, k: int) -> float:
+    """Tokens one verify step yields with k drafts: the first accepted with probability p1, each
+    later one with probability p2 given the one before it was."""
+    if k == 0:
+        return 1.0
+    if p2 >= 1.0:
+        return 1.0 + p1 * k
+    return 1.0 + p1 * (1.0 - p2 ** k) / (1.0 - p2)
+
+
 class DraftLength:
     """Per-request draft lengths (plain Python: the engine sets Request.num_spec_wanted from it)."""
 
-    def __init__(self, cfg: SpecConfig, draft_cost: float, verify_cost: float, seed: int = 0,
+    def __init__(self, cfg: SpecConfig, draft_cost: float, verify_costs: list[float], seed: int = 0,
                  max_k: int | None = None) -> None:
+        """`verify_costs[k]`: extra cost of verifying k drafts, in target decode steps (index 0..max_k)."""
         self.auto = cfg.auto
         self.max_k = cfg.max_tokens if max_k is None else max_k
-        self.step_cost = draft_cost + verify_cost  # of each extra draft token, in target decode steps
-        self._posterior: dict[str, list[float]] = {}  # request id -> [alpha, beta]
-        self._overall = list(PRIOR)  # every request's observations, decayed alike
+        assert len(verify_costs) > self.max_k and verify_costs[0] == 0.0
+        self.verify_costs = verify_costs
+        self.draft_cost = draft_cost  # of each draft token, in target decode steps (refined by the engine)
+        self._posterior: dict[str, list[float]] = {}  # request id -> [alpha1, beta1, alpha2, beta2]
+        self._overall = list(PRIOR * 2)  # every request's observations, decayed alike
         self._rng = random.Random(seed)
 
     def wanted(self, request_id: str) -> int:
@@ -53,45 +74,57 @@ class DraftLength:
         post = self._posterior.get(request_id)
         if post is None:
             post = self._posterior[request_id] = self._start()
-        a = self._rng.betavariate(post[0], post[1])
-        k = self.best_k(a)
+        # Thompson sampling on p1 (whether to draft at all); p2 at its posterior mean, so that an
+        # unexplored p2 does not make long drafts look promising before the first is ever accepted
+        p1 = self._rng.betavariate(post[0], post[1])
+        p2 = post[2] / (post[2] + post[3])
+        k = self.best_k(p1, p2)
         if k == 0:
             self._decay(post, OFF_DECAY)
         return k
 
-    def best_k(self, a: float) -> int:
-        """The k in 0..max_k with the most tokens per unit of cost at acceptance rate a."""
-        return max(range(self.max_k + 1), key=lambda k: expected_tokens(a, k) / (1.0 + self.step_cost * k))
+    def best_k(self, p1: float, p2: float) -> int:
+        """The k in 0..max_k with the most tokens per unit of cost."""
+        return max(range(self.max_k + 1), key=lambda k: expected_run_tokens(p1, p2, k) / self.cost(k))
+
+    def cost(self, k: int) -> float:
+        """One step with k drafts, in plain decode steps."""
+        return 1.0 + self.verify_costs[k] + self.draft_cost * k
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
-        """A verify step of `num_drafts` drafts accepted the first `num_accepted`. Drafts after the
-        first rejection say nothing about acceptance: the first rejection is one failure."""
+        """A verify step of `num_drafts` drafts accepted the first `num_accepted`: one trial of the
+        first draft, then one of each later draft that was reached (drafts after the first
+        rejection were never tried)."""
         if num_drafts == 0:
             return
         post = self._posterior.get(request_id)
         if post is None:
             post = self._posterior[request_id] = self._start()
+        first_ok = num_accepted >= 1
+        later_ok = max(0, num_accepted - 1)
+        later_failed = 1.0 if 1 <= num_accepted < num_drafts else 0.0
         for counts in (post, self._overall):
             self._decay(counts, DECAY)
-            counts[0] += num_accepted
-            counts[1] += 1.0 if num_accepted < num_drafts else 0.0
+            counts[0] += first_ok
+            counts[1] += not first_ok
+            counts[2] += later_ok
+            counts[3] += later_failed
 
     def _start(self) -> list[float]:
-        """A new request's posterior: the engine-wide one, holding at most START_EVIDENCE observations."""
-        evidence = self._overall[0] + self._overall[1] - PRIOR[0] - PRIOR[1]
-        scale = min(1.0, START_EVIDENCE / evidence) if evidence > 0 else 0.0
-        return [PRIOR[0] + (self._overall[0] - PRIOR[0]) * scale, PRIOR[1] + (self._overall[1] - PRIOR[1]) * scale]
+        """A new request's posteriors: the engine-wide ones, each holding at most START_EVIDENCE
+        observations."""
+        out = []
+        for i in (0, 2):
+            evidence = self._overall[i] + self._overall[i + 1] - 2 * PRIOR[0]
+            scale = min(1.0, START_EVIDENCE / evidence) if evidence > 0 else 0.0
+            out += [PRIOR[0] + (self._overall[i] - PRIOR[0]) * scale, PRIOR[1] + (self._overall[i + 1] - PRIOR[1]) * scale]
+        return out
 
     @staticmethod
     def _decay(post: list[float], factor: float) -> None:
         # shrink the evidence towards the prior, never below it
-        post[0] = PRIOR[0] + (post[0] - PRIOR[0]) * factor
-        post[1] = PRIOR[1] + (post[1] - PRIOR[1]) * factor
-
-    def acceptance(self, request_id: str) -> float | None:
-        """The posterior mean, or None before any observation."""
-        post = self._posterior.get(request_id)
-        return None if post is None else post[0] / (post[0] + post[1])
+        for i, prior in enumerate(PRIOR * 2):
+            post[i] = prior + (post[i] - prior) * factor
 
     def forget(self, request_id: str) -> None:
         self._posterior.pop(request_id, None)

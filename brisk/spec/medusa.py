@@ -3,7 +3,9 @@
 After every step the proposer keeps, per request, the final hidden state of the row that produced
 its newest token (for a verified request: the row of its last accepted draft). At the next step
 head k turns it into a guess for the token k+1 places ahead, so all k drafts cost one small pass
-(K residual blocks and K rows through the LM head) and no extra target layers. The drafts are
+(K residual blocks and K rows through the LM head) and no extra target layers. Sequential heads
+(the default of `brisk train-heads`) run one after another, each also reading the token drafted
+before its own (Hydra), which is what makes the later heads worth verifying. The drafts are
 verified as a top-1 chain.
 """
 
@@ -42,14 +44,26 @@ class MedusaProposer:
             return out
         k_max = min(self.heads.num_heads, max(requests[i].num_drafts for i in have))
         hidden = torch.stack([self._hidden[requests[i].request_id] for i in have])  # [B, hidden]
-        guesses = self.heads(hidden)[:, :k_max]  # [B, k, hidden]
-        flat = guesses.reshape(-1, guesses.shape[-1])  # [B * k, hidden]
-        logits = self._project(flat).view(len(have), k_max, -1)  # [B, k, vocab]
+        picks: list[list[tuple[int, torch.Tensor | None]]] = [[] for _ in have]
+        if self.heads.sequential:
+            # one head at a time: each reads the token just drafted (t_last for the first)
+            g, last = hidden, [requests[i].token_ids[-1] for i in have]
+            for k in range(k_max):
+                emb = self.model.embed_tokens(torch.tensor(last, device=hidden.device))  # [B, hidden]
+                g = self.heads.head(k, g, emb.to(g.dtype))
+                logits = self._project(g)  # [B, vocab]
+                for row, i in enumerate(have):
+                    picks[row].append(pick_draft_token(logits[row], requests[i]))
+                last = [p[-1][0] for p in picks]
+        else:
+            guesses = self.heads(hidden)[:, :k_max]  # [B, k, hidden]
+            logits = self._project(guesses.reshape(-1, guesses.shape[-1])).view(len(have), k_max, -1)
+            for row, i in enumerate(have):
+                picks[row] = [pick_draft_token(logits[row, k], requests[i]) for k in range(k_max)]
         for row, i in enumerate(have):
-            r = requests[i]
-            picks = [pick_draft_token(logits[row, j], r) for j in range(min(k_max, r.num_drafts))]
-            qs = [q for _, q in picks if q is not None]
-            out[i] = Draft([t for t, _ in picks], torch.stack(qs) if qs else None)
+            mine = picks[row][:requests[i].num_drafts]
+            qs = [q for _, q in mine if q is not None]
+            out[i] = Draft([t for t, _ in mine], torch.stack(qs) if qs else None)
         return out
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ greedy verification compares drafts against. For each generated position t:
     early_exit  the head reads the normed hidden state after `exit_layer` layers, target x[t+1]
 
 Features are computed once (one forward per sequence), then the heads train on them with the
-target's LM head frozen: AdamW, cross-entropy, a held-out tenth of the sequences for the reported
-top-1 agreement. SmolLM2-135M: ~50k positions, 3 epochs of 4 Medusa heads, minutes on 2 cores.
+target's LM head frozen: AdamW, cross-entropy over the draft vocabulary (the rows of the LM head
+drafts are chosen among; a token outside it can never be drafted), teacher forcing for
+sequential heads, a held-out tenth of the sequences for the reported top-1 agreement.
 """
 
 from __future__ import annotations
@@ -32,83 +33,127 @@ class HeadTraining:
     kind: str  # "medusa" or "early_exit"
     num_heads: int = 4  # medusa; early_exit trains one
     exit_layer: int | None = None  # early_exit
+    sequential: bool = True  # medusa: Hydra-style heads that read the drafted tokens
     epochs: int = 3
     lr: float = 1e-3
     batch_size: int = 256
     seed: int = 0
 
 
-def features(model: LlamaForCausalLM, sequences: list[tuple[list[int], int]], cfg: HeadTraining
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden [N, hidden], targets [N, K]) over the generated positions of (token ids, prompt
-    length) pairs; a target past a sequence's end is IGNORE."""
+@dataclass
+class Features:
+    """Training rows: the hidden state at t, the tokens x[t+1..t+K] (sequential heads' inputs)
+    and the targets x[t+2..t+K+1] (Medusa) or x[t+1] (exit head); IGNORE past a sequence's end."""
+
+    hidden: torch.Tensor  # [N, hidden] float32
+    inputs: torch.Tensor  # [N, K] long
+    targets: torch.Tensor  # [N, K] long
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+
+def features(model: LlamaForCausalLM, sequences: list[tuple[list[int], int]], cfg: HeadTraining) -> Features:
+    """Rows over the generated positions of (token ids, prompt length) pairs."""
     k = cfg.num_heads if cfg.kind == "medusa" else 1
     offset = 2 if cfg.kind == "medusa" else 1  # head 1 of Medusa guesses x[t+2]; an exit head x[t+1]
     layers = cfg.exit_layer if cfg.kind == "early_exit" else None
-    xs, ys = [], []
+    xs, ins, ys = [], [], []
     for ids, prompt_len in sequences:
         n = len(ids)
         if n - prompt_len < 2:
             continue
         hidden = forward_sequence(model, ids, layers)  # [n, hidden]
         positions = range(prompt_len - 1, n - 1)  # t: the last prompt token onwards
+
         xs.append(hidden[prompt_len - 1:n - 1].float())
-        ys.append(torch.tensor([[ids[t + offset + j] if t + offset + j < n else IGNORE for j in range(k)]
-                                for t in positions]))
-    return torch.cat(xs), torch.cat(ys)
+        ins.append(torch.tensor([[_at(ids, t + 1 + j, 0) for j in range(k)] for t in positions]))
+        ys.append(torch.tensor([[_at(ids, t + offset + j, IGNORE) for j in range(k)] for t in positions]))
+    return Features(torch.cat(xs), torch.cat(ins), torch.cat(ys))
 
 
-def train_heads(model: LlamaForCausalLM, train: tuple[torch.Tensor, torch.Tensor],
-                held_out: tuple[torch.Tensor, torch.Tensor], cfg: HeadTraining,
+def _at(ids: list[int], i: int, missing: int) -> int:
+    return ids[i] if i < len(ids) else missing
+
+
+class _Trainer:
+    """The heads, the frozen LM head rows they project onto (the draft vocabulary), the frozen
+    embeddings sequential heads read, and the target ids mapped into the vocabulary."""
+
+    def __init__(self, model: LlamaForCausalLM, heads: ResidualHeads, vocab: torch.Tensor | None) -> None:
+        vocab_size = model.config.vocab_size
+        self.vocab = torch.arange(vocab_size) if vocab is None else vocab.cpu()
+        with torch.no_grad():
+            self.head_weight = model.head_rows(self.vocab.to(model.device)).cpu()  # [N, hidden]
+            self.embed = model.embed_tokens(torch.arange(vocab_size, device=model.device)).float().cpu()
+        self.index = torch.full((vocab_size,), IGNORE, dtype=torch.long)  # token id -> row, or IGNORE
+        self.index[self.vocab] = torch.arange(len(self.vocab))
+        self.heads = heads
+
+    def logits(self, hidden: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """[B, hidden], [B, K] -> [B, K, N] (teacher-forced chain for sequential heads)."""
+        if not self.heads.sequential:
+            return F.linear(self.heads(hidden), self.head_weight)
+        g, outs = hidden, []
+        for k in range(self.heads.num_heads):
+            g = self.heads.head(k, g, self.embed[inputs[:, k]])
+            outs.append(F.linear(g, self.head_weight))
+        return torch.stack(outs, dim=1)
+
+    def rows(self, targets: torch.Tensor) -> torch.Tensor:
+        """Target ids -> rows of the draft vocabulary (IGNORE stays IGNORE, and so does a token
+        outside the vocabulary: no draft could ever propose it)."""
+        return torch.where(targets == IGNORE, targets, self.index[targets.clamp(min=0)])
+
+    @torch.no_grad()
+    def agreement(self, data: Features) -> list[float]:
+        """Per head: how often its top-1 is the target (a target outside the vocabulary is a miss)."""
+        hits = torch.zeros(data.targets.shape[1])
+        seen = torch.zeros(data.targets.shape[1])
+        for start in range(0, len(data), 512):
+            rows = slice(start, start + 512)
+            pred = self.vocab[self.logits(data.hidden[rows], data.inputs[rows]).argmax(-1)]  # [B, K] token ids
+            target = data.targets[rows]
+            valid = target != IGNORE
+            hits += ((pred == target) & valid).sum(0)
+            seen += valid.sum(0)
+        return [round(float(h / max(1.0, s)), 4) for h, s in zip(hits, seen)]
+
+
+def train_heads(model: LlamaForCausalLM, train: Features, held_out: Features, cfg: HeadTraining,
+                vocab: torch.Tensor | None = None,
                 log: Callable[[dict[str, object]], None] = lambda _: None) -> tuple[ResidualHeads, dict[str, object]]:
-    """Fit heads on (hidden, targets); returns them and a report with held-out top-1 agreement."""
+    """Fit heads on `train`; returns them and a report with held-out top-1 agreement. `vocab`: the
+    draft vocabulary the heads project onto (None: the whole vocabulary)."""
     torch.manual_seed(cfg.seed)
-    k = train[1].shape[1]
-    heads = ResidualHeads(model.config.hidden_size, k)
-    head_weight = _lm_head_weight(model)
+    heads = ResidualHeads(model.config.hidden_size, train.targets.shape[1],
+                          sequential=cfg.sequential and cfg.kind == "medusa")
+    trainer = _Trainer(model, heads, vocab)
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=0.0)
-    x, y = train
-    order = list(range(x.shape[0]))
+    order = list(range(len(train)))
     rng = random.Random(cfg.seed)
     started = time.perf_counter()
-    report: dict[str, object] = {"positions": x.shape[0], "held_out_positions": held_out[0].shape[0],
-                                 "before": _agreement(heads, head_weight, *held_out)}
+    report: dict[str, object] = {"positions": len(train), "held_out_positions": len(held_out),
+                                 "sequential": heads.sequential, "before": trainer.agreement(held_out)}
     log({"epoch": 0, "held_out_top1": report["before"]})
     for epoch in range(1, cfg.epochs + 1):
         rng.shuffle(order)
         total, count = 0.0, 0
         for start in range(0, len(order), cfg.batch_size):
             idx = torch.tensor(order[start:start + cfg.batch_size])
-            logits = F.linear(heads(x[idx]), head_weight)  # [B, K, vocab]
-            loss = F.cross_entropy(logits.flatten(0, 1), y[idx].flatten(), ignore_index=IGNORE)
+            targets = trainer.rows(train.targets[idx]).flatten()
+            if bool((targets == IGNORE).all()):
+                continue  # nothing to learn from (the loss would be NaN)
+            logits = trainer.logits(train.hidden[idx], train.inputs[idx])  # [B, K, N]
+            loss = F.cross_entropy(logits.flatten(0, 1), targets, ignore_index=IGNORE)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             total += float(loss.detach()) * len(idx)
             count += len(idx)
-        top1 = _agreement(heads, head_weight, *held_out)
+        top1 = trainer.agreement(held_out)
         log({"epoch": epoch, "loss": round(total / count, 4), "held_out_top1": top1,
              "seconds": round(time.perf_counter() - started, 1)})
         report["after"] = top1
     report["seconds"] = round(time.perf_counter() - started, 1)
     return heads.eval().requires_grad_(False), report
-
-
-def _lm_head_weight(model: LlamaForCausalLM) -> torch.Tensor:
-    """The LM head matrix [vocab, hidden] as float32 (dequantized if need be), frozen."""
-    with torch.no_grad():
-        return model.head_rows(torch.arange(model.config.vocab_size, device=model.device)).cpu()
-
-
-@torch.no_grad()
-def _agreement(heads: ResidualHeads, head_weight: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> list[float]:
-    """Per head: how often its top-1 equals the target token (positions with a target)."""
-    hits = torch.zeros(y.shape[1])
-    seen = torch.zeros(y.shape[1])
-    for start in range(0, x.shape[0], 512):
-        pred = F.linear(heads(x[start:start + 512]), head_weight).argmax(-1)  # [B, K]
-        target = y[start:start + 512]
-        valid = target != IGNORE
-        hits += ((pred == target) & valid).sum(0)
-        seen += valid.sum(0)
-    return [round(float(h / max(1.0, s)), 4) for h, s in zip(hits, seen)]

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from tests.core.test_scheduler import BS, EOS, make, make_sched
-
 from brisk.request import FinishReason
+from tests.core.test_scheduler import BS, EOS, make, make_sched
 
 
 def _prefill(sched, req) -> None:  # type: ignore[no-untyped-def]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from tests.server.conftest import MODEL, _free_port
 
 

@@ -71,8 +71,12 @@ class OracleProposer:
     name = "oracle"
     draft_cost = 0.0
 
-    def __init__(self, continuations: dict[tuple[int, ...], list[int]]) -> None:
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], wrong: bool = False) -> None:
         self.continuations = continuations  # prompt -> its greedy output
+        self.wrong = wrong  # propose a token off by one instead: never accepted
+
+    def _token(self, t: int) -> int:
+        return (t + 1) % VOCAB if self.wrong else t
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         out = []
@@ -80,7 +84,7 @@ class OracleProposer:
             for prompt, cont in self.continuations.items():
                 if tuple(r.token_ids[:len(prompt)]) == prompt:
                     done = len(r.token_ids) - len(prompt)
-                    out.append(Draft(cont[done:done + r.num_drafts]))
+                    out.append(Draft([self._token(t) for t in cont[done:done + r.num_drafts]]))
                     break
         return out
 
@@ -89,8 +93,10 @@ class OracleProposer:
 
 
 def with_proposer(engine: LLMEngine, proposer: object, k: int | str = 3) -> LLMEngine:
-    """Swap a test proposer into an engine's speculator."""
-    engine.spec = Speculator(SpecConfig(method="ngram", num_speculative_tokens=k), proposer)  # type: ignore[arg-type]
+    """Swap a test proposer into an engine's speculator; costs fixed (not timed) so that draft
+    lengths under "auto" depend on the seeded sampler alone."""
+    engine.spec = Speculator(SpecConfig(method="ngram", num_speculative_tokens=k), proposer,  # type: ignore[arg-type]
+                             measure_costs=False)
     return engine
 
 

@@ -25,12 +25,13 @@ QUESTIONS = [
 ]
 
 
-def _heads_file(path: Path, kind: str, num: int, hidden: int, exit_layer: int | None = None) -> str:
+def _heads_file(path: Path, kind: str, num: int, hidden: int, exit_layer: int | None = None,
+                sequential: bool = False) -> str:
     """Random (untrained) heads: the drafts are poor, which verification must not notice."""
-    heads = ResidualHeads(hidden, num)
+    heads = ResidualHeads(hidden, num, sequential=sequential)
     with torch.no_grad():
         heads.weight.normal_(0, 0.02)
-    save_heads(path, heads, kind, "smollm2-135m", exit_layer)
+    save_heads(path, heads, kind, "smollm2-135m", exit_layer, vocab=torch.arange(0, 49152, 3))
     return str(path)
 
 
@@ -41,7 +42,9 @@ def _methods(tmp: Path, hidden: int) -> dict[str, dict[str, object]]:
         "early_exit": {"method": "early_exit", "num_speculative_tokens": 2,
                        "heads": _heads_file(tmp / "exit.safetensors", "early_exit", 1, hidden, 20)},
         "medusa": {"method": "medusa", "num_speculative_tokens": "auto",
-                   "heads": _heads_file(tmp / "medusa.safetensors", "medusa", 3, hidden)},
+                   "heads": _heads_file(tmp / "medusa.safetensors", "medusa", 3, hidden, sequential=True)},
+        "medusa_parallel": {"method": "medusa", "num_speculative_tokens": 3,
+                            "heads": _heads_file(tmp / "medusa_p.safetensors", "medusa", 3, hidden)},
     }
 
 
@@ -57,7 +60,7 @@ def plain(brisk_llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft", "early_exit", "medusa"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "early_exit", "medusa", "medusa_parallel"])
 def test_greedy_identical_batch_1_and_8(brisk_llm: LLM, prompts, plain, method: str, tmp_path: Path) -> None:
     llm = brisk_llm.with_speculation(_methods(tmp_path, brisk_llm.model_config.hidden_size)[method])
     assert llm.engine.scheduler.config.enable_chunked_prefill and llm.engine.scheduler.kv.enable_prefix_caching

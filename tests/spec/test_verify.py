@@ -73,7 +73,7 @@ def test_rejection_sampling_reproduces_the_target_whatever_the_draft() -> None:
 def test_point_mass_drafts_and_top_k_temperature_keep_the_target_distribution() -> None:
     gen = torch.Generator().manual_seed(1)
     p_logits = torch.randn(2, V, generator=gen)
-    params = dict(temperature=0.7, top_k=5)
+    params = {"temperature": 0.7, "top_k": 5}
     req = _req(**params)
     target = p_logits[0] / 0.7
     target[target < target.topk(5).values[-1]] = -math.inf
