@@ -223,7 +223,7 @@ class SpecConfig:
 
     `num_speculative_tokens`: draft tokens verified per step, or "auto": each request's length is
     chosen every step by Thompson sampling over its acceptance history, up to
-    `max_speculative_tokens`, and may fall to 0 (plain decoding) when drafts stop being accepted.
+    `max_speculative_tokens` (7), and may fall to 0 (plain decoding) when drafts stop being accepted.
     Per method: ngram `prompt_lookup_min` / `prompt_lookup_max` (n-gram sizes matched against the
     request's own tokens); draft `model` (+ `quantization`, `quantization_config`); early_exit
     `exit_layer` (layers the draft runs; None: a quarter of them) and optional `heads` (a file of
@@ -232,7 +232,7 @@ class SpecConfig:
 
     method: str
     num_speculative_tokens: int | str = "auto"
-    max_speculative_tokens: int = 8
+    max_speculative_tokens: int = 7  # 1 + 7 rows: the verify step stays on the exact small-GEMM path
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     model: str | None = None

@@ -14,6 +14,7 @@ oldest running request can always get its blocks by preempting the others, and a
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 from brisk.config import SchedulerConfig
@@ -79,30 +80,22 @@ class Scheduler:
         # the request just preempted).
         if not preempted:
             budget = self._schedule_waiting(budget, scheduled)
+            budget = self._schedule_drafts(budget, scheduled)
         out = SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted, self._finished_ids)
         self._finished_ids = []
         return out
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> int:
         """Phase 1: every running request in order, preempting the newest when blocks run out."""
-        # Draft slots never take the budget of a later request's decode token.
-        decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            is_decode = request.num_tokens - request.num_computed_tokens == 1
-            decodes_left -= is_decode
             num_new = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:  # does not fit the budget unchunked, or has nothing to compute
                 i += 1
                 continue
-            num_spec = self._num_spec_slots(request, num_new, budget - decodes_left)
-            block_ids = self.kv.allocate_slots(request, num_new + num_spec)
+            block_ids = self.kv.allocate_slots(request, num_new)
             while block_ids is None:
-                if num_spec:  # drafts are optional: give them up before preempting anyone
-                    num_spec = 0
-                    block_ids = self.kv.allocate_slots(request, num_new)
-                    continue
                 victim = self.running.pop()  # the newest; never one already scheduled this step
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -111,19 +104,35 @@ class Scheduler:
                 block_ids = self.kv.allocate_slots(request, num_new)
             if block_ids is None:
                 break  # the request preempted itself: it was the last one
-            scheduled.append(self._advance(request, num_new, block_ids, num_spec))
-            budget -= num_new + num_spec
+            scheduled.append(self._advance(request, num_new, block_ids))
+            budget -= num_new
             i += 1
         return budget
 
-    def _num_spec_slots(self, request: Request, num_new: int, budget: int) -> int:
+    def _schedule_drafts(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """Phase 3: speculative draft slots for this step's decodes, from what the running and
+        waiting requests left: drafts are optional, so they never take a token of the budget or a
+        KV block that a decode or a prompt could use, and never cause a preemption."""
+        for i, item in enumerate(scheduled):
+            request = self._requests[item.request_id]
+            num_spec = self._num_spec_slots(request, item, budget)
+            if num_spec == 0:
+                continue
+            block_ids = self.kv.allocate_slots(request, num_spec)  # after the decode token's slot
+            if block_ids is None:
+                continue
+            scheduled[i] = dataclasses.replace(item, block_ids=block_ids, num_spec_slots=num_spec)
+            budget -= num_spec
+        return budget
+
+    def _num_spec_slots(self, request: Request, item: ScheduledRequest, budget: int) -> int:
         """Draft slots for a decode step: what the engine asked for, within the step's budget, the
         request's max_tokens and the context (all drafts accepted plus the bonus token must fit)."""
-        if num_new != 1 or request.num_spec_wanted <= 0 or request.num_tokens - request.num_computed_tokens != 1:
+        if request.num_spec_wanted <= 0 or item.num_tokens != 1 or not item.sample:
             return 0
         params = request.sampling_params
         room = min(params.max_tokens - request.num_output_tokens, self.max_seq_len - request.num_tokens) - 1
-        return max(0, min(request.num_spec_wanted, budget - 1, room))
+        return max(0, min(request.num_spec_wanted, budget, room))
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         """Phase 2: admit waiting requests first-come first-served while budget and seats last."""
@@ -181,7 +190,7 @@ class Scheduler:
         parent = self._requests.get(request.parent_id) if request.parent_id is not None else None
         return parent is not None and parent.num_computed_tokens < parent.num_prompt_tokens
 
-    def _advance(self, request: Request, num_new: int, block_ids: list[int], num_spec: int = 0) -> ScheduledRequest:
+    def _advance(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
         start = request.num_computed_tokens
         request.num_computed_tokens = start + num_new  # advanced at schedule time, as in vLLM v1
         if self._prompt_cap is not None and num_new > 1:
@@ -192,7 +201,6 @@ class Scheduler:
             start_pos=start,
             block_ids=block_ids,
             sample=start + num_new == request.num_tokens,
-            num_spec_slots=num_spec,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -25,8 +25,14 @@ from brisk.request import Request, SamplingParams
 from brisk.spec.base import Draft, DraftRequest, pick_draft_token
 
 
+class _Pool(Protocol):
+    def uncache(self, block_ids: set[int]) -> None: ...
+
+
 class DraftKV(Protocol):
     """The draft's block manager (core.kv_cache_manager.KVCacheManager)."""
+
+    pool: _Pool
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]: ...
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -68,6 +74,17 @@ class DraftModelProposer:
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         steps = {r.request_id: self._catch_up(r) for r in requests}
+        try:
+            return self._draft(requests, steps)
+        except BaseException:
+            # Blocks published at catch-up hold no valid KV: out of the draft's prefix cache, and
+            # these requests start over (the engine aborts them; this keeps the draft pool clean).
+            self.kv.pool.uncache({b for step in steps.values() if step is not None for b in step.block_ids})
+            for rid in steps:
+                self.release(rid)
+            raise
+
+    def _draft(self, requests: list[DraftRequest], steps: dict[str, _Step | None]) -> list[Draft]:
         tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in requests}
         by_id = {r.request_id: r for r in requests}

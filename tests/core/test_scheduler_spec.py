@@ -102,3 +102,26 @@ def test_drafts_never_take_another_decode_s_budget() -> None:
     out = sched.schedule()  # 4 decodes in a budget of 6: 2 draft slots in all, for the first request
     assert [s.num_spec_slots for s in out.scheduled] == [2, 0, 0, 0]
     assert out.num_batched_tokens == 6
+
+
+def test_drafts_never_take_a_block_another_decode_needs() -> None:
+    sched = make_sched(budget=64, num_blocks=5)
+    a, b = make("a", 7, max_tokens=20), make("b", 8, max_tokens=20, base=2000)
+    sched.add_request(a)
+    sched.add_request(b)
+    sched.update_from_output(sched.schedule(), {"a": [7], "b": [7]})  # a: 2 blocks, b: 2 full blocks; 1 free
+    a.num_spec_wanted = 4  # a's drafts would need the free block; b's next token needs it
+    out = sched.schedule()
+    assert not out.preempted_ids and [s.num_spec_slots for s in out.scheduled] == [0, 0]
+    assert [len(s.block_ids) for s in out.scheduled] == [2, 3]
+    sched.check_invariants()
+
+
+def test_waiting_prompts_come_before_drafts() -> None:
+    sched = make_sched(budget=8)
+    a = make("a", 3, max_tokens=20)
+    _prefill(sched, a)
+    sched.add_request(make("b", 6, max_tokens=20, base=500))
+    a.num_spec_wanted = 6
+    out = sched.schedule()  # a's decode (1) and b's whole prompt (6) first; one token left for a draft
+    assert [(s.request_id, s.num_tokens, s.num_spec_slots) for s in out.scheduled] == [("a", 1, 1), ("b", 6, 0)]

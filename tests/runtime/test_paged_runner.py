@@ -110,3 +110,27 @@ def test_steps_without_sampling_return_no_rows() -> None:
     runner = PagedModelRunner(_model(torch.float32), num_blocks=8, block_size=4)
     out = runner.execute([Step("x", [1, 2, 3], 0, [5, 6], sample=False)])
     assert out.logits.shape == (0, CFG.vocab_size) and out.sample_ids == [] and out.rows == {}
+
+
+@pytest.mark.skipif(not paged_attention.HAVE_PAGED_KERNEL, reason="brisk._C not built")
+def test_a_verify_step_gives_each_row_exactly_its_single_token_logits() -> None:
+    """Speculative verification scores t_last and up to 7 drafts in one step: every row's logits
+    must equal bit for bit what decoding those tokens one at a time gives (greedy stays exact)."""
+    from brisk import kernels
+
+    if kernels.SMALL_GEMM_MAX_ROWS < 8:
+        pytest.skip("the batch-invariant small GEMM needs AVX-512")
+    model = _model(torch.float32)
+    prompt = list(range(3, 40))
+    tail = [7, 19, 3, 55, 21, 8, 90, 4]  # t_last and 7 "drafts"
+    one = PagedModelRunner(model, num_blocks=16, block_size=16)
+    one.execute([Step("a", prompt, 0, [0, 1, 2, 3])])
+    singles = []
+    for i, tok in enumerate(tail):
+        out = one.execute([Step("a", [tok], len(prompt) + i, [0, 1, 2, 3])])
+        singles.append(out.last_rows(["a"])[0])
+    many = PagedModelRunner(model, num_blocks=16, block_size=16)
+    many.execute([Step("a", prompt, 0, [4, 5, 6, 7])])
+    rows = many.execute([Step("a", tail, len(prompt), [4, 5, 6, 7])], frozenset({"a"})).of("a")
+    for i in range(len(tail)):
+        assert torch.equal(rows[i], singles[i]), f"row {i} differs from single-token decoding"

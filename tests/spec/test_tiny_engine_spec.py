@@ -139,7 +139,7 @@ def test_auto_length_falls_for_useless_drafts_and_rises_for_perfect_ones() -> No
     assert run(useless, prompts, params) == expected == run(perfect, prompts, params)
     # Never-accepted drafts: Thompson sampling keeps trying one now and then, but the verify work
     # they waste stays under 5% of the plain steps (VERIFY_COST per draft token); always-accepted
-    # ones go to the maximum (8) within a few steps.
+    # ones go to the maximum (7) within a few steps.
     wasted = useless.spec.stats.num_draft_tokens * VERIFY_COST
     perfect_k = perfect.spec.stats.num_draft_tokens / perfect.spec.stats.num_verify_steps
     assert useless.spec.stats.num_accepted_tokens == 0 and wasted < 0.05 * 4 * 60
