@@ -44,7 +44,7 @@ def test_greedy_identical_with_wrong_right_and_partial_drafts() -> None:
     expected = run(tiny_engine(target, budget=12), prompts, GREEDY)
     wrong = with_proposer(tiny_engine(target, budget=12), FixedProposer(torch.full((VOCAB,), 1 / VOCAB)))
     assert run(wrong, prompts, GREEDY) == expected
-    assert wrong.spec.stats.num_draft_tokens > 100
+    assert wrong.spec.stats.num_draft_tokens > 50
     same = _draft_engine(target, tiny_model(0), budget=12)  # the target as its own draft: all accepted
     assert run(same, prompts, GREEDY) == expected
     assert same.spec.stats.acceptance_rate == 1.0
