@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from brisk.request import Request, SamplingParams
-from brisk.spec.base import Draft, DraftRequest, pick_draft_token
+from brisk.spec.base import Draft, DraftRequest, DraftStep, pick_draft_token
 
 
 class _Pool(Protocol):
@@ -44,17 +44,6 @@ class DraftRunner(Protocol):
     """The draft's forward (runtime.paged_runner.PagedModelRunner): last-row logits per request."""
 
     def execute(self, steps: list, all_rows_for: frozenset[str] = ...) -> object: ...
-
-
-@dataclass
-class _Step:
-    """One request's work in a draft pass (the runner's ScheduledStep protocol)."""
-
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    block_ids: list[int]
-    sample: bool = True
 
 
 @dataclass
@@ -84,7 +73,7 @@ class DraftModelProposer:
                 self.release(rid)
             raise
 
-    def _draft(self, requests: list[DraftRequest], steps: dict[str, _Step | None]) -> list[Draft]:
+    def _draft(self, requests: list[DraftRequest], steps: dict[str, DraftStep | None]) -> list[Draft]:
         tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in requests}
         by_id = {r.request_id: r for r in requests}
@@ -113,7 +102,7 @@ class DraftModelProposer:
         return [Draft(tokens[r.request_id], torch.stack(probs[r.request_id]) if probs[r.request_id] else None)
                 for r in requests]
 
-    def _catch_up(self, r: DraftRequest) -> _Step | None:
+    def _catch_up(self, r: DraftRequest) -> DraftStep | None:
         """Sync the shadow with the target's tokens and reserve slots for this step's passes;
         None when the draft's pool is full (the request then goes without drafts this step)."""
         shadow = self._shadows.get(r.request_id)
@@ -142,7 +131,7 @@ class DraftModelProposer:
             return None
         shadow.request.num_computed_tokens = len(shadow.cached)
         shadow.cached.extend(todo)
-        return _Step(r.request_id, list(todo), len(shadow.cached) - len(todo), blocks)
+        return DraftStep(r.request_id, list(todo), len(shadow.cached) - len(todo), blocks)
 
     def release(self, request_id: str) -> None:
         shadow = self._shadows.pop(request_id, None)

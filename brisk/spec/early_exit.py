@@ -9,13 +9,12 @@ used by the target (nothing stale is read).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from brisk.model.llama import LlamaForCausalLM
-from brisk.spec.base import Draft, DraftRequest, pick_draft_token
+from brisk.spec.base import Draft, DraftRequest, DraftStep, pick_draft_token
 from brisk.spec.heads import DraftVocab, ResidualHeads
 
 
@@ -23,15 +22,6 @@ class ExitRunner(Protocol):
     """runtime.paged_runner.PagedModelRunner.exit_hidden"""
 
     def exit_hidden(self, steps: list, num_layers: int) -> torch.Tensor: ...
-
-
-@dataclass
-class _Step:
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    block_ids: list[int]
-    sample: bool = True
 
 
 class EarlyExitProposer:
@@ -51,7 +41,7 @@ class EarlyExitProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        steps = [_Step(r.request_id, [r.token_ids[-1]], r.last_pos, r.block_ids) for r in requests]
+        steps = [DraftStep(r.request_id, [r.token_ids[-1]], r.last_pos, r.block_ids) for r in requests]
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = list(range(len(requests)))
@@ -65,7 +55,7 @@ class EarlyExitProposer:
                 tokens[i].append(token)
                 if q is not None:
                     probs[i].append(q)
-                steps[i] = _Step(steps[i].request_id, [token], steps[i].start_pos + 1, steps[i].block_ids)
+                steps[i] = DraftStep(steps[i].request_id, [token], steps[i].start_pos + 1, steps[i].block_ids)
             active = [i for i in active if len(tokens[i]) < requests[i].num_drafts]
         return [Draft(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 

@@ -54,12 +54,18 @@ def test_draft_slots_stay_within_budget_max_tokens_and_context() -> None:
     assert s.num_spec_slots == 2
 
 
-def test_drafts_are_dropped_before_anyone_is_preempted() -> None:
-    sched = make_sched(budget=64, num_blocks=4)
-    a, b = make("a", 7, max_tokens=20), make("b", 7, max_tokens=20, base=2000)
+def _two_running(num_blocks: int, b_prompt: int):  # type: ignore[no-untyped-def]
+    """Requests a (7 prompt tokens) and b (b_prompt), both past their prompt with one output."""
+    sched = make_sched(budget=64, num_blocks=num_blocks)
+    a, b = make("a", 7, max_tokens=20), make("b", b_prompt, max_tokens=20, base=2000)
     sched.add_request(a)
     sched.add_request(b)
-    sched.update_from_output(sched.schedule(), {"a": [7], "b": [7]})  # 2 blocks each: the pool is full
+    sched.update_from_output(sched.schedule(), {"a": [7], "b": [7]})
+    return sched, a, b
+
+
+def test_drafts_are_dropped_before_anyone_is_preempted() -> None:
+    sched, a, b = _two_running(num_blocks=4, b_prompt=7)  # 2 blocks each: the pool is full
     a.num_spec_wanted = b.num_spec_wanted = 4
     out = sched.schedule()
     assert [s.num_spec_slots for s in out.scheduled] == [0, 0] and not out.preempted_ids
@@ -105,11 +111,7 @@ def test_drafts_never_take_another_decode_s_budget() -> None:
 
 
 def test_drafts_never_take_a_block_another_decode_needs() -> None:
-    sched = make_sched(budget=64, num_blocks=5)
-    a, b = make("a", 7, max_tokens=20), make("b", 8, max_tokens=20, base=2000)
-    sched.add_request(a)
-    sched.add_request(b)
-    sched.update_from_output(sched.schedule(), {"a": [7], "b": [7]})  # a: 2 blocks, b: 2 full blocks; 1 free
+    sched, a, _ = _two_running(num_blocks=5, b_prompt=8)  # a: 2 blocks, b: 2 full blocks; 1 free
     a.num_spec_wanted = 4  # a's drafts would need the free block; b's next token needs it
     out = sched.schedule()
     assert not out.preempted_ids and [s.num_spec_slots for s in out.scheduled] == [0, 0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -23,11 +24,21 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def server(gguf_path: Path) -> Iterator[dict[str, Any]]:
     openai = pytest.importorskip("openai")
-    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("uvicorn")
     from brisk.engine.llm import LLM
-    from brisk.server import build_app
 
     llm = LLM(MODEL, num_kv_blocks=512, max_model_len=1024, max_num_seqs=64)
+    with running_server(llm) as (base, app):
+        yield {"base": base, "llm": llm, "state": app.state.brisk,
+               "client": openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)}
+
+
+@contextlib.contextmanager
+def running_server(llm: Any) -> Iterator[tuple[str, Any]]:
+    """`brisk serve`'s app for `llm` on a free local port, in a thread: (base URL, app)."""
+    uvicorn = pytest.importorskip("uvicorn")
+    from brisk.server import build_app
+
     app = build_app(llm, api_key="")
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -36,11 +47,11 @@ def server(gguf_path: Path) -> Iterator[dict[str, Any]]:
     deadline = time.time() + 30
     while not srv.started and time.time() < deadline:
         time.sleep(0.05)
-    base = f"http://127.0.0.1:{port}"
-    yield {"base": base, "llm": llm, "state": app.state.brisk,
-           "client": openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)}
-    srv.should_exit = True
-    thread.join(10)
-    app.state.brisk.engine.shutdown()
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+        app.state.brisk.engine.shutdown()
 
 

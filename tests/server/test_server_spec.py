@@ -3,32 +3,17 @@ acceptance counters on /metrics."""
 
 from __future__ import annotations
 
-import threading
-import time
-from pathlib import Path
-
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL, _free_port
+from tests.server.conftest import MODEL, running_server
 
 
-def test_speculating_server_matches_plain_and_reports_acceptance(server, gguf_path: Path) -> None:
+def test_speculating_server_matches_plain_and_reports_acceptance(server) -> None:
     openai = pytest.importorskip("openai")
-    uvicorn = pytest.importorskip("uvicorn")
-    from brisk.server import build_app
-
     llm = server["llm"].with_speculation({"method": "ngram", "num_speculative_tokens": 4})
-    app = build_app(llm, api_key="")
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    try:
-        spec_client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    with running_server(llm) as (base, _):
+        spec_client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         messages = [{"role": "user", "content": "Repeat exactly: one two three four five six seven eight."}]
         kw = {"model": MODEL, "messages": messages, "max_tokens": 40, "temperature": 0}
         plain = server["client"].chat.completions.create(**kw).choices[0].message.content
@@ -37,11 +22,7 @@ def test_speculating_server_matches_plain_and_reports_acceptance(server, gguf_pa
         streamed = "".join(c.choices[0].delta.content or "" for c in spec_client.chat.completions.create(
             **kw, stream=True) if c.choices)
         assert streamed == plain
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        metrics = httpx.get(f"{base}/metrics").text
         drafted = [ln for ln in metrics.splitlines() if ln.startswith('brisk_spec_draft_tokens{method="ngram"}')]
         assert drafted and float(drafted[0].split()[-1]) > 0
         assert 'brisk_spec_acceptance_rate{method="ngram"}' in metrics
-    finally:
-        srv.should_exit = True
-        thread.join(10)
-        app.state.brisk.engine.shutdown()
