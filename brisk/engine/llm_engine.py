@@ -22,8 +22,8 @@ from brisk.config import CacheConfig, SchedulerConfig, SpecConfig
 from brisk.core.outputs import SchedulerOutput
 from brisk.core.scheduler import Scheduler
 from brisk.engine.detokenizer import IncrementalDetokenizer
-from brisk.engine.speculative import build_speculator
 from brisk.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from brisk.engine.speculative import build_speculator
 from brisk.loader.tokenizer import Tokenizer
 from brisk.model.llama import LlamaForCausalLM
 from brisk.request import FinishReason, Request, RequestStatus, SamplingParams
@@ -179,7 +179,8 @@ class LLMEngine:
         """Drafts (if speculating), one forward, sampling and verification: the new tokens of
         every request that reached the end of its known tokens. Logprobs are recorded here."""
         steps, drafts = sched.scheduled, {}
-        if self.spec is not None:
+        speculating = self.spec is not None and any(s.num_spec_slots for s in sched.scheduled)
+        if speculating:
             requests, generators = self._requests(), self._generators()
             steps, drafts = self.spec.fill(sched, requests, generators)
         prompt_rows = frozenset(s.request_id for s in sched.scheduled

@@ -27,7 +27,7 @@ from brisk.runtime.paged_runner import PagedModelRunner, StepLogits
 from brisk.spec.base import Draft, DraftRequest, Proposer
 from brisk.spec.draft import DraftModelProposer
 from brisk.spec.early_exit import EarlyExitProposer
-from brisk.spec.heads import load_draft_vocab, load_heads
+from brisk.spec.heads import load_heads
 from brisk.spec.length import DraftLength
 from brisk.spec.medusa import MedusaProposer
 from brisk.spec.ngram import NgramProposer
@@ -171,8 +171,8 @@ def build_speculator(config: SpecConfig, runner: PagedModelRunner, cache: CacheC
     elif config.method == "medusa":
         assert config.heads is not None
         model = runner.model
-        heads, _ = load_heads(config.heads, "medusa", model.config.hidden_size, model.dtype, model.device)
-        proposer = MedusaProposer(model, heads, load_draft_vocab(config.heads, model))
+        heads, _, vocab = load_heads(config.heads, "medusa", model)
+        proposer = MedusaProposer(model, heads, vocab)
     elif config.method == "draft":
         assert draft_model is not None, "method draft needs the loaded draft model"
         # as many tokens of draft KV as the target has: every running request can draft
@@ -231,14 +231,12 @@ class _Scratch:
 def _early_exit(config: SpecConfig, runner: PagedModelRunner) -> EarlyExitProposer:
     """The exit layer: the config's, else the one the heads file was trained for, else half the model."""
     model = runner.model
-    head, meta = (None, {}) if config.heads is None else load_heads(
-        config.heads, "early_exit", model.config.hidden_size, model.dtype, model.device)
+    head, meta, vocab = (None, {}, None) if config.heads is None else load_heads(config.heads, "early_exit", model)
     trained_for = int(meta["exit_layer"]) if "exit_layer" in meta else None
     layer = config.exit_layer or trained_for or model.config.num_hidden_layers // 2
     if head is not None and trained_for is not None and layer != trained_for:
         raise ValueError(f"the exit head in {config.heads!r} was trained at layer {trained_for}, not {layer}; "
                          "drop exit_layer or train a head for that layer")
-    vocab = None if config.heads is None else load_draft_vocab(config.heads, model)
     return EarlyExitProposer(model, runner, layer, head, vocab)
 
 

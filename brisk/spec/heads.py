@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from brisk.model.layers import linear
@@ -94,40 +95,38 @@ def save_heads(path: str | Path, heads: ResidualHeads, kind: str, base_model: st
     save_file(tensors, str(path), metadata=meta)
 
 
-def load_draft_vocab(path: str | Path, model: LlamaForCausalLM) -> DraftVocab | None:
-    """The heads file's draft vocabulary for this model, or None when the file has none."""
-    ids = load_file(str(path)).get("vocab")
+def load_heads(path: str | Path, kind: str, model: LlamaForCausalLM) -> tuple[ResidualHeads, dict[str, str],
+                                                                             DraftVocab | None]:
+    """Heads of `kind` for `model`, their metadata and their draft vocabulary (None: all tokens),
+    from one read of the file; ValueError for a wrong file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"heads file {str(path)!r} not found; write one with `brisk train-heads --kind {kind}`")
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix
+        raise ValueError(f"{str(path)!r} is not a heads file written by `brisk train-heads` ({exc})") from None
+    if meta.get("kind") != kind:
+        raise ValueError(f"{str(path)!r} holds {meta.get('kind') or 'unknown'} heads, not {kind} heads")
+    hidden_size = model.config.hidden_size
+    weight, bias = tensors.get("weight"), tensors.get("bias")
+    sequential = meta.get("sequential") == "1"
+    width = 2 * hidden_size if sequential else hidden_size
+    if weight is None or bias is None or weight.dim() != 3 or weight.shape[1:] != (hidden_size, width):
+        raise ValueError(f"{str(path)!r}: heads for hidden size {meta.get('hidden_size')}, this model has {hidden_size}")
+    heads = ResidualHeads(hidden_size, weight.shape[0], model.dtype, sequential)
+    with torch.no_grad():
+        heads.weight.copy_(weight)
+        heads.bias.copy_(bias)
+    return heads.to(model.device).eval().requires_grad_(False), meta, _draft_vocab(path, tensors.get("vocab"), model)
+
+
+def _draft_vocab(path: Path, ids: torch.Tensor | None, model: LlamaForCausalLM) -> DraftVocab | None:
     if ids is None:
         return None
     vocab_size = model.config.vocab_size
     if ids.dim() != 1 or not len(ids) or int(ids.max()) >= vocab_size or int(ids.min()) < 0:
         raise ValueError(f"{str(path)!r}: its draft vocabulary does not fit a {vocab_size}-token model")
     return DraftVocab(ids, model)
-
-
-def load_heads(path: str | Path, kind: str, hidden_size: int, dtype: torch.dtype,
-               device: torch.device | str) -> tuple[ResidualHeads, dict[str, str]]:
-    """Heads of `kind` for a model with `hidden_size`; ValueError for a wrong file."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"heads file {str(path)!r} not found; write one with `brisk train-heads --kind {kind}`")
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-        tensors = load_file(str(path))
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix
-        raise ValueError(f"{str(path)!r} is not a heads file written by `brisk train-heads` ({exc})") from None
-    if meta.get("kind") != kind:
-        raise ValueError(f"{str(path)!r} holds {meta.get('kind') or 'unknown'} heads, not {kind} heads")
-    weight, bias = tensors.get("weight"), tensors.get("bias")
-    sequential = meta.get("sequential") == "1"
-    width = 2 * hidden_size if sequential else hidden_size
-    if weight is None or bias is None or weight.dim() != 3 or weight.shape[1:] != (hidden_size, width):
-        raise ValueError(f"{str(path)!r}: heads for hidden size {meta.get('hidden_size')}, this model has {hidden_size}")
-    heads = ResidualHeads(hidden_size, weight.shape[0], dtype, sequential)
-    with torch.no_grad():
-        heads.weight.copy_(weight)
-        heads.bias.copy_(bias)
-    return heads.to(device).eval().requires_grad_(False), meta

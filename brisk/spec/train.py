@@ -85,7 +85,9 @@ class _Trainer:
         self.vocab = torch.arange(vocab_size) if vocab is None else vocab.cpu()
         with torch.no_grad():
             self.head_weight = model.head_rows(self.vocab.to(model.device)).cpu()  # [N, hidden]
-            self.embed = model.embed_tokens(torch.arange(vocab_size, device=model.device)).float().cpu()
+            # sequential heads read token embeddings; the others never do
+            self.embed = model.embed_tokens(torch.arange(vocab_size, device=model.device)).float().cpu() \
+                if heads.sequential else None
         self.index = torch.full((vocab_size,), IGNORE, dtype=torch.long)  # token id -> row, or IGNORE
         self.index[self.vocab] = torch.arange(len(self.vocab))
         self.heads = heads
@@ -94,6 +96,7 @@ class _Trainer:
         """[B, hidden], [B, K] -> [B, K, N] (teacher-forced chain for sequential heads)."""
         if not self.heads.sequential:
             return F.linear(self.heads(hidden), self.head_weight)
+        assert self.embed is not None
         g, outs = hidden, []
         for k in range(self.heads.num_heads):
             g = self.heads.head(k, g, self.embed[inputs[:, k]])

@@ -9,13 +9,7 @@ import pytest
 import torch
 
 from brisk.request import SamplingParams
-from brisk.spec.heads import (
-    DraftVocab,
-    ResidualHeads,
-    load_draft_vocab,
-    load_heads,
-    save_heads,
-)
+from brisk.spec.heads import DraftVocab, ResidualHeads, load_heads, save_heads
 from brisk.spec.train import HeadTraining, features, train_heads
 from tests.spec.conftest import CFG, VOCAB, run, tiny_engine, tiny_model
 
@@ -30,16 +24,20 @@ def test_untrained_heads_are_the_identity_and_files_round_trip(tmp_path: Path, s
         heads.weight.normal_()
     path = tmp_path / "m.safetensors"
     save_heads(path, heads, "medusa", "tiny", vocab=torch.tensor([3, 1, 2]))
-    loaded, meta = load_heads(path, "medusa", CFG.hidden_size, torch.float32, "cpu")
+    model = tiny_model(0)
+    loaded, meta, vocab = load_heads(path, "medusa", model)
+    assert vocab is not None and vocab.token_ids.tolist() == [3, 1, 2]
     assert loaded.sequential == sequential and meta["kind"] == "medusa" and meta["base_model"] == "tiny"
     assert torch.equal(loaded.head(2, h, e if sequential else None), heads.head(2, h, e if sequential else None))
     with pytest.raises(ValueError, match="holds medusa heads, not early_exit"):
-        load_heads(path, "early_exit", CFG.hidden_size, torch.float32, "cpu")
-    with pytest.raises(ValueError, match="heads for hidden size 32, this model has 64"):
-        load_heads(path, "medusa", 64, torch.float32, "cpu")
+        load_heads(path, "early_exit", model)
+    with pytest.raises(ValueError, match="heads for hidden size 64, this model has 32"):
+        wide = ResidualHeads(64, 3, sequential=sequential)
+        save_heads(tmp_path / "wide.safetensors", wide, "medusa", "tiny")
+        load_heads(tmp_path / "wide.safetensors", "medusa", model)
     (tmp_path / "junk.safetensors").write_bytes(b"not a file")
     with pytest.raises(ValueError, match="not a heads file"):
-        load_heads(tmp_path / "junk.safetensors", "medusa", CFG.hidden_size, torch.float32, "cpu")
+        load_heads(tmp_path / "junk.safetensors", "medusa", model)
 
 
 def test_draft_vocabulary_keeps_its_tokens_logits_and_masks_the_rest(tmp_path: Path) -> None:
@@ -53,7 +51,7 @@ def test_draft_vocabulary_keeps_its_tokens_logits_and_masks_the_rest(tmp_path: P
     path = tmp_path / "h.safetensors"
     save_heads(path, ResidualHeads(CFG.hidden_size, 1), "medusa", "tiny", vocab=torch.tensor([VOCAB + 3]))
     with pytest.raises(ValueError, match="does not fit a 16-token model"):
-        load_draft_vocab(path, model)
+        load_heads(path, "medusa", model)
 
 
 def test_self_distillation_teaches_the_heads_the_model_s_continuations() -> None:
