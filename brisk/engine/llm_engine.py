@@ -188,7 +188,7 @@ class LLMEngine:
         started = time.perf_counter()
         out = self.runner.execute(steps, prompt_rows | frozenset(drafts))
         if self.spec is not None and all(s.num_tokens == 1 for s in sched.scheduled):  # decode-only steps
-            self.spec.observe_forward(time.perf_counter() - started, drafts, len(steps))
+            self.spec.observe_forward(time.perf_counter() - started, drafts)
         for step in sched.scheduled:
             if step.request_id in prompt_rows:
                 self._record_prompt_logprobs(self._seqs[step.request_id], step.start_pos, out.of(step.request_id))

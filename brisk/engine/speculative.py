@@ -120,7 +120,7 @@ class Speculator:
                  if s.request_id in drafts else s for s in sched.scheduled]
         return steps, drafts
 
-    def observe_forward(self, seconds: float, drafts: dict[str, Draft], num_requests: int) -> None:
+    def observe_forward(self, seconds: float, drafts: dict[str, Draft]) -> None:
         """The target's forward took `seconds`: refresh the draft cost the length controller uses
         (one draft pass over one plain decode step, both measured on this machine and batch)."""
         longest = max((len(d.token_ids) for d in drafts.values()), default=0)
