@@ -254,6 +254,22 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _torchrun_worker(args: argparse.Namespace) -> bool:
+    """Under torchrun every rank runs the same brisk command; ranks other than 0 serve steps
+    (engine/workers.py) and return True when rank 0 stops them."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or int(os.environ.get("RANK", "0")) == 0:
+        return False
+    from brisk.engine.workers import WorkerArgs, run_worker
+
+    options = json.loads(args.quant_config) if args.quant_config else None
+    run_worker(WorkerArgs(args.model, args.dtype, args.device, args.max_model_len, args.quantization, options,
+                          args.tensor_parallel_size, args.pipeline_parallel_size, args.parallel_timeout, None,
+                          args.block_size, not args.no_pack_weights), int(os.environ["RANK"]), "env://")
+    return True
+
+
 COMMANDS = {"generate": _cmd_generate, "convert": _cmd_convert, "bench": run_bench, "serve": _cmd_serve,
             "eval": _cmd_eval, "quantize": _cmd_quantize, "train-heads": _cmd_train_heads}
 
@@ -262,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.command in ("generate", "serve") and _torchrun_worker(args):
+            return 0
         return COMMANDS[args.command](args)
     except (ValueError, OSError) as exc:  # bad input, unreadable or unwritable paths
         print(f"brisk: error: {exc}", file=sys.stderr)

@@ -20,6 +20,7 @@ def add_quant(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--quantization", "-q", default=None, help=f"{what} ({QUANT_HELP})")
     p.add_argument("--quant-config", default=None, help=QUANT_CONFIG_HELP)
 
+
 def add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help=f"built-in name, .gguf file or HF directory (default {DEFAULT_MODEL})")
@@ -44,6 +45,23 @@ def add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-decode-slowdown", type=float, default=None,
                    help="size prompt chunks so a step with running decodes takes at most this many times "
                         "a decode-only step (e.g. 1.5; learned from step times; default: token budget only)")
+    add_parallel(p)
+
+
+def add_parallel(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu; parallel ranks take cuda:LOCAL_RANK)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split every layer over T processes (attention heads by KV group, MLP, vocabulary; default 1)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="split the layers into P stages, one process group each (default 1); T x P processes "
+                        "are spawned here, or started by torchrun across machines (see README)")
+    p.add_argument("--parallel-timeout", type=float, default=120.0,
+                   help="seconds a parallel worker may stay silent in a step before it is reported hung (default 120)")
+
+
+def parallel_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return {"device": args.device, "tensor_parallel_size": args.tensor_parallel_size,
+            "pipeline_parallel_size": args.pipeline_parallel_size, "parallel_timeout_s": args.parallel_timeout}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -53,7 +71,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
             "enable_prefix_caching": not args.no_prefix_caching,
             "enable_chunked_prefill": not args.no_chunked_prefill,
             "max_decode_slowdown": args.max_decode_slowdown,
-            "pack_weights": not args.no_pack_weights, **quant_kwargs(args), **spec_kwargs(args)}
+            "pack_weights": not args.no_pack_weights, **quant_kwargs(args), **spec_kwargs(args),
+            **parallel_kwargs(args)}
 
 
 def quant_kwargs(args: argparse.Namespace) -> dict[str, object]:

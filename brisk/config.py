@@ -297,6 +297,33 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor (`tensor_parallel_size` ranks share every layer) times pipeline
+    (`pipeline_parallel_size` stages of contiguous layers) parallelism over torch.distributed.
+    `timeout_s`: how long rank 0 waits on a worker in one step before calling it hung (a dead
+    worker is noticed at once: its sockets close). `micro_batches`: pieces a step's batch is cut
+    into so pipeline stages overlap (None: one per stage)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    timeout_s: float = 120.0
+    micro_batches: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"parallel timeout_s must be > 0 seconds, got {self.timeout_s}")
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """What `LLM(...)` was asked for: the model reference and how to run it."""
 

@@ -156,6 +156,8 @@ class AsyncEngine:
         try:
             outs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - the step's requests end with the error; others go on
+            if getattr(e, "fatal", False):
+                raise  # the engine cannot run any step (a parallel worker died): the loop ends, callers get 503
             listening = set(self._sinks)  # every request in flight has a sink until it ends
             gone = listening - set(self.engine.unfinished_request_ids())
             if not gone:

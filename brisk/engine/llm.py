@@ -9,14 +9,24 @@
 from __future__ import annotations
 
 import itertools
+import json
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Union
 
 from tqdm import tqdm
 
-from brisk.config import CacheConfig, EngineConfig, QuantConfig, SchedulerConfig, SpecConfig
+from brisk.config import (
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    QuantConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 from brisk.engine.llm_engine import LLMEngine
 from brisk.engine.outputs import RequestOutput
+from brisk.engine.workers import Cluster, WorkerArgs, start_cluster
 from brisk.loader.load import load_model
 from brisk.loader.resolve import DEFAULT_MODEL
 from brisk.model.llama import LlamaForCausalLM
@@ -25,6 +35,11 @@ from brisk.request import SamplingParams
 # A prompt is text, or {"prompt_token_ids": [...]} for pre-tokenized input (as in vLLM).
 Prompt = Union[str, dict[str, Any]]
 Messages = list[dict[str, Any]]
+
+
+def _options(config: dict[str, Any] | str | None) -> dict[str, Any] | None:
+    """A quantization_config given as JSON text, as the dict the workers receive."""
+    return json.loads(config) if isinstance(config, str) else config
 
 
 class LLM:
@@ -43,7 +58,11 @@ class LLM:
     with `quantization_config` ({"group_size": 64, "calibration": "text.txt"} for int4; a dict or
     a JSON string),
     `speculative_config` (lossless speculative decoding: {"method": "ngram" | "draft" | "early_exit" |
-    "medusa", "num_speculative_tokens": k or "auto", ...}, see config.SpecConfig; a dict or JSON).
+    "medusa", "num_speculative_tokens": k or "auto", ...}, see config.SpecConfig; a dict or JSON),
+    `tensor_parallel_size` / `pipeline_parallel_size` (split the model over T x P processes on
+    torch.distributed, this one being rank 0; see parallel/ and engine/workers.py; `close()` or
+    `with LLM(...) as llm:` stops them), `parallel_timeout_s` (a worker silent that long in a step
+    is reported hung).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str = "cpu",
@@ -54,7 +73,9 @@ class LLM:
                  max_decode_slowdown: float | None = None, pack_weights: bool = True,
                  quantization: str | None = None,
                  quantization_config: dict[str, Any] | str | None = None,
-                 speculative_config: dict[str, Any] | str | None = None) -> None:
+                 speculative_config: dict[str, Any] | str | None = None,
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 parallel_timeout_s: float = 120.0) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed)
         cache = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                             kv_cache_memory_gib=kv_cache_memory_gib, enable_prefix_caching=enable_prefix_caching)
@@ -63,7 +84,21 @@ class LLM:
         # checked before spending seconds on loading
         quant = None if quantization is None else QuantConfig.parse(quantization, quantization_config)
         spec = None if speculative_config is None else SpecConfig.parse(speculative_config)
-        loaded = load_model(model, dtype=dtype, device=device, max_model_len=max_model_len, quant=quant)
+        parallel = ParallelConfig(tensor_parallel_size, pipeline_parallel_size, parallel_timeout_s)
+        self._cluster: Cluster | None = None
+        if parallel.world_size > 1:
+            if spec is not None:
+                raise ValueError("speculative decoding runs in a single process for now: drop speculative_config "
+                                 "or the tensor/pipeline parallel sizes")
+            self._cluster = start_cluster(WorkerArgs(
+                model, dtype, device, max_model_len, quantization, _options(quantization_config),
+                tensor_parallel_size, pipeline_parallel_size, parallel_timeout_s, None, block_size, pack_weights),
+                cache)
+            self._finalizer = weakref.finalize(self, self._cluster.close)
+            loaded = self._cluster.loaded
+        else:
+            loaded = load_model(model, dtype=dtype, device=device, max_model_len=max_model_len, quant=quant)
+        self.parallel = parallel
         self.quantization = loaded.quantization
         self.max_model_len = max_model_len or loaded.config.max_position_embeddings
         sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
@@ -74,7 +109,8 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.source.name
         draft = None if spec is None or spec.method != "draft" else self._load_draft(spec, dtype, device)
-        self.engine = LLMEngine(loaded.model, loaded.tokenizer, cache, sched, seed, pack_weights, spec, draft)
+        self.engine = LLMEngine(loaded.model, loaded.tokenizer, cache, sched, seed, pack_weights, spec, draft,
+                                None if self._cluster is None else self._cluster.runner)
         self._ids = itertools.count()
         # Outputs of open streams, kept when another call (a generate) runs the steps that make them.
         self._stream_buffers: dict[str, list[RequestOutput]] = {}
@@ -83,6 +119,9 @@ class LLM:
         """The same loaded model and tokenizer behind a fresh engine with other speculative
         decoding settings (None: plain decoding): side-by-side runs without a reload."""
         spec = None if speculative_config is None else SpecConfig.parse(speculative_config)
+        if self._cluster is not None:
+            raise ValueError("with_speculation needs a single-process LLM: speculative decoding does not run "
+                             "tensor/pipeline parallel yet")
         other = object.__new__(LLM)
         other.__dict__.update(self.__dict__)
         e = self.engine
@@ -93,6 +132,18 @@ class LLM:
         other._ids = itertools.count()
         other._stream_buffers = {}
         return other
+
+    def close(self) -> None:
+        """Stop the worker processes of a parallel LLM (also at exit or when it is collected);
+        nothing to do for a single-process one. The LLM cannot generate afterwards."""
+        if self._cluster is not None:
+            self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _load_draft(self, spec: SpecConfig, dtype: str, device: str) -> LlamaForCausalLM:
         """The draft model of method "draft": same tokenizer as the target, or a ValueError."""

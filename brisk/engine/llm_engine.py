@@ -28,6 +28,7 @@ from brisk.loader.tokenizer import Tokenizer
 from brisk.model.llama import LlamaForCausalLM
 from brisk.request import FinishReason, Request, RequestStatus, SamplingParams
 from brisk.runtime.paged_runner import PagedModelRunner, kv_block_bytes
+from brisk.runtime.parallel_runner import ParallelRunner
 from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs
 from brisk.sample.sampler import SamplingBatch, sample
 
@@ -65,22 +66,28 @@ def num_kv_blocks(cache: CacheConfig, model: LlamaForCausalLM) -> int:
     """Blocks from an explicit count, or as many as `kv_cache_memory_gib` holds."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    per_block = kv_block_bytes(model.config, cache.block_size, model.dtype)
+    per_block = kv_block_bytes(model, cache.block_size)
     return max(1, int(cache.kv_cache_memory_gib * 2**30) // per_block)
 
 
 class LLMEngine:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, cache: CacheConfig,
                  scheduler: SchedulerConfig, seed: int = 0, pack_weights: bool = True,
-                 speculative: SpecConfig | None = None, draft_model: LlamaForCausalLM | None = None) -> None:
+                 speculative: SpecConfig | None = None, draft_model: LlamaForCausalLM | None = None,
+                 runner: ParallelRunner | None = None) -> None:
         """`speculative`: speculative decoding (spec/); `draft_model` is the loaded draft for method
-        "draft" (the caller loads it: the engine never reads files)."""
+        "draft" (the caller loads it: the engine never reads files). `runner`: a parallel runner
+        over worker processes (engine/workers.py) instead of this process's own."""
         self.model = model
         self.tokenizer = tokenizer
         self.cache_config = cache
         self.scheduler_config = scheduler
-        self.num_blocks = num_kv_blocks(cache, model)
-        self.runner = PagedModelRunner(model, self.num_blocks, cache.block_size, pack_weights)
+        self.runner: PagedModelRunner | ParallelRunner
+        if runner is not None:
+            self.num_blocks, self.runner = runner.num_blocks, runner
+        else:
+            self.num_blocks = num_kv_blocks(cache, model)
+            self.runner = PagedModelRunner(model, self.num_blocks, cache.block_size, pack_weights)
         self.scheduler = Scheduler(scheduler, cache.block_size, self.num_blocks, cache.enable_prefix_caching)
         self.spec = None if speculative is None else build_speculator(
             speculative, self.runner, cache, self.num_blocks, draft_model, pack_weights, seed)
@@ -163,8 +170,11 @@ class LLMEngine:
         started = time.perf_counter()
         try:
             sampled = self._compute(sched)
-        except BaseException:
+        except BaseException as e:
             self._abort_failed_step(sched)
+            if getattr(e, "fatal", False):  # a parallel worker is gone: nothing can run any more
+                for group in list(self._groups):
+                    self.abort_request(group)
             raise
         self.scheduler.observe_step(sched, time.perf_counter() - started)
         touched: set[str] = set()

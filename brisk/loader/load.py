@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,11 +56,22 @@ def _check_len(cfg: ModelConfig, max_model_len: int | None) -> None:
                          f"({cfg.max_position_embeddings} tokens)")
 
 
+def model_config_of(ref: str) -> ModelConfig:
+    """The architecture config of `ref` without reading its weights (checks before a slow start)."""
+    source = resolve_model(ref)
+    if source.kind == "gguf":
+        return gguf_model_config(open_gguf(source.path))
+    check_hf_dir(source.path)
+    return hf_model_config(source.path)
+
+
 def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_len: int | None = None,
-               quant: QuantConfig | None = None) -> LoadedModel:
+               quant: QuantConfig | None = None,
+               before_quant: Callable[[LlamaForCausalLM], None] | None = None) -> LoadedModel:
     """Resolve `ref`, build the architecture and stream the weights into it; quantize with `quant`.
 
-    A checkpoint written by `brisk quantize` loads as saved (`quant` must then be None or equal)."""
+    A checkpoint written by `brisk quantize` loads as saved (`quant` must then be None or equal).
+    `before_quant` reshapes the float model first (tensor-parallel sharding: each shard is quantized)."""
     from brisk.loader.quantized import load_quantized_state, quantization_of
 
     source = resolve_model(ref)
@@ -77,6 +88,8 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
         with torch.device(device):
             model = build_model(cfg, tdtype, max_positions=max_model_len or cfg.max_position_embeddings)
         load_quantized_state(model, source.path, saved)
+        if before_quant is not None:
+            before_quant(model)
         return LoadedModel(model.eval(), tokenizer, cfg, source, saved)
     if quant is not None and quant.method == "gguf" and source.kind != "gguf":
         raise ValueError(f"quantization gguf keeps a GGUF file's own blocks, but {ref} is not a .gguf file; "
@@ -87,6 +100,8 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
         model = build_model(cfg, tdtype, max_positions=max_model_len or cfg.max_position_embeddings)
     with torch.no_grad():
         model.load_weights(weights)
+    if before_quant is not None:
+        before_quant(model)
     if quant is not None:
         _quantize(model, quant, source, cfg, tokenizer)
     return LoadedModel(model.eval(), tokenizer, cfg, source, quant)

@@ -123,12 +123,27 @@ class LlamaForCausalLM(nn.Module):
         `num_layers`: run only the first that many layers, then the final norm (early-exit
         self-speculation); their KV is written to the cache as in a full pass."""
         h = self.embed_tokens(input_ids)  # [n, hidden]
+        end = len(self.layers) if num_layers is None else num_layers
+        return self.final_norm(*self.run_layers(h, None, positions, attn_metadata, 0, end))
+
+    def run_layers(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                   attn_metadata: AttentionMetadata, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layers start..end-1 on (h, residual) [n, hidden] each: one pipeline stage's share of
+        `forward`, whose (h, residual) travel to the next stage."""
         cos = self.rope_cos[positions].unsqueeze(1)  # [n, 1, head_dim]
         sin = self.rope_sin[positions].unsqueeze(1)
-        residual: torch.Tensor | None = None
-        for layer in self.layers[:num_layers]:
+        for layer in self.layers[start:end]:
             h, residual = layer(h, residual, cos, sin, attn_metadata)
+        return h, residual
+
+    def final_norm(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return self.norm(h if residual is None else h + residual)
+
+    def kv_heads_per_layer(self) -> list[int | None]:
+        """KV heads this process keeps for each layer (fewer under tensor parallelism); None for a
+        layer it does not hold (another pipeline stage runs it)."""
+        return [layer.self_attn.num_kv_heads if isinstance(layer, LlamaDecoderLayer) else None
+                for layer in self.layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] float32 logits."""

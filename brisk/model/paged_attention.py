@@ -77,7 +77,7 @@ def padded_spans(block_tables: list[list[int]], query_lens: list[int], kv_lens: 
 class PagedAttention:
     """Attention metadata for one step over a paged cache (see module docstring)."""
 
-    kv_caches: list[KVCache]
+    kv_caches: list[KVCache | None]  # None: a layer another pipeline stage holds
     slot_blocks: torch.Tensor  # [num_tokens] long: block of each new token
     slot_offsets: torch.Tensor  # [num_tokens] long: its offset inside the block
     num_kernel_tokens: int  # the first tokens of the batch, served by the kernel

@@ -12,7 +12,6 @@ from typing import Protocol
 
 import torch
 
-from brisk.config import ModelConfig
 from brisk.model.attention import KVCache
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.paged_attention import (
@@ -36,19 +35,22 @@ class ScheduledStep(Protocol):
     sample: bool  # this step reaches the end of the known tokens: produce logits
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block across all layers, keys and values."""
-    itemsize = torch.tensor([], dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * block_size * cfg.head_dim * itemsize
+def kv_block_bytes(model: LlamaForCausalLM, block_size: int) -> int:
+    """Bytes of one block across the layers (and KV heads) this process holds, keys and values."""
+    cfg = model.config
+    itemsize = torch.tensor([], dtype=model.dtype).element_size()
+    heads = sum(h for h in model.kv_heads_per_layer() if h is not None)
+    return 2 * heads * block_size * cfg.head_dim * itemsize
 
 
-def allocate_paged_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device | str) -> list[KVCache]:
-    """Per layer: keys [blocks, kv_heads, head_dim, block_size], values [blocks, kv_heads, block_size, head_dim]."""
-    k_shape = (num_blocks, cfg.num_key_value_heads, cfg.head_dim, block_size)
-    v_shape = (num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim)
-    return [(torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_hidden_layers)]
+def allocate_paged_kv(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> list[KVCache | None]:
+    """Per layer held: keys [blocks, kv_heads, head_dim, block_size], values [blocks, kv_heads,
+    block_size, head_dim]; None for a layer another pipeline stage holds."""
+    hd, dtype, device = model.config.head_dim, model.dtype, model.device
+    return [None if heads is None else
+            (torch.zeros((num_blocks, heads, hd, block_size), dtype=dtype, device=device),
+             torch.zeros((num_blocks, heads, block_size, hd), dtype=dtype, device=device))
+            for heads in model.kv_heads_per_layer()]
 
 
 @dataclass
@@ -60,6 +62,20 @@ class StepInputs:
     sample_ids: list[str]  # those requests, in the same order
     all_rows: dict[str, tuple[int, int]]  # request -> (first row, count) for those wanting every row
 
+    def logit_rows(self) -> tuple[list[int], dict[str, tuple[int, int]]]:
+        """The flat-batch rows to project through the LM head, and each request's (first, count)
+        among them: the sampled row alone, or every row for requests in `all_rows`."""
+        index: list[int] = []
+        rows: dict[str, tuple[int, int]] = {}
+        for rid, row in zip(self.sample_ids, self.sample_rows):
+            if rid not in self.all_rows:
+                rows[rid] = (len(index), 1)
+                index.append(row)
+        for rid, (first, n) in self.all_rows.items():
+            rows[rid] = (len(index), n)
+            index.extend(range(first, first + n))
+        return index, rows
+
 
 class PagedModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, pack_weights: bool = True) -> None:
@@ -67,7 +83,7 @@ class PagedModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = model.device
-        self.kv_caches = allocate_paged_kv(model.config, num_blocks, block_size, model.dtype, self.device)
+        self.kv_caches = allocate_paged_kv(model, num_blocks, block_size)
         # Batched rows (prefill chunks, decode batches) through oneDNN-packed weights on CPU; the
         # copies cost as much memory as the weights again (`pack_weights=False` saves it).
         self.packed_weight_bytes = model.pack_weights() if pack_weights and self.device.type == "cpu" else 0
@@ -147,15 +163,7 @@ class PagedModelRunner:
         inputs = self.prepare(steps, all_rows_for)
         with sdpa_context(self.device):
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn)  # [num_tokens, hidden]
-        index: list[int] = []
-        rows: dict[str, tuple[int, int]] = {}
-        for rid, row in zip(inputs.sample_ids, inputs.sample_rows):
-            if rid not in inputs.all_rows:
-                rows[rid] = (len(index), 1)
-                index.append(row)
-        for rid, (first, n) in inputs.all_rows.items():
-            rows[rid] = (len(index), n)
-            index.extend(range(first, first + n))
+        index, rows = inputs.logit_rows()
         if not index:
             return StepLogits(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), {}, [],
                               hidden[:0])

@@ -1,0 +1,250 @@
+"""Start, feed and watch the processes of a tensor x pipeline parallel engine.
+
+One node: `LLM(..., tensor_parallel_size=T, pipeline_parallel_size=P)` spawns ranks 1..T*P-1 as
+`python -m brisk.engine.workers '<json>'` and becomes rank 0 itself. Many nodes: torchrun starts
+every rank with the same brisk command (RANK, WORLD_SIZE, MASTER_ADDR, ... in the environment);
+rank 0 runs the engine and the server, the others `run_worker` (see cli.py and README).
+
+Every rank builds its own model the same way (`build_rank`): load the float weights, keep its
+tensor shard, quantize the shard if asked, drop the other stages' layers. Rank 0 sizes the KV cache
+and broadcasts the block count, so every rank's blocks line up with the one scheduler's ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from brisk.config import CacheConfig, ParallelConfig, QuantConfig
+from brisk.loader.load import LoadedModel, load_model, model_config_of
+from brisk.parallel.groups import ParallelState, init_distributed, shutdown_distributed
+from brisk.parallel.pipeline import keep_stage, stage_layers
+from brisk.parallel.tensor import check_tensor_parallel, shard_model
+from brisk.runtime.parallel_runner import ParallelRunner, StageRunner, serve_steps
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """What every rank needs to build its share of the engine (JSON on a worker's command line)."""
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    quantization: str | None = None
+    quantization_config: dict[str, Any] | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    timeout_s: float = 120.0
+    micro_batches: int | None = None
+    block_size: int = 16
+    pack_weights: bool = True
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.timeout_s,
+                              self.micro_batches)
+
+    @property
+    def quant(self) -> QuantConfig | None:
+        return None if self.quantization is None else QuantConfig.parse(self.quantization, self.quantization_config)
+
+
+def check_parallel(args: WorkerArgs) -> None:
+    """Every ValueError a rank would meet, raised on rank 0 before any process is spawned."""
+    cfg, quant, tp = model_config_of(args.model), args.quant, args.tensor_parallel_size
+    check_tensor_parallel(cfg, tp)
+    stage_layers(cfg, args.pipeline_parallel_size)
+    if tp > 1 and quant is not None and quant.method == "gguf":
+        raise ValueError("-q gguf keeps a GGUF file's whole blocks, which tensor parallelism cannot slice: use int8, "
+                         "int4, w8a8 or ternary (each shard is quantized), or pipeline parallelism alone")
+    if tp > 1 and quant is not None and quant.calibration is not None:
+        raise ValueError("calibrated quantization (AWQ, SmoothQuant) runs on the whole model: quantize once with "
+                         "`brisk quantize`, then run that checkpoint with pipeline parallelism, or drop calibration")
+
+
+def build_rank(args: WorkerArgs, state: ParallelState) -> tuple[LoadedModel, range]:
+    """This rank's model: float weights, its tensor shard, quantized, its stage's layers only."""
+    shard = (lambda model: shard_model(model, state)) if state.tp_size > 1 else None
+    loaded = load_model(args.model, args.dtype, str(state.device), args.max_model_len, args.quant, before_quant=shard)
+    layers = stage_layers(loaded.config, state.pp_size)[state.pp_rank]
+    keep_stage(loaded.model, layers, state.is_first_stage, state.is_last_stage)
+    return loaded, layers
+
+
+# A worker's exit code when another rank went away first (rank 0 blames that one, not this one).
+LOST_GROUP = 3
+
+
+def _stopped(proc: subprocess.Popen[bytes]) -> bool:
+    """True for a live process the kernel holds stopped (Linux /proc; False where unknown)."""
+    try:
+        stat = Path(f"/proc/{proc.pid}/stat").read_text()
+    except OSError:
+        return False
+    return proc.poll() is None and stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+def _threads_per_rank(local_world: int) -> int:
+    return max(1, (os.cpu_count() or 1) // local_world)
+
+
+class WorkerSet:
+    """Ranks 1..W-1 as child processes on this machine; says how one ended when a step fails."""
+
+    def __init__(self, args: WorkerArgs, port: int) -> None:
+        world = args.parallel.world_size
+        self.timeout_s = args.timeout_s
+        env = {**os.environ, "OMP_NUM_THREADS": str(_threads_per_rank(world))}
+        self.procs = {
+            rank: subprocess.Popen([sys.executable, "-m", "brisk.engine.workers",
+                                    json.dumps({"rank": rank, "port": port, "args": asdict(args)})], env=env)
+            for rank in range(1, world)
+        }
+
+    def describe(self, error: BaseException) -> str:
+        """Which worker failed and how; the others are stopped (they cannot go on without it).
+        Workers that merely lost the group after another failed exit with LOST_GROUP and are not
+        blamed."""
+        deadline = time.monotonic() + 3.0  # a killed peer's exit status appears within moments
+        while True:
+            blamed = [self._ending(rank, p) for rank, p in self.procs.items()
+                      if p.poll() is not None and p.returncode != LOST_GROUP]
+            blamed += [f"worker rank {rank} (pid {p.pid}) is stopped (SIGSTOP or a debugger) and did not answer "
+                       f"within {self.timeout_s:g} s" for rank, p in self.procs.items() if _stopped(p)]
+            if blamed or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        self.stop(grace_s=1.0)
+        if blamed:
+            return f"parallel engine stopped: {'; '.join(blamed)} ({error})"
+        return (f"parallel engine stopped: a worker did not answer within {self.timeout_s:g} s (hung, or the "
+                f"machine is overloaded; raise timeout_s if steps are that slow): {error}")
+
+    @staticmethod
+    def _ending(rank: int, proc: subprocess.Popen[bytes]) -> str:
+        code = proc.returncode
+        if code is not None and code < 0:
+            return f"worker rank {rank} (pid {proc.pid}) was killed by {signal.Signals(-code).name}"
+        return f"worker rank {rank} (pid {proc.pid}) exited with code {code} (its traceback is above)"
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@dataclass
+class Cluster:
+    """Rank 0's handle on a running parallel engine."""
+
+    loaded: LoadedModel
+    runner: ParallelRunner
+    workers: WorkerSet | None  # None under torchrun, which watches its own processes
+
+    def close(self) -> None:
+        self.runner.close()
+        if self.workers is not None:
+            self.workers.stop()
+        shutdown_distributed()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def start_cluster(args: WorkerArgs, cache: CacheConfig) -> Cluster:
+    """Rank 0: check, spawn the workers (or join torchrun's), build its share, size the KV cache."""
+    from brisk.engine.llm_engine import num_kv_blocks
+
+    check_parallel(args)
+    pcfg = args.parallel
+    workers: WorkerSet | None = None
+    if launched_by_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != pcfg.world_size or int(os.environ["RANK"]) != 0:
+            raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes; tensor x pipeline parallel "
+                             f"size is {pcfg.world_size}: they must match (and only rank 0 builds the LLM)")
+        init = "env://"
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", pcfg.world_size))
+    else:
+        port = _free_port()
+        workers = WorkerSet(args, port)
+        init, local_world = f"tcp://127.0.0.1:{port}", pcfg.world_size
+    torch.set_num_threads(_threads_per_rank(local_world))
+    try:
+        state = init_distributed(pcfg, 0, args.device, init)
+        loaded, layers = build_rank(args, state)
+        blocks = num_kv_blocks(cache, loaded.model)
+        state.broadcast_object(blocks)
+        stage = StageRunner(loaded.model, state, layers, blocks, args.block_size, args.pack_weights)
+    except BaseException:
+        if workers is not None:
+            workers.stop(grace_s=0.0)
+        shutdown_distributed()
+        raise
+    describe = workers.describe if workers is not None else \
+        (lambda e: f"parallel engine stopped: a worker failed or hung ({e})")
+    return Cluster(loaded, ParallelRunner(stage, describe), workers)
+
+
+def run_worker(args: WorkerArgs, rank: int, init_method: str) -> None:
+    """A worker's whole life: join, build its share, serve steps until rank 0 says stop."""
+    state = init_distributed(args.parallel, rank, args.device, init_method)
+    try:
+        loaded, layers = build_rank(args, state)
+        blocks = state.broadcast_object()
+        serve_steps(StageRunner(loaded.model, state, layers, blocks, args.block_size, args.pack_weights))
+    finally:
+        shutdown_distributed()
+
+
+def _exit_with_parent() -> None:
+    """A worker whose rank 0 vanished (killed, crashed) must not linger: watch the parent."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    _exit_with_parent()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        run_worker(WorkerArgs(**spec["args"]), spec["rank"], f"tcp://127.0.0.1:{spec['port']}")
+    except (RuntimeError, OSError) as e:
+        if "Connection" not in str(e) and "Timed out" not in str(e) and "timeout" not in str(e).lower():
+            raise  # a real error of this worker: its traceback tells rank 0's user what happened
+        # another rank went away (rank 0 reports which): one line, not a traceback per survivor
+        print(f"brisk worker rank {spec['rank']}: lost the group, exiting ({str(e).splitlines()[0][:200]})",
+              file=sys.stderr)
+        sys.exit(LOST_GROUP)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""One engine step over a tensor x pipeline grid of processes.
+
+    rank 0 (driver)                                   every other rank (worker)
+    ───────────────                                   ─────────────────────────
+    scheduler ─► ParallelRunner.execute(steps)
+                   broadcast the step (plain ints) ──► serve_steps: receive it
+                   StageRunner.run (its share) ◄────► StageRunner.run (its share)
+                   logits of the sampled rows ◄────── last stage's leader (when P > 1)
+    sampler ◄──────┘
+
+The scheduler runs once, on rank 0; each rank rebuilds the step's tensors from the same plain
+message (`PagedModelRunner.prepare`), runs its layers on its shard, and only rank 0 gets logits.
+Any failure of a collective (a worker died: its sockets close at once; or it hung past the
+timeout) becomes a `ParallelFailure` that says which worker and how, and the runner refuses
+further steps: the engine ends its requests instead of hanging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from brisk.model.llama import LlamaForCausalLM
+from brisk.parallel.groups import ParallelFailure, ParallelState
+from brisk.parallel.pipeline import split_micro_batches
+from brisk.runtime.model_runner import sdpa_context
+from brisk.runtime.paged_runner import (
+    PagedModelRunner,
+    ScheduledStep,
+    StepInputs,
+    StepLogits,
+)
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """A scheduled request as plain data (the ScheduledStep protocol): what travels to workers."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool
+
+
+@dataclass
+class _Part:
+    """Rank 0's view of one micro-batch: which rows came back for which request."""
+
+    sample_ids: list[str]
+    rows: dict[str, tuple[int, int]]
+    num_rows: int
+    logits: torch.Tensor | None = None  # [num_rows, vocab]
+    hidden: torch.Tensor | None = None  # [num_rows, hidden], when rank 0 ran the last layers
+
+
+class StageRunner:
+    """This rank's share of a step: its layers, its shard of their weights, its KV."""
+
+    def __init__(self, model: LlamaForCausalLM, state: ParallelState, layers: range, num_blocks: int,
+                 block_size: int, pack_weights: bool = True) -> None:
+        self.local = PagedModelRunner(model, num_blocks, block_size, pack_weights)
+        self.model = model
+        self.state = state
+        self.layers = layers
+        cfg = state.config
+        self.micro_batches = 1 if state.pp_size == 1 else (cfg.micro_batches or state.pp_size)
+
+    @torch.inference_mode()
+    def run(self, steps: Sequence[ScheduledStep], all_rows_for: frozenset[str]) -> StepLogits | None:
+        """Run this rank's part of the step; rank 0 returns the logits, the others None."""
+        parts = split_micro_batches(steps, [len(s.token_ids) for s in steps], self.micro_batches)
+        state = self.state
+        pending: list[Any] = []  # sends in flight (their tensors must live until waited on)
+        mine: list[_Part] = []
+        for part in parts:
+            inputs = self.local.prepare(part, all_rows_for)
+            index, rows = inputs.logit_rows()
+            h, residual = self._layers(inputs)
+            if not state.is_last_stage:
+                pending.append(state.isend(torch.stack([h, residual]), state.peer(state.pp_rank + 1)))
+                mine.append(_Part(inputs.sample_ids, rows, len(index)))
+                continue
+            picked, logits = self._logits(h, residual, index)
+            if logits is not None and state.rank != 0:
+                pending.append(state.isend(logits, 0))
+            mine.append(_Part(inputs.sample_ids, rows, len(index), logits, picked))
+        if state.rank == 0 and not state.is_last_stage:
+            vocab = self.model.config.vocab_size
+            for p in mine:
+                if p.num_rows:
+                    p.logits = state.recv((p.num_rows, vocab), torch.float32, state.last_leader)
+        for handle in pending:
+            handle.wait()
+        return _assemble(mine, self.model) if state.rank == 0 else None
+
+    def _layers(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embed (first stage) or receive (h, residual) from the stage before; run this stage's layers."""
+        state, model = self.state, self.model
+        n = inputs.input_ids.shape[0]
+        residual: torch.Tensor | None = None
+        if state.is_first_stage:
+            h = model.embed_tokens(inputs.input_ids)  # [n, hidden]
+        else:
+            both = state.recv((2, n, model.config.hidden_size), model.dtype, state.peer(state.pp_rank - 1))
+            h, residual = both[0], both[1]
+        with sdpa_context(self.local.device):
+            h, residual = model.run_layers(h, residual, inputs.positions, inputs.attn, self.layers.start,
+                                           self.layers.stop)
+        assert residual is not None, "every stage runs at least one layer"
+        return h, residual
+
+    def _logits(self, h: torch.Tensor, residual: torch.Tensor,
+                index: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Final norm and the vocabulary shards of the LM head, gathered on the stage leader:
+        (picked hidden, [rows, vocab] logits) there, (.., None) elsewhere."""
+        if not index:
+            return None, None
+        hidden = self.model.final_norm(h, residual)  # [n, hidden]
+        picked = hidden if index == list(range(hidden.shape[0])) else \
+            hidden[torch.tensor(index, device=hidden.device)]
+        full = self.state.gather_columns(self.model.compute_logits(picked))  # [rows, vocab (padded)]
+        return picked, None if full is None else full[:, :self.model.config.vocab_size].contiguous()
+
+
+def _assemble(parts: list[_Part], model: LlamaForCausalLM) -> StepLogits:
+    """One StepLogits from the micro-batches' pieces, rows renumbered in part order."""
+    rows: dict[str, tuple[int, int]] = {}
+    sample_ids: list[str] = []
+    offset = 0
+    for p in parts:
+        rows.update({rid: (first + offset, n) for rid, (first, n) in p.rows.items()})
+        sample_ids.extend(p.sample_ids)
+        offset += p.num_rows
+    full = [p.logits for p in parts if p.logits is not None]
+    cfg = model.config
+    logits = torch.cat(full) if full else torch.empty((0, cfg.vocab_size), device=model.device)
+    hidden = [p.hidden for p in parts if p.hidden is not None]
+    # Hidden states stay on the last stage under pipeline parallelism; rank 0 has none to give.
+    picked = torch.cat(hidden) if len(hidden) == len(full) and full else logits.new_empty((logits.shape[0], 0))
+    return StepLogits(logits, rows, sample_ids, picked)
+
+
+class ParallelRunner:
+    """Rank 0's runner, with PagedModelRunner's interface: tells the workers each step, runs its own
+    share, returns the logits. `describe_failure` turns a collective's error into a sentence about
+    the worker behind it (the launcher knows the processes)."""
+
+    def __init__(self, stage: StageRunner, describe_failure: Callable[[BaseException], str]) -> None:
+        self.stage = stage
+        self.model = stage.model
+        self.device = stage.local.device
+        self.num_blocks = stage.local.num_blocks
+        self.block_size = stage.local.block_size
+        self.packed_weight_bytes = stage.local.packed_weight_bytes
+        self.state = stage.state
+        self._describe = describe_failure
+        self.failure: str | None = None
+
+    def execute(self, steps: Sequence[ScheduledStep], all_rows_for: frozenset[str] = frozenset()) -> StepLogits:
+        if self.failure is not None:
+            raise ParallelFailure(self.failure)
+        plain = [StepSpec(s.request_id, list(s.token_ids), s.start_pos, list(s.block_ids), s.sample) for s in steps]
+        try:
+            self.state.broadcast_object(("step", plain, all_rows_for))
+            out = self.stage.run(plain, all_rows_for)
+        except (RuntimeError, OSError) as e:
+            self.failure = self._describe(e)
+            raise ParallelFailure(self.failure) from e
+        assert out is not None
+        return out
+
+    def comm_stats(self) -> list[dict[str, Any]]:
+        """Every rank's CommStats, by rank: what a parallel step costs in bytes."""
+        if self.failure is not None:
+            raise ParallelFailure(self.failure)
+        self.state.broadcast_object(("stats",))
+        return self.state.gather_objects(self.state.stats.as_dict())
+
+    def close(self) -> None:
+        """Tell the workers to leave their loop (nothing to tell after a failure)."""
+        if self.failure is None:
+            try:
+                self.state.broadcast_object(("stop",))
+            except (RuntimeError, OSError):
+                pass  # a worker already gone: the launcher reaps it
+        self.failure = self.failure or "the parallel engine was closed"
+
+
+def serve_steps(stage: StageRunner) -> None:
+    """A worker's life: run every step rank 0 broadcasts until it says stop."""
+    while True:
+        msg = stage.state.broadcast_object()
+        if msg[0] == "stop":
+            return
+        if msg[0] == "stats":
+            stage.state.gather_objects(stage.state.stats.as_dict())
+            continue
+        _, steps, all_rows_for = msg
+        stage.run(steps, all_rows_for)

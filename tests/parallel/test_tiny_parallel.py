@@ -1,0 +1,135 @@
+"""Spawned workers on a tiny model: T x P grids give one process's tokens, quantized shards run,
+and a killed or hung worker ends generation with a clear error within seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from brisk import LLM, SamplingParams
+from brisk.parallel.groups import ParallelFailure
+
+PROMPTS = ["w3 w5 w9", "w10 w11", "w7 w7 w7 w2 w40 w33 w12 w13 w14 w15 w16 w17 w18 w19 w20", "w1"]
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+ENGINE = {"num_kv_blocks": 64, "block_size": 4, "max_num_batched_tokens": 16}
+
+
+def _tokens(llm: LLM, params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir: Path) -> list[list[int]]:
+    return _tokens(LLM(str(tiny_dir), **ENGINE))
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 2), (4, 1)])
+def test_grid_gives_the_tokens_of_one_process(tiny_dir: Path, reference: list[list[int]], tp: int, pp: int) -> None:
+    """2 x 2: four processes, QKV bias and an untied head sharded, two stages with micro-batches
+    (a 15-token prompt in chunks of 16 tokens per step beside decodes); 4 x 1: more ranks than KV
+    heads, each KV head replicated on two ranks."""
+    with LLM(str(tiny_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE) as llm:
+        assert _tokens(llm) == reference
+        ranks = llm._cluster.runner.comm_stats()  # type: ignore[union-attr]
+        assert len(ranks) == tp * pp and all(r["all_reduce_bytes"] > 0 for r in ranks)
+        # the last stage gathers the logits' vocabulary shards; only stages talk point to point
+        assert [r["gather_bytes"] > 0 for r in ranks] == [r // tp == pp - 1 for r in range(tp * pp)]
+        senders = [pp > 1 and (r // tp < pp - 1 or r == (pp - 1) * tp) for r in range(tp * pp)]  # hidden; logits
+        assert [r["p2p_bytes"] > 0 for r in ranks] == senders
+
+
+def test_quantized_shards(tiny_dir: Path) -> None:
+    """int8 quantizes each rank's shard: the row-parallel down projection keeps half the columns."""
+    from brisk.quant.int8 import Int8Linear
+
+    single = LLM(str(tiny_dir), quantization="int8", **ENGINE)
+    with LLM(str(tiny_dir), quantization="int8", tensor_parallel_size=2, **ENGINE) as llm:
+        down = llm.model.layers[0].mlp.down_proj.inner
+        assert isinstance(down, Int8Linear) and down.in_features == 24
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
+        a = single.generate(PROMPTS, params, use_tqdm=False)
+        b = llm.generate(PROMPTS, params, use_tqdm=False)
+        # scales per output channel over 24 columns instead of 48: close, not equal
+        for x, y in zip(a, b):
+            (lx,), (ly,) = x.outputs[0].logprobs, y.outputs[0].logprobs
+            assert x.outputs[0].token_ids == y.outputs[0].token_ids
+            assert abs(lx.logprob - ly.logprob) < 0.1
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_a_lost_worker_ends_generation_with_a_clear_error(tiny_dir: Path, how: str) -> None:
+    llm = LLM(str(tiny_dir), tensor_parallel_size=2, pipeline_parallel_size=2, parallel_timeout_s=2.0, **ENGINE)
+    try:
+        llm.engine.add_request("a", [3, 4, 5], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        llm.engine.add_request("b", [6, 7], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        for _ in range(3):
+            llm.engine.step()
+        victim = llm._cluster.workers.procs[3]  # type: ignore[union-attr]
+        os.kill(victim.pid, getattr(signal, how))
+        started = time.monotonic()
+        with pytest.raises(ParallelFailure) as err:
+            for _ in range(200):
+                llm.engine.step()
+        elapsed = time.monotonic() - started
+        if how == "SIGKILL":
+            assert f"worker rank 3 (pid {victim.pid}) was killed by SIGKILL" in str(err.value)
+            assert elapsed < 10
+        else:
+            assert f"worker rank 3 (pid {victim.pid}) is stopped (SIGSTOP or a debugger) and did not answer " \
+                   "within 2 s" in str(err.value)
+            assert elapsed < 15
+        # nothing left behind: requests ended, blocks returned, every worker process gone
+        assert not llm.engine.has_unfinished_requests() and llm.engine.scheduler.kv_usage == 0
+        assert all(p.poll() is not None for p in llm._cluster.workers.procs.values())  # type: ignore[union-attr]
+        with pytest.raises(ParallelFailure, match="parallel engine stopped"):
+            llm.generate("w1 w2", GREEDY, use_tqdm=False)
+    finally:
+        llm.close()
+
+
+def test_bad_parallel_options_fail_before_spawning(tiny_dir: Path) -> None:
+    with pytest.raises(ValueError, match="cannot split 4 attention heads in 2 KV groups"):
+        LLM(str(tiny_dir), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="speculative decoding runs in a single process"):
+        LLM(str(tiny_dir), tensor_parallel_size=2, speculative_config={"method": "ngram"})
+
+
+def test_torchrun_runs_the_same_command_on_every_rank(tiny_dir: Path) -> None:
+    """The multi-node launch, on one node: torchrun starts 2 ranks of `brisk generate`; rank 0
+    prints, rank 1 serves steps; the text is one process's."""
+    args = ["generate", "--model", str(tiny_dir), "--prompt", "w3 w5 w9", "--temperature", "0", "--max-tokens",
+            "12", "--num-kv-blocks", "64", "--block-size", "4"]
+    single = subprocess.run([sys.executable, "-m", "brisk.cli", *args], capture_output=True, text=True, timeout=120, check=False)
+    assert single.returncode == 0, single.stderr
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "brisk.cli", *args, "--tensor-parallel-size", "2"],
+                         capture_output=True, text=True, timeout=180, env=env, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout == single.stdout and single.stdout.strip()
+
+
+def test_the_server_reports_a_dead_worker_and_stops(tiny_dir: Path) -> None:
+    import httpx
+
+    from tests.server.conftest import running_server
+
+    llm = LLM(str(tiny_dir), tensor_parallel_size=2, **ENGINE)
+    try:
+        with running_server(llm) as (base, _):
+            body = {"prompt": "w3 w4", "max_tokens": 4, "temperature": 0}
+            assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+            victim = llm._cluster.workers.procs[1]  # type: ignore[union-attr]
+            os.kill(victim.pid, signal.SIGKILL)
+            reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 503
+            assert f"worker rank 1 (pid {victim.pid}) was killed by SIGKILL" in reply.json()["error"]["message"]
+            assert httpx.get(f"{base}/health", timeout=10).status_code == 503
+    finally:
+        llm.close()
