@@ -90,6 +90,29 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     spb.add_argument("--max-tokens", type=int, default=128, help="tokens per reply (default 128)")
     spb.add_argument("--workloads", default="input_grounded,open_chat", help="comma-separated workloads")
 
+    par = bsub.add_parser("parallel", help="tensor x pipeline parallel grids beside one process: tokens/s, bytes/token")
+    add_model(par)
+    par.add_argument("--grid", default="1x1,2x1,3x1,1x2", help="TxP configurations (default 1x1,2x1,3x1,1x2)")
+    par.add_argument("--batch", type=int, default=8, help="sequences of the batched workload (default 8)")
+    par.add_argument("--max-tokens", type=int, default=64, help="tokens per sequence (default 64)")
+    par.add_argument("--device", default="cpu", help="cpu or cuda (NCCL; each rank takes cuda:LOCAL_RANK)")
+    par.add_argument("--num-kv-blocks", type=int, default=512)
+
+
+def _bench_parallel(args: argparse.Namespace) -> int:
+    from brisk.bench.parallel_bench import bench_parallel
+
+    try:
+        grid = [(int(t), int(p)) for t, p in (g.lower().split("x") for g in args.grid.split(",") if g)]
+    except ValueError:
+        raise ValueError(f"--grid takes TxP pairs like 1x1,2x1,1x2, got {args.grid!r}") from None
+    if args.batch < 1 or args.max_tokens < 2 or not grid:
+        raise ValueError("--batch must be >= 1, --max-tokens >= 2 and --grid non-empty")
+    engine = {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
+              "num_kv_blocks": args.num_kv_blocks}
+    print(json.dumps(bench_parallel(args.model, grid, args.batch, args.max_tokens, engine)), flush=True)
+    return 0
+
 
 def run_bench(args: argparse.Namespace) -> int:
     compare = [c for c in getattr(args, "compare", "").split(",") if c]
@@ -105,6 +128,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return _bench_engine(args)
     if args.bench == "spec":
         return _bench_spec(args)
+    if args.bench == "parallel":
+        return _bench_parallel(args)
     from brisk.bench.latency import DEFAULT_PROMPT, bench_latency
 
     if args.new_tokens < 2 or args.repeats < 1:

@@ -79,7 +79,7 @@ def build_rank(args: WorkerArgs, state: ParallelState) -> tuple[LoadedModel, ran
     shard = (lambda model: shard_model(model, state)) if state.tp_size > 1 else None
     loaded = load_model(args.model, args.dtype, str(state.device), args.max_model_len, args.quant, before_quant=shard)
     layers = stage_layers(loaded.config, state.pp_size)[state.pp_rank]
-    keep_stage(loaded.model, layers, state.is_first_stage, state.is_last_stage)
+    keep_stage(loaded.model, layers, state.is_first_stage)
     return loaded, layers
 
 
@@ -156,12 +156,14 @@ class Cluster:
     loaded: LoadedModel
     runner: ParallelRunner
     workers: WorkerSet | None  # None under torchrun, which watches its own processes
+    threads: int  # rank 0's torch threads before it took its share of the cores (restored on close)
 
     def close(self) -> None:
         self.runner.close()
         if self.workers is not None:
             self.workers.stop()
         shutdown_distributed()
+        torch.set_num_threads(self.threads)
 
 
 def _free_port() -> int:
@@ -191,6 +193,7 @@ def start_cluster(args: WorkerArgs, cache: CacheConfig) -> Cluster:
         port = _free_port()
         workers = WorkerSet(args, port)
         init, local_world = f"tcp://127.0.0.1:{port}", pcfg.world_size
+    threads = torch.get_num_threads()
     torch.set_num_threads(_threads_per_rank(local_world))
     try:
         state = init_distributed(pcfg, 0, args.device, init)
@@ -202,10 +205,11 @@ def start_cluster(args: WorkerArgs, cache: CacheConfig) -> Cluster:
         if workers is not None:
             workers.stop(grace_s=0.0)
         shutdown_distributed()
+        torch.set_num_threads(threads)
         raise
     describe = workers.describe if workers is not None else \
         (lambda e: f"parallel engine stopped: a worker failed or hung ({e})")
-    return Cluster(loaded, ParallelRunner(stage, describe), workers)
+    return Cluster(loaded, ParallelRunner(stage, describe), workers, threads)
 
 
 def run_worker(args: WorkerArgs, rank: int, init_method: str) -> None:

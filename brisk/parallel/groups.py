@@ -2,9 +2,9 @@
 
     global rank = pipeline stage * T + tensor rank          T = tensor_parallel_size
 
-    stage 0:  rank 0 (driver: scheduler, sampler)  rank 1  ...  rank T-1      embedding, layers 0..a
+    stage 0:  rank 0 (driver: scheduler, sampler)  rank 1  ...  rank T-1      embedding, layers 0..a, LM head
     stage 1:  rank T                               ...          rank 2T-1    layers a..b
-    ...                                                                        last stage: norm, LM head
+    ...                                                                        last stage: final norm
 
 Data (all-reduces inside a stage, activations between stages, logits to rank 0) go over the
 default backend (gloo on CPU, NCCL on CUDA) with `timeout_s`: a worker that stops answering in a
@@ -101,10 +101,6 @@ class ParallelState:
     def peer(self, stage: int) -> int:
         """The rank of `stage` with this rank's tensor rank (activations go rank to rank)."""
         return stage * self.tp_size + self.tp_rank
-
-    @property
-    def last_leader(self) -> int:
-        return (self.pp_size - 1) * self.tp_size
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:

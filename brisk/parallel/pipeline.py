@@ -1,12 +1,14 @@
 """Pipeline parallelism: contiguous runs of layers per stage, and a step's batch cut into
 micro-batches so the stages work at once.
 
-    stage 0   [mb0][mb1]                     embedding + layers 0..a    (also schedules and samples)
-    stage 1        [mb0][mb1]                layers a..L, norm, LM head ──► logits to rank 0
+    stage 0   [mb0][mb1]          [head mb0][head mb1]   embedding, layers 0..a, LM head (schedules, samples)
+    stage 1        [mb0][mb1]                            layers a..L, final norm ─► rows' hidden back to stage 0
                         time ──►
 
-With M micro-batches over P stages a step takes (M + P - 1) stage-slots of 1/M of the batch each
-instead of P; a single sequence (M = 1) gains nothing and pays the hop.
+The LM head sits with the embedding on the first stage (a tied head is the embedding table, so
+no stage holds it twice), so what comes back is a hidden row per sampled token, not a vocabulary
+of logits. With M micro-batches over P stages a step takes about (M + P - 1) stage-slots of 1/M
+of the batch each instead of P; a single sequence (M = 1) gains nothing and pays the hops.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from typing import TypeVar
 from torch import nn
 
 from brisk.config import ModelConfig
-from brisk.model.layers import Linear
 from brisk.model.llama import LlamaForCausalLM
 
 T = TypeVar("T")
@@ -42,38 +43,31 @@ def head_cost_in_layers(cfg: ModelConfig) -> float:
 
 
 def stage_layers(cfg: ModelConfig, stages: int) -> list[range]:
-    """Contiguous layer runs, balanced for decoding: the last stage, which also runs the LM head,
-    gets fewer layers (SmolLM2-135M over 2 stages: 19 + 11, its head weighs about 8 layers)."""
+    """Contiguous layer runs, balanced for decoding: the first stage, which also runs the LM head
+    (and the scheduler and sampler), gets fewer layers (SmolLM2-135M over 2 stages: 11 + 19; its
+    head weighs about 8 layers)."""
     n = cfg.num_hidden_layers
     if stages > n:
         raise ValueError(f"pipeline_parallel_size {stages} exceeds the model's {n} layers: each stage needs one")
     ideal = (n + head_cost_in_layers(cfg)) / stages
-    runs: list[range] = []
-    start = 0
-    for s in range(stages - 1):
-        left_for_rest = stages - 1 - s  # every later stage keeps at least one layer
-        size = max(1, min(round(ideal), n - start - left_for_rest))
-        runs.append(range(start, start + size))
-        start += size
-    runs.append(range(start, n))
-    return runs
+    sizes: list[int] = []
+    for s in range(stages - 1, 0, -1):  # the last stages take their share; the first keeps the rest
+        size = max(1, min(round(ideal), n - sum(sizes) - s))
+        sizes.append(size)
+    sizes.append(n - sum(sizes))
+    sizes.reverse()
+    starts = [sum(sizes[:i]) for i in range(stages)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
-def keep_stage(model: LlamaForCausalLM, layers: range, first: bool, last: bool) -> None:
-    """Drop what this stage does not run: other stages' layers, the embedding (unless first),
-    the LM head (unless last). A tied head on a last stage that is not the first keeps the
-    embedding's table as its own."""
+def keep_stage(model: LlamaForCausalLM, layers: range, first: bool) -> None:
+    """Drop what this stage does not run: other stages' layers; unless first, the embedding and
+    the LM head (which live together on the first stage; every stage keeps the small final norm)."""
     for i in range(len(model.layers)):
         if i not in layers:
             model.layers[i] = Dropped(f"layer {i}")
-    if last and model.lm_head is None and not first:
-        table = model.embed_tokens.weight
-        head = Linear(table.shape[1], (table.shape[0],), False, table.dtype)
-        head.weight = table
-        model.lm_head = head  # type: ignore[assignment]
     if not first:
         model.embed_tokens = Dropped("the token embedding")  # type: ignore[assignment]
-    if not last:
         model.lm_head = Dropped("the LM head")  # type: ignore[assignment]
 
 

@@ -5,7 +5,7 @@
     scheduler ─► ParallelRunner.execute(steps)
                    broadcast the step (plain ints) ──► serve_steps: receive it
                    StageRunner.run (its share) ◄────► StageRunner.run (its share)
-                   logits of the sampled rows ◄────── last stage's leader (when P > 1)
+                   LM head on the rows ◄───────────── last stage: their final hidden states
     sampler ◄──────┘
 
 The scheduler runs once, on rank 0; each rank rebuilds the step's tensors from the same plain
@@ -54,7 +54,7 @@ class _Part:
     rows: dict[str, tuple[int, int]]
     num_rows: int
     logits: torch.Tensor | None = None  # [num_rows, vocab]
-    hidden: torch.Tensor | None = None  # [num_rows, hidden], when rank 0 ran the last layers
+    hidden: torch.Tensor | None = None  # [num_rows, hidden], when rank 0 also ran the last layers
 
 
 class StageRunner:
@@ -71,7 +71,11 @@ class StageRunner:
 
     @torch.inference_mode()
     def run(self, steps: Sequence[ScheduledStep], all_rows_for: frozenset[str]) -> StepLogits | None:
-        """Run this rank's part of the step; rank 0 returns the logits, the others None."""
+        """Run this rank's part of the step; rank 0 returns the logits, the others None.
+
+        The LM head lives with the embedding on the first stage (tied models share the table): the
+        last stage sends back only the final hidden state of the rows to project, [rows, hidden],
+        not [rows, vocab] logits (2.3 KB instead of 197 KB a row for SmolLM2)."""
         parts = split_micro_batches(steps, [len(s.token_ids) for s in steps], self.micro_batches)
         state = self.state
         pending: list[Any] = []  # sends in flight (their tensors must live until waited on)
@@ -79,20 +83,22 @@ class StageRunner:
         for part in parts:
             inputs = self.local.prepare(part, all_rows_for)
             index, rows = inputs.logit_rows()
+            mine.append(_Part(inputs.sample_ids, rows, len(index)))
             h, residual = self._layers(inputs)
             if not state.is_last_stage:
                 pending.append(state.isend(torch.stack([h, residual]), state.peer(state.pp_rank + 1)))
-                mine.append(_Part(inputs.sample_ids, rows, len(index)))
-                continue
-            picked, logits = self._logits(h, residual, index)
-            if logits is not None and state.rank != 0:
-                pending.append(state.isend(logits, 0))
-            mine.append(_Part(inputs.sample_ids, rows, len(index), logits, picked))
-        if state.rank == 0 and not state.is_last_stage:
-            vocab = self.model.config.vocab_size
+            elif index:
+                picked = self._picked(h, residual, index)
+                if state.is_first_stage:
+                    mine[-1].hidden, mine[-1].logits = picked, self._logits(picked)
+                else:
+                    pending.append(state.isend(picked, state.peer(0)))
+        if state.is_first_stage and not state.is_last_stage:  # the head, as the last stage's rows come back
+            hidden = self.model.config.hidden_size
             for p in mine:
                 if p.num_rows:
-                    p.logits = state.recv((p.num_rows, vocab), torch.float32, state.last_leader)
+                    picked = state.recv((p.num_rows, hidden), self.model.dtype, state.peer(state.pp_size - 1))
+                    p.logits = self._logits(picked)
         for handle in pending:
             handle.wait()
         return _assemble(mine, self.model) if state.rank == 0 else None
@@ -113,17 +119,18 @@ class StageRunner:
         assert residual is not None, "every stage runs at least one layer"
         return h, residual
 
-    def _logits(self, h: torch.Tensor, residual: torch.Tensor,
-                index: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Final norm and the vocabulary shards of the LM head, gathered on the stage leader:
-        (picked hidden, [rows, vocab] logits) there, (.., None) elsewhere."""
-        if not index:
-            return None, None
+    def _picked(self, h: torch.Tensor, residual: torch.Tensor, index: list[int]) -> torch.Tensor:
+        """The final-normed hidden state of the rows to project: [len(index), hidden]."""
         hidden = self.model.final_norm(h, residual)  # [n, hidden]
-        picked = hidden if index == list(range(hidden.shape[0])) else \
-            hidden[torch.tensor(index, device=hidden.device)]
+        if index == list(range(hidden.shape[0])):
+            return hidden
+        return hidden[torch.tensor(index, device=hidden.device)]
+
+    def _logits(self, picked: torch.Tensor) -> torch.Tensor | None:
+        """The vocabulary shards of the LM head, gathered on the stage leader: [rows, vocab]
+        there, None on the other tensor ranks."""
         full = self.state.gather_columns(self.model.compute_logits(picked))  # [rows, vocab (padded)]
-        return picked, None if full is None else full[:, :self.model.config.vocab_size].contiguous()
+        return None if full is None else full[:, :self.model.config.vocab_size].contiguous()
 
 
 def _assemble(parts: list[_Part], model: LlamaForCausalLM) -> StepLogits:

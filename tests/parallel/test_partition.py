@@ -44,11 +44,12 @@ def test_ranges_and_vocab_shards() -> None:
     assert [vocab_shard(10, 3, r) for r in range(3)] == [range(4), range(4, 8), range(8, 12)]  # last padded
 
 
-def test_stages_give_the_last_one_fewer_layers_for_the_lm_head() -> None:
-    assert stage_layers(SMOLLM2, 2) == [range(19), range(19, 30)]
+def test_stages_give_the_first_one_fewer_layers_for_the_lm_head() -> None:
+    assert stage_layers(SMOLLM2, 2) == [range(11), range(11, 30)]  # the head weighs 8 layers
+    assert stage_layers(SMOLLM2, 3) == [range(4), range(4, 17), range(17, 30)]
     assert stage_layers(SMOLLM2, 1) == [range(30)]
     runs = stage_layers(SMOLLM2, 30)
-    assert all(len(r) == 1 for r in runs) and runs[-1] == range(29, 30)
+    assert all(len(r) == 1 for r in runs) and runs[0] == range(1)
 
 
 def test_micro_batches_are_contiguous_and_balanced_by_tokens() -> None:
