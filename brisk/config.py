@@ -302,7 +302,7 @@ class ParallelConfig:
     (`pipeline_parallel_size` stages of contiguous layers) parallelism over torch.distributed.
     `timeout_s`: how long rank 0 waits on a worker in one step before calling it hung (a dead
     worker is noticed at once: its sockets close). `micro_batches`: pieces a step's batch is cut
-    into so pipeline stages overlap (None: one per stage)."""
+    into so pipeline stages overlap (None: up to one per stage, of at least 64 tokens each)."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1

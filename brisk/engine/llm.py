@@ -62,7 +62,8 @@ class LLM:
     `tensor_parallel_size` / `pipeline_parallel_size` (split the model over T x P processes on
     torch.distributed, this one being rank 0; see parallel/ and engine/workers.py; `close()` or
     `with LLM(...) as llm:` stops them), `parallel_timeout_s` (a worker silent that long in a step
-    is reported hung).
+    is reported hung), `pipeline_micro_batches` (pieces each step is cut into so pipeline stages
+    overlap; default: up to one per stage, of at least 64 tokens each).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str = "cpu",
@@ -75,7 +76,7 @@ class LLM:
                  quantization_config: dict[str, Any] | str | None = None,
                  speculative_config: dict[str, Any] | str | None = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 parallel_timeout_s: float = 120.0) -> None:
+                 parallel_timeout_s: float = 120.0, pipeline_micro_batches: int | None = None) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed)
         cache = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                             kv_cache_memory_gib=kv_cache_memory_gib, enable_prefix_caching=enable_prefix_caching)
@@ -84,7 +85,8 @@ class LLM:
         # checked before spending seconds on loading
         quant = None if quantization is None else QuantConfig.parse(quantization, quantization_config)
         spec = None if speculative_config is None else SpecConfig.parse(speculative_config)
-        parallel = ParallelConfig(tensor_parallel_size, pipeline_parallel_size, parallel_timeout_s)
+        parallel = ParallelConfig(tensor_parallel_size, pipeline_parallel_size, parallel_timeout_s,
+                                  pipeline_micro_batches)
         self._cluster: Cluster | None = None
         if parallel.world_size > 1:
             if spec is not None:
@@ -92,7 +94,8 @@ class LLM:
                                  "or the tensor/pipeline parallel sizes")
             self._cluster = start_cluster(WorkerArgs(
                 model, dtype, device, max_model_len, quantization, _options(quantization_config),
-                tensor_parallel_size, pipeline_parallel_size, parallel_timeout_s, None, block_size, pack_weights),
+                tensor_parallel_size, pipeline_parallel_size, parallel_timeout_s, pipeline_micro_batches, block_size,
+                pack_weights),
                 cache)
             self._finalizer = weakref.finalize(self, self._cluster.close)
             loaded = self._cluster.loaded
