@@ -62,12 +62,11 @@ class _Group:
     arrival_time: float
 
 
-def num_kv_blocks(cache: CacheConfig, model: LlamaForCausalLM) -> int:
-    """Blocks from an explicit count, or as many as `kv_cache_memory_gib` holds."""
+def num_kv_blocks(cache: CacheConfig, block_bytes: int) -> int:
+    """Blocks from an explicit count, or as many blocks of `block_bytes` as `kv_cache_memory_gib` holds."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    per_block = kv_block_bytes(model, cache.block_size)
-    return max(1, int(cache.kv_cache_memory_gib * 2**30) // per_block)
+    return max(1, int(cache.kv_cache_memory_gib * 2**30) // block_bytes)
 
 
 class LLMEngine:
@@ -86,7 +85,7 @@ class LLMEngine:
         if runner is not None:
             self.num_blocks, self.runner = runner.num_blocks, runner
         else:
-            self.num_blocks = num_kv_blocks(cache, model)
+            self.num_blocks = num_kv_blocks(cache, kv_block_bytes(model, cache.block_size))
             self.runner = PagedModelRunner(model, self.num_blocks, cache.block_size, pack_weights)
         self.scheduler = Scheduler(scheduler, cache.block_size, self.num_blocks, cache.enable_prefix_caching)
         self.spec = None if speculative is None else build_speculator(

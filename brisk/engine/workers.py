@@ -31,6 +31,7 @@ from brisk.loader.load import LoadedModel, load_model, model_config_of
 from brisk.parallel.groups import ParallelState, init_distributed, shutdown_distributed
 from brisk.parallel.pipeline import keep_stage, stage_layers
 from brisk.parallel.tensor import check_tensor_parallel, shard_model
+from brisk.runtime.paged_runner import kv_block_bytes
 from brisk.runtime.parallel_runner import ParallelRunner, StageRunner, serve_steps
 
 
@@ -198,7 +199,9 @@ def start_cluster(args: WorkerArgs, cache: CacheConfig) -> Cluster:
     try:
         state = init_distributed(pcfg, 0, args.device, init)
         loaded, layers = build_rank(args, state)
-        blocks = num_kv_blocks(cache, loaded.model)
+        # the fullest rank (most layers or KV heads) sets the count: kv_cache_memory_gib is per process
+        block_bytes = max(state.gather_objects(kv_block_bytes(loaded.model, args.block_size)))
+        blocks = num_kv_blocks(cache, block_bytes)
         state.broadcast_object(blocks)
         stage = StageRunner(loaded.model, state, layers, blocks, args.block_size, args.pack_weights)
     except BaseException:
@@ -217,6 +220,7 @@ def run_worker(args: WorkerArgs, rank: int, init_method: str) -> None:
     state = init_distributed(args.parallel, rank, args.device, init_method)
     try:
         loaded, layers = build_rank(args, state)
+        state.gather_objects(kv_block_bytes(loaded.model, args.block_size))
         blocks = state.broadcast_object()
         serve_steps(StageRunner(loaded.model, state, layers, blocks, args.block_size, args.pack_weights))
     finally:

@@ -137,3 +137,15 @@ def test_the_server_reports_a_dead_worker_and_stops(tiny_dir: Path) -> None:
             assert httpx.get(f"{base}/health", timeout=10).status_code == 503
     finally:
         llm.close()
+
+
+def test_kv_blocks_fit_the_fullest_rank(tiny_dir: Path) -> None:
+    """kv_cache_memory_gib is per process: with 2 stages the stage with more layers sets the block
+    count (here both hold 2 of 4 layers: twice the blocks of one process holding all 4)."""
+    from brisk.runtime.paged_runner import kv_block_bytes
+
+    gib = 2**20 / 2**30  # 1 MiB
+    single = LLM(str(tiny_dir), kv_cache_memory_gib=gib, block_size=4)
+    with LLM(str(tiny_dir), kv_cache_memory_gib=gib, block_size=4, pipeline_parallel_size=2) as llm:
+        assert kv_block_bytes(llm.model, 4) * 2 == kv_block_bytes(single.model, 4)
+        assert llm.engine.num_blocks == 2 * single.engine.num_blocks
