@@ -12,7 +12,7 @@ import itertools
 import json
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any, Union
+from typing import Any, Self, Union
 
 from tqdm import tqdm
 
@@ -89,9 +89,10 @@ class LLM:
                                   pipeline_micro_batches)
         self._cluster: Cluster | None = None
         if parallel.world_size > 1:
-            if spec is not None:
-                raise ValueError("speculative decoding runs in a single process for now: drop speculative_config "
-                                 "or the tensor/pipeline parallel sizes")
+            if spec is not None and spec.method != "ngram":
+                raise ValueError(f"speculative method {spec.method!r} runs in a single process for now (its drafts "
+                                 "need hidden states or KV of their own); with tensor/pipeline parallelism use "
+                                 '{"method": "ngram"}')
             self._cluster = start_cluster(WorkerArgs(
                 model, dtype, device, max_model_len, quantization, _options(quantization_config),
                 tensor_parallel_size, pipeline_parallel_size, parallel_timeout_s, pipeline_micro_batches, block_size,
@@ -142,7 +143,7 @@ class LLM:
         if self._cluster is not None:
             self._finalizer()
 
-    def __enter__(self) -> LLM:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -24,6 +24,7 @@ from brisk.core.outputs import ScheduledRequest, SchedulerOutput
 from brisk.model.llama import LlamaForCausalLM
 from brisk.request import Request
 from brisk.runtime.paged_runner import PagedModelRunner, StepLogits
+from brisk.runtime.parallel_runner import ParallelRunner
 from brisk.spec.base import Draft, DraftRequest, Proposer
 from brisk.spec.draft import DraftModelProposer
 from brisk.spec.early_exit import EarlyExitProposer
@@ -161,9 +162,13 @@ class Speculator:
                 "spec_mean_accepted_per_step": s.mean_accepted_per_step}
 
 
-def build_speculator(config: SpecConfig, runner: PagedModelRunner, cache: CacheConfig, num_blocks: int,
-                     draft_model: LlamaForCausalLM | None, pack_weights: bool, seed: int) -> Speculator:
-    """The proposer `config.method` names, wired to what it needs from the engine."""
+def build_speculator(config: SpecConfig, runner: PagedModelRunner | ParallelRunner, cache: CacheConfig,
+                     num_blocks: int, draft_model: LlamaForCausalLM | None, pack_weights: bool,
+                     seed: int) -> Speculator:
+    """The proposer `config.method` names, wired to what it needs from the engine. Over parallel
+    workers only ngram drafts: the others need hidden states or KV that live on other ranks."""
+    if config.method != "ngram" and not isinstance(runner, PagedModelRunner):
+        raise ValueError(f"speculative method {config.method!r} needs a single-process engine; use ngram")
     if config.method == "ngram":
         proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     elif config.method == "early_exit":
@@ -185,7 +190,7 @@ def build_speculator(config: SpecConfig, runner: PagedModelRunner, cache: CacheC
 
 
 @torch.inference_mode()
-def measure_verify_costs(runner: PagedModelRunner, max_k: int, repeats: int = 4) -> list[float]:
+def measure_verify_costs(runner: PagedModelRunner | ParallelRunner, max_k: int, repeats: int = 4) -> list[float]:
     """Extra cost of scoring k more tokens in one sequence's decode step, k = 0..max_k, relative
     to a one-token step: measured on this machine at start-up (~0.6 s) at k = 1, 2, 4, 8, ...
     (each shape warmed up first, the fastest of `repeats`), interpolated between, made

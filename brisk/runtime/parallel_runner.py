@@ -34,7 +34,6 @@ from brisk.runtime.paged_runner import (
     StepLogits,
 )
 
-
 # Fewest tokens a pipeline micro-batch is cut to by default (see StageRunner.micro_batch_count).
 MIN_MICRO_BATCH_TOKENS = 64
 
