@@ -327,7 +327,8 @@ class LLMEngine:
         return {"running": s.num_running, "waiting": s.num_waiting, "kv_usage": s.kv_usage,
                 "prefix_hit_rate": s.prefix_hit_rate, "num_preemptions": s.num_preemptions,
                 "num_kv_blocks": self.num_blocks, "peak_kv_usage": self.peak_kv_usage,
-                **(self.spec.info() if self.spec is not None else {})}
+                **(self.spec.info() if self.spec is not None else {}),
+                **(self.runner.info() if isinstance(self.runner, ParallelRunner) else {})}
 
     def reset_peak_stats(self) -> None:
         self.peak_kv_usage = self.scheduler.kv_usage

@@ -194,6 +194,12 @@ class ParallelRunner:
         assert out is not None
         return out
 
+    def info(self) -> dict[str, float]:
+        """Engine stats: the grid and the bytes rank 0 has handed to collectives (no collective run)."""
+        st = self.state.stats
+        return {"tensor_parallel_size": self.state.tp_size, "pipeline_parallel_size": self.state.pp_size,
+                "parallel_rank0_comm_bytes": st.all_reduce + st.p2p + st.gather + st.control}
+
     def comm_stats(self) -> list[dict[str, Any]]:
         """Every rank's CommStats, by rank: what a parallel step costs in bytes."""
         if self.failure is not None:

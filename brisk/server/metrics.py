@@ -58,6 +58,14 @@ class ServerMetrics:
             self.spec = {key: Gauge(f"brisk_{key}", text, registry=r, labelnames=["method"]).labels(**labels)
                          for key, text in _SPEC_GAUGES.items()}
 
+        # Tensor / pipeline parallelism (absent in one process).
+        self.parallel = "tensor_parallel_size" in engine.engine.stats()
+        if self.parallel:
+            self.tp = Gauge("brisk_tensor_parallel_size", "processes sharing every layer", registry=r)
+            self.pp = Gauge("brisk_pipeline_parallel_size", "pipeline stages", registry=r)
+            self.comm = Gauge("brisk_parallel_rank0_comm_bytes", "bytes rank 0 has handed to collectives",
+                              registry=r)
+
     def on_request(self, prompt_tokens: int) -> None:
         self.requests.inc()
         self.prompt_tokens.inc(prompt_tokens)
@@ -94,4 +102,8 @@ class ServerMetrics:
         if self.spec_method is not None:
             for key, gauge in self.spec.items():
                 gauge.set(info.get(key, 0.0))
+        if self.parallel:
+            self.tp.set(info.get("tensor_parallel_size", 0))
+            self.pp.set(info.get("pipeline_parallel_size", 0))
+            self.comm.set(info.get("parallel_rank0_comm_bytes", 0))
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

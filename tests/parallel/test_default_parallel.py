@@ -44,3 +44,8 @@ def test_parallel_generate_and_server_match_one_process(parallel_llm: LLM, singl
             model=MODEL, messages=CHAT, max_tokens=24, temperature=0, stream=True) if c.choices)
         assert streamed == single["chat"]
         assert httpx.get(f"{base}/health").status_code == 200
+        metrics = httpx.get(f"{base}/metrics").text
+        tp, pp = parallel_llm.parallel.tensor_parallel_size, parallel_llm.parallel.pipeline_parallel_size
+        assert f"brisk_tensor_parallel_size {tp:.1f}" in metrics and f"brisk_pipeline_parallel_size {pp:.1f}" in metrics
+        sent = [ln for ln in metrics.splitlines() if ln.startswith("brisk_parallel_rank0_comm_bytes ")]
+        assert sent and float(sent[0].split()[-1]) > 0
