@@ -98,6 +98,7 @@ class LLM:
                 tensor_parallel_size, pipeline_parallel_size, parallel_timeout_s, pipeline_micro_batches, block_size,
                 pack_weights),
                 cache)
+            # Until the engine holds the cluster (below), a failure here must not leave workers behind.
             self._finalizer = weakref.finalize(self, self._cluster.close)
             loaded = self._cluster.loaded
         else:
@@ -115,6 +116,10 @@ class LLM:
         draft = None if spec is None or spec.method != "draft" else self._load_draft(spec, dtype, device)
         self.engine = LLMEngine(loaded.model, loaded.tokenizer, cache, sched, seed, pack_weights, spec, draft,
                                 None if self._cluster is None else self._cluster.runner)
+        if self._cluster is not None:
+            # The workers live as long as the engine (a server may keep the engine and drop the LLM).
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self.engine, self._cluster.close)
         self._ids = itertools.count()
         # Outputs of open streams, kept when another call (a generate) runs the steps that make them.
         self._stream_buffers: dict[str, list[RequestOutput]] = {}

@@ -26,11 +26,23 @@ from typing import Any
 
 import torch
 
-from brisk.config import CacheConfig, ParallelConfig, QuantConfig
+from brisk.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig
 from brisk.loader.load import LoadedModel, load_model, model_config_of
-from brisk.parallel.groups import ParallelState, init_distributed, shutdown_distributed
+from brisk.model.llama import LlamaForCausalLM
+from brisk.parallel.groups import (
+    ParallelFailure,
+    ParallelState,
+    init_distributed,
+    shutdown_distributed,
+)
 from brisk.parallel.pipeline import keep_stage, stage_layers
-from brisk.parallel.tensor import check_tensor_parallel, shard_model
+from brisk.parallel.tensor import (
+    check_tensor_parallel,
+    even_ranges,
+    head_split,
+    shard_model,
+    tie_vocab_parallel_head,
+)
 from brisk.runtime.paged_runner import kv_block_bytes
 from brisk.runtime.parallel_runner import ParallelRunner, StageRunner, serve_steps
 
@@ -64,9 +76,19 @@ class WorkerArgs:
 
 def check_parallel(args: WorkerArgs) -> None:
     """Every ValueError a rank would meet, raised on rank 0 before any process is spawned."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise ValueError("this process already runs a parallel engine (one process group per process): close() "
+                         "that LLM first")
     cfg, quant, tp = model_config_of(args.model), args.quant, args.tensor_parallel_size
     check_tensor_parallel(cfg, tp)
     stage_layers(cfg, args.pipeline_parallel_size)
+    world = args.parallel.world_size
+    if args.device.startswith("cuda") and not launched_by_torchrun() and torch.cuda.device_count() < world:
+        raise ValueError(f"{world} ranks need {world} CUDA devices here (one each); {torch.cuda.device_count()} found")
+    if tp > 1 and quant is not None:
+        _check_shard_widths(cfg, tp, quant)
     if tp > 1 and quant is not None and quant.method == "gguf":
         raise ValueError("-q gguf keeps a GGUF file's whole blocks, which tensor parallelism cannot slice: use int8, "
                          "int4, w8a8 or ternary (each shard is quantized), or pipeline parallelism alone")
@@ -75,12 +97,36 @@ def check_parallel(args: WorkerArgs) -> None:
                          "`brisk quantize`, then run that checkpoint with pipeline parallelism, or drop calibration")
 
 
+def _check_shard_widths(cfg: ModelConfig, tp: int, quant: QuantConfig) -> None:
+    """Row-parallel layers see a slice of their input features; the method must take that width."""
+    widths = {len(head_split(cfg, tp, r).q_heads) * cfg.head_dim for r in range(tp)}
+    widths |= {len(r) for r in even_ranges(cfg.intermediate_size, tp)}
+    need = quant.group_size if quant.method == "int4" else 16 if quant.method == "ternary" else 1
+    bad = sorted(w for w in widths if w % need)
+    if bad:
+        raise ValueError(f"-q {quant.method} needs input widths divisible by {need}, but tensor_parallel_size {tp} "
+                         f"leaves row-parallel layers {bad[0]} columns: choose another size or group_size")
+
+
 def build_rank(args: WorkerArgs, state: ParallelState) -> tuple[LoadedModel, range]:
-    """This rank's model: float weights, its tensor shard, quantized, its stage's layers only."""
-    shard = (lambda model: shard_model(model, state)) if state.tp_size > 1 else None
-    loaded = load_model(args.model, args.dtype, str(state.device), args.max_model_len, args.quant, before_quant=shard)
-    layers = stage_layers(loaded.config, state.pp_size)[state.pp_rank]
-    keep_stage(loaded.model, layers, state.is_first_stage)
+    """This rank's model: float weights, its tensor shard and its stage's layers, then quantized
+    (only what this rank keeps is quantized). Calibrated quantization runs the whole model, so
+    there the other stages' layers are dropped after it."""
+    quant = args.quant
+    layers: range = range(0)
+
+    def reshape(model: LlamaForCausalLM) -> None:
+        nonlocal layers
+        if state.tp_size > 1:
+            shard_model(model, state)
+        layers = stage_layers(model.config, state.pp_size)[state.pp_rank]
+        if quant is None or quant.calibration is None:
+            keep_stage(model, layers, state.is_first_stage)
+
+    loaded = load_model(args.model, args.dtype, str(state.device), args.max_model_len, quant, before_quant=reshape)
+    if quant is not None and quant.calibration is not None:
+        keep_stage(loaded.model, layers, state.is_first_stage)
+    tie_vocab_parallel_head(loaded.model)
     return loaded, layers
 
 
@@ -107,10 +153,13 @@ class WorkerSet:
     def __init__(self, args: WorkerArgs, port: int) -> None:
         world = args.parallel.world_size
         self.timeout_s = args.timeout_s
-        env = {**os.environ, "OMP_NUM_THREADS": str(_threads_per_rank(world))}
+        env = {**os.environ, "OMP_NUM_THREADS": str(_threads_per_rank(world)), "LOCAL_WORLD_SIZE": str(world)}
+        # Own sessions: a Ctrl-C in the terminal reaches rank 0 alone, which stops the workers in
+        # order (they also exit if rank 0 disappears, see _exit_with_parent).
         self.procs = {
             rank: subprocess.Popen([sys.executable, "-m", "brisk.engine.workers",
-                                    json.dumps({"rank": rank, "port": port, "args": asdict(args)})], env=env)
+                                    json.dumps({"rank": rank, "port": port, "args": asdict(args)})],
+                                   env={**env, "LOCAL_RANK": str(rank)}, start_new_session=True)
             for rank in range(1, world)
         }
 
@@ -160,11 +209,15 @@ class Cluster:
     threads: int  # rank 0's torch threads before it took its share of the cores (restored on close)
 
     def close(self) -> None:
-        self.runner.close()
-        if self.workers is not None:
-            self.workers.stop()
-        shutdown_distributed()
-        torch.set_num_threads(self.threads)
+        try:
+            self.runner.close()
+        finally:
+            try:
+                if self.workers is not None:
+                    self.workers.stop()
+            finally:
+                shutdown_distributed()
+                torch.set_num_threads(self.threads)
 
 
 def _free_port() -> int:
@@ -196,6 +249,9 @@ def start_cluster(args: WorkerArgs, cache: CacheConfig) -> Cluster:
         init, local_world = f"tcp://127.0.0.1:{port}", pcfg.world_size
     threads = torch.get_num_threads()
     torch.set_num_threads(_threads_per_rank(local_world))
+    describe = workers.describe if workers is not None else \
+        (lambda e: f"parallel engine stopped: a worker failed or hung ({e})")
+    stop = (lambda: workers.stop(grace_s=0.0)) if workers is not None else (lambda: None)
     try:
         state = init_distributed(pcfg, 0, args.device, init)
         loaded, layers = build_rank(args, state)
@@ -204,15 +260,18 @@ def start_cluster(args: WorkerArgs, cache: CacheConfig) -> Cluster:
         blocks = num_kv_blocks(cache, block_bytes)
         state.broadcast_object(blocks)
         stage = StageRunner(loaded.model, state, layers, blocks, args.block_size, args.pack_weights)
+    except (RuntimeError, OSError) as e:  # a worker failed while starting: say which and how
+        message = describe(e)
+        stop()
+        shutdown_distributed()
+        torch.set_num_threads(threads)
+        raise ParallelFailure(message) from e
     except BaseException:
-        if workers is not None:
-            workers.stop(grace_s=0.0)
+        stop()
         shutdown_distributed()
         torch.set_num_threads(threads)
         raise
-    describe = workers.describe if workers is not None else \
-        (lambda e: f"parallel engine stopped: a worker failed or hung ({e})")
-    return Cluster(loaded, ParallelRunner(stage, describe), workers, threads)
+    return Cluster(loaded, ParallelRunner(stage, describe, stop), workers, threads)
 
 
 def run_worker(args: WorkerArgs, rank: int, init_method: str) -> None:

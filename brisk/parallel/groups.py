@@ -71,11 +71,22 @@ class ParallelState:
         self.device = device
         self.stats = CommStats()
         # Every rank must create every group, in the same order (torch.distributed's rule).
+        data_timeout = datetime.timedelta(seconds=cfg.timeout_s)
         self.tp_group: Any = None
         for stage in range(self.pp_size):
-            group = dist.new_group(self.stage_ranks(stage)) if self.tp_size > 1 else None
+            group = dist.new_group(self.stage_ranks(stage), timeout=data_timeout) if self.tp_size > 1 else None
             if stage == self.pp_rank:
                 self.tp_group = group
+        # The last stage's rows go back to the first stage on a group of their own: NCCL runs all
+        # point-to-point traffic of a rank pair on one stream, where sends both ways between the same
+        # two ranks (activations forward, rows back, with two stages) could wait on each other.
+        self.back_group: Any = None
+        if self.pp_size > 1:
+            for t in range(self.tp_size):
+                pair = [t, (self.pp_size - 1) * self.tp_size + t]
+                group = dist.new_group(pair, timeout=data_timeout)
+                if rank in pair:
+                    self.back_group = group
         # Timeouts are each process's own: rank 0 gives up on a silent worker after timeout_s, while
         # the workers wait for rank 0's next step as long as it takes.
         timeout = datetime.timedelta(seconds=cfg.timeout_s) if rank == 0 else _CONTROL_TIMEOUT
@@ -150,10 +161,16 @@ class ParallelState:
         self.stats.add("p2p", _nbytes(t))
         return dist.isend(t.contiguous(), dst)
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, back: bool = False) -> torch.Tensor:
+        """`back`: on the last-stage-to-first-stage group (see back_group)."""
         t = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(t, src)
+        dist.recv(t, src, group=self.back_group if back else None)
         return t
+
+    def isend_back(self, t: torch.Tensor) -> Any:
+        """Last stage -> its tensor rank's peer on the first stage."""
+        self.stats.add("p2p", _nbytes(t))
+        return dist.isend(t.contiguous(), self.peer(0), group=self.back_group)
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank (step messages, set-up values)."""
@@ -180,6 +197,10 @@ def init_distributed(cfg: ParallelConfig, rank: int, device: str, init_method: s
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
     backend = "nccl" if dev.type == "cuda" else "gloo"
+    if backend == "nccl":
+        # NCCL ops only make the stream wait; blocking waits turn a dead or hung peer into an error
+        # (a ParallelFailure) after timeout_s instead of an abort by the NCCL watchdog.
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=cfg.world_size,
                             timeout=datetime.timedelta(seconds=cfg.timeout_s))
     return ParallelState(cfg, rank, dev)

@@ -83,19 +83,39 @@ class RowParallel(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows of tokens [start, start + rows) here; other tokens look up zeros; summed over ranks."""
+    """Rows of tokens [start, start + rows) here; other tokens look up zeros; summed over ranks.
 
-    def __init__(self, weight: torch.Tensor, start: int, state: ParallelState) -> None:
+    `tied`: the LM head's shard is this table. Once the head is quantized, lookups read the
+    quantized head's rows instead (`tie_vocab_parallel_head`), as a tied quantized head does in
+    one process (quant.tie_head), and the float table is dropped."""
+
+    def __init__(self, weight: torch.Tensor, start: int, state: ParallelState, tied: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)  # [shard rows, hidden]
+        self.weight: nn.Parameter | None = nn.Parameter(weight, requires_grad=False)  # [shard rows, hidden]
+        self.rows = weight.shape[0]
+        self.dtype = weight.dtype
         self.start = start
         self.state = state
+        self.tied = tied
+        self.head: nn.Module | None = None  # a quantized head to read rows from (dequantize_rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        h = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)  # [n, hidden]
+        outside = (local < 0) | (local >= self.rows)
+        local = local.clamp(0, self.rows - 1)
+        if self.head is not None:
+            h = self.head.dequantize_rows(local).to(self.dtype)  # type: ignore[operator]
+        else:
+            assert self.weight is not None
+            h = F.embedding(local, self.weight)  # [n, hidden]
         return self.state.all_reduce(h.masked_fill(outside.unsqueeze(1), 0.0))
+
+
+def tie_vocab_parallel_head(model: LlamaForCausalLM) -> None:
+    """After quantization: a tied embedding shard looks tokens up in the quantized head shard."""
+    embed, head = model.embed_tokens, model.lm_head
+    if isinstance(embed, VocabParallelEmbedding) and embed.tied and hasattr(head, "dequantize_rows"):
+        embed.head, embed.weight = head, None
 
 
 def _linear(rows: torch.Tensor, output_sizes: tuple[int, ...], bias: torch.Tensor | None) -> Linear:
@@ -169,11 +189,12 @@ def _shard_vocab(model: LlamaForCausalLM, state: ParallelState) -> None:
     if embed is None:
         raise ValueError("the token embedding is not a float table; load the unquantized model")
     local = rows(embed)
-    model.embed_tokens = VocabParallelEmbedding(local, shard.start, state)  # type: ignore[assignment]
     head = model.lm_head
+    model.embed_tokens = VocabParallelEmbedding(local, shard.start, state, head is None)  # type: ignore[assignment]
     if head is None:  # tied: the head's shard is the embedding's shard, one tensor for both
-        model.lm_head = _linear(local, (len(shard),), None)  # type: ignore[assignment]
-        model.lm_head.weight = model.embed_tokens.weight  # type: ignore[union-attr]
+        tied = Linear(local.shape[1], (len(shard),), False, local.dtype)
+        tied.weight = model.embed_tokens.weight  # type: ignore[assignment]
+        model.lm_head = tied  # type: ignore[assignment]
     else:
         head = _check_float(head, "lm_head")
         model.lm_head = _linear(rows(head.weight), (len(shard),), None)  # type: ignore[assignment]

@@ -17,6 +17,7 @@ further steps: the engine ends its requests instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,12 +107,13 @@ class StageRunner:
                 if state.is_first_stage:
                     mine[-1].hidden, mine[-1].logits = picked, self._logits(picked)
                 else:
-                    pending.append(state.isend(picked, state.peer(0)))
+                    pending.append(state.isend_back(picked))
         if state.is_first_stage and not state.is_last_stage:  # the head, as the last stage's rows come back
             hidden = self.model.config.hidden_size
             for p in mine:
                 if p.num_rows:
-                    picked = state.recv((p.num_rows, hidden), self.model.dtype, state.peer(state.pp_size - 1))
+                    picked = state.recv((p.num_rows, hidden), self.model.dtype, state.peer(state.pp_size - 1),
+                                        back=True)
                     p.logits = self._logits(picked)
         for handle in pending:
             handle.wait()
@@ -170,7 +172,8 @@ class ParallelRunner:
     share, returns the logits. `describe_failure` turns a collective's error into a sentence about
     the worker behind it (the launcher knows the processes)."""
 
-    def __init__(self, stage: StageRunner, describe_failure: Callable[[BaseException], str]) -> None:
+    def __init__(self, stage: StageRunner, describe_failure: Callable[[BaseException], str],
+                 stop_workers: Callable[[], None]) -> None:
         self.stage = stage
         self.model = stage.model
         self.device = stage.local.device
@@ -179,6 +182,7 @@ class ParallelRunner:
         self.packed_weight_bytes = stage.local.packed_weight_bytes
         self.state = stage.state
         self._describe = describe_failure
+        self._stop_workers = stop_workers
         self.failure: str | None = None
 
     def execute(self, steps: Sequence[ScheduledStep], all_rows_for: frozenset[str] = frozenset()) -> StepLogits:
@@ -191,6 +195,12 @@ class ParallelRunner:
         except (RuntimeError, OSError) as e:
             self.failure = self._describe(e)
             raise ParallelFailure(self.failure) from e
+        except BaseException as e:
+            # Interrupted mid-step (Ctrl-C, a bug on this side): the workers are somewhere inside the
+            # step and cannot be brought back in line, so they stop and so does the engine.
+            self.failure = f"parallel engine stopped: a step was interrupted on rank 0 ({type(e).__name__})"
+            self._stop_workers()
+            raise
         assert out is not None
         return out
 
@@ -210,10 +220,8 @@ class ParallelRunner:
     def close(self) -> None:
         """Tell the workers to leave their loop (nothing to tell after a failure)."""
         if self.failure is None:
-            try:
+            with contextlib.suppress(Exception):  # a worker already gone: the launcher reaps it
                 self.state.broadcast_object(("stop",))
-            except (RuntimeError, OSError):
-                pass  # a worker already gone: the launcher reaps it
         self.failure = self.failure or "the parallel engine was closed"
 
 

@@ -32,11 +32,14 @@ def reference(tiny_dir: Path) -> list[list[int]]:
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 2), (4, 1)])
 def test_grid_gives_the_tokens_of_one_process(tiny_dir: Path, reference: list[list[int]], tp: int, pp: int) -> None:
-    """2 x 2: four processes, QKV bias and an untied head sharded, two stages with micro-batches
-    (a 15-token prompt in chunks of 16 tokens per step beside decodes); 4 x 1: more ranks than KV
-    heads, each KV head replicated on two ranks."""
+    """2 x 2: four processes, QKV bias and an untied head sharded, two stages, every step cut into
+    two micro-batches (a 15-token prompt in chunks of 16 tokens per step beside decodes, some
+    micro-batches with no row to sample); 4 x 1: more ranks than KV heads, each KV head
+    replicated on two ranks."""
     threads = torch.get_num_threads()
-    with LLM(str(tiny_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE) as llm:
+    micro = 2 if pp > 1 else None
+    with LLM(str(tiny_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_micro_batches=micro,
+             **ENGINE) as llm:
         assert _tokens(llm) == reference
         ranks = llm._cluster.runner.comm_stats()  # type: ignore[union-attr]
         assert len(ranks) == tp * pp and all(r["all_reduce_bytes"] > 0 for r in ranks)
@@ -106,6 +109,28 @@ def test_ngram_speculation_over_a_grid_is_lossless(tiny_dir: Path, reference: li
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == reference
         assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+
+
+def test_the_engine_keeps_its_workers_and_one_grid_runs_per_process(tiny_dir: Path,
+                                                                     reference: list[list[int]]) -> None:
+    llm = LLM(str(tiny_dir), tensor_parallel_size=2, **ENGINE)
+    engine = llm.engine
+    with pytest.raises(ValueError, match="already runs a parallel engine"):
+        LLM(str(tiny_dir), tensor_parallel_size=2, **ENGINE)
+    del llm  # a server may keep only the engine: the workers stay
+    engine.add_request("a", [3, 5, 9], GREEDY)
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+    assert tokens == reference[0]
+    del engine
+    import gc
+
+    gc.collect()
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # collected with the engine: workers stopped, group gone
 
 
 def test_bad_parallel_options_fail_before_spawning(tiny_dir: Path) -> None:
