@@ -109,6 +109,8 @@ class AsyncEngine:
                 busy = self.engine.has_unfinished_requests()
                 if not self._drain(block=not busy):
                     break
+                if not busy:
+                    self.engine.check()  # idle: a parallel worker that ended stops the engine now
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._publish()

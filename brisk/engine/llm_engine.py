@@ -147,6 +147,12 @@ class LLMEngine:
                 self.spec.release(sid, finished=True)
         return True
 
+    def check(self) -> None:
+        """Raise if the engine can no longer run a step (a parallel worker has ended); cheap, for
+        idle loops."""
+        if isinstance(self.runner, ParallelRunner):
+            self.runner.check()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 

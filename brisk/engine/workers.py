@@ -182,6 +182,14 @@ class WorkerSet:
         return (f"parallel engine stopped: a worker did not answer within {self.timeout_s:g} s (hung, or the "
                 f"machine is overloaded; raise timeout_s if steps are that slow): {error}")
 
+    def poll(self) -> str | None:
+        """Between steps: a sentence about a worker that has ended, or None while all run."""
+        ended = [self._ending(rank, p) for rank, p in self.procs.items() if p.poll() is not None]
+        if not ended:
+            return None
+        self.stop(grace_s=1.0)
+        return f"parallel engine stopped: {'; '.join(ended)}"
+
     @staticmethod
     def _ending(rank: int, proc: subprocess.Popen[bytes]) -> str:
         code = proc.returncode
@@ -271,7 +279,8 @@ def start_cluster(args: WorkerArgs, cache: CacheConfig) -> Cluster:
         shutdown_distributed()
         torch.set_num_threads(threads)
         raise
-    return Cluster(loaded, ParallelRunner(stage, describe, stop), workers, threads)
+    poll = workers.poll if workers is not None else (lambda: None)
+    return Cluster(loaded, ParallelRunner(stage, describe, stop, poll), workers, threads)
 
 
 def run_worker(args: WorkerArgs, rank: int, init_method: str) -> None:

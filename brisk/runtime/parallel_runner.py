@@ -173,7 +173,7 @@ class ParallelRunner:
     the worker behind it (the launcher knows the processes)."""
 
     def __init__(self, stage: StageRunner, describe_failure: Callable[[BaseException], str],
-                 stop_workers: Callable[[], None]) -> None:
+                 stop_workers: Callable[[], None], poll_workers: Callable[[], str | None]) -> None:
         self.stage = stage
         self.model = stage.model
         self.device = stage.local.device
@@ -183,7 +183,16 @@ class ParallelRunner:
         self.state = stage.state
         self._describe = describe_failure
         self._stop_workers = stop_workers
+        self._poll_workers = poll_workers
         self.failure: str | None = None
+
+    def check(self) -> None:
+        """Between steps (an idle server): raise ParallelFailure if a worker has ended, so the
+        engine stops and /health says so before any request finds out."""
+        if self.failure is None:
+            self.failure = self._poll_workers()
+        if self.failure is not None:
+            raise ParallelFailure(self.failure)
 
     def execute(self, steps: Sequence[ScheduledStep], all_rows_for: frozenset[str] = frozenset()) -> StepLogits:
         if self.failure is not None:

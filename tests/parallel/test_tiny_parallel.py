@@ -85,15 +85,16 @@ def test_a_lost_worker_ends_generation_with_a_clear_error(tiny_dir: Path, how: s
                 llm.engine.step()
         elapsed = time.monotonic() - started
         if how == "SIGKILL":
-            assert f"worker rank 3 (pid {victim.pid}) was killed by SIGKILL" in str(err.value)
+            assert f"worker rank 3 (pid {victim.pid}) was killed by SIGKILL" in str(err.value), str(err.value)
             assert elapsed < 10
         else:
             assert f"worker rank 3 (pid {victim.pid}) is stopped (SIGSTOP or a debugger) and did not answer " \
                    "within 2 s" in str(err.value)
-            assert elapsed < 15
+            assert elapsed < 15, str(err.value)
         # nothing left behind: requests ended, blocks returned, every worker process gone
         assert not llm.engine.has_unfinished_requests() and llm.engine.scheduler.kv_usage == 0
-        assert all(p.poll() is not None for p in llm._cluster.workers.procs.values())  # type: ignore[union-attr]
+        codes = [p.poll() for p in llm._cluster.workers.procs.values()]  # type: ignore[union-attr]
+        assert None not in codes, codes
         with pytest.raises(ParallelFailure, match="parallel engine stopped"):
             llm.generate("w1 w2", GREEDY, use_tqdm=False)
     finally:
@@ -171,6 +172,24 @@ def test_the_server_reports_a_dead_worker_and_stops(tiny_dir: Path) -> None:
             assert reply.status_code == 503
             assert f"worker rank 1 (pid {victim.pid}) was killed by SIGKILL" in reply.json()["error"]["message"]
             assert httpx.get(f"{base}/health", timeout=10).status_code == 503
+    finally:
+        llm.close()
+
+
+def test_an_idle_server_notices_a_dead_worker(tiny_dir: Path) -> None:
+    import httpx
+
+    from tests.server.conftest import running_server
+
+    llm = LLM(str(tiny_dir), tensor_parallel_size=2, **ENGINE)
+    try:
+        with running_server(llm) as (base, _):
+            assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+            os.kill(llm._cluster.workers.procs[1].pid, signal.SIGKILL)  # type: ignore[union-attr]
+            deadline = time.monotonic() + 10
+            while httpx.get(f"{base}/health", timeout=10).status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert httpx.get(f"{base}/health", timeout=10).status_code == 503  # no request needed
     finally:
         llm.close()
 
