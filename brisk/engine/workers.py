@@ -28,6 +28,8 @@ import torch
 
 from brisk.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig
 from brisk.loader.load import LoadedModel, load_model, model_config_of
+from brisk.loader.quantized import quantization_of
+from brisk.loader.resolve import resolve_model
 from brisk.model.llama import LlamaForCausalLM
 from brisk.parallel.groups import (
     ParallelFailure,
@@ -89,6 +91,12 @@ def check_parallel(args: WorkerArgs) -> None:
         raise ValueError(f"{world} ranks need {world} CUDA devices here (one each); {torch.cuda.device_count()} found")
     if tp > 1 and quant is not None:
         _check_shard_widths(cfg, tp, quant)
+    source = resolve_model(args.model)
+    saved = quantization_of(source.path) if source.kind == "hf" else None
+    if tp > 1 and saved is not None:
+        raise ValueError(f"{args.model} is a quantized checkpoint ({saved.describe()}); tensor parallelism slices "
+                         "float weights and quantizes each slice: load the original model with "
+                         f"--quantization {saved.method}, or use pipeline parallelism alone")
     if tp > 1 and quant is not None and quant.method == "gguf":
         raise ValueError("-q gguf keeps a GGUF file's whole blocks, which tensor parallelism cannot slice: use int8, "
                          "int4, w8a8 or ternary (each shard is quantized), or pipeline parallelism alone")
@@ -113,18 +121,17 @@ def build_rank(args: WorkerArgs, state: ParallelState) -> tuple[LoadedModel, ran
     (only what this rank keeps is quantized). Calibrated quantization runs the whole model, so
     there the other stages' layers are dropped after it."""
     quant = args.quant
-    layers: range = range(0)
+    calibrated = quant is not None and quant.calibration is not None
 
     def reshape(model: LlamaForCausalLM) -> None:
-        nonlocal layers
         if state.tp_size > 1:
             shard_model(model, state)
-        layers = stage_layers(model.config, state.pp_size)[state.pp_rank]
-        if quant is None or quant.calibration is None:
-            keep_stage(model, layers, state.is_first_stage)
+        if not calibrated:
+            keep_stage(model, stage_layers(model.config, state.pp_size)[state.pp_rank], state.is_first_stage)
 
     loaded = load_model(args.model, args.dtype, str(state.device), args.max_model_len, quant, before_quant=reshape)
-    if quant is not None and quant.calibration is not None:
+    layers = stage_layers(loaded.config, state.pp_size)[state.pp_rank]
+    if calibrated:
         keep_stage(loaded.model, layers, state.is_first_stage)
     tie_vocab_parallel_head(loaded.model)
     return loaded, layers

@@ -134,9 +134,17 @@ def test_the_engine_keeps_its_workers_and_one_grid_runs_per_process(tiny_dir: Pa
     assert not dist.is_initialized()  # collected with the engine: workers stopped, group gone
 
 
-def test_bad_parallel_options_fail_before_spawning(tiny_dir: Path) -> None:
+def test_bad_parallel_options_fail_before_spawning(tiny_dir: Path, tmp_path: Path) -> None:
+    from brisk.config import QuantConfig
+    from brisk.loader.convert import quantize_to_dir
+
     with pytest.raises(ValueError, match="cannot split 4 attention heads in 2 KV groups"):
         LLM(str(tiny_dir), tensor_parallel_size=3)
+    saved = quantize_to_dir(str(tiny_dir), QuantConfig("int8"), tmp_path / "q8")
+    with pytest.raises(ValueError, match=r"is a quantized checkpoint \(int8\); tensor parallelism slices float"):
+        LLM(str(saved), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="-q int4 needs input widths divisible by 32"):
+        LLM(str(tiny_dir), tensor_parallel_size=2, quantization="int4", quantization_config={"group_size": 32})
     with pytest.raises(ValueError, match="speculative method 'medusa' runs in a single process"):
         LLM(str(tiny_dir), tensor_parallel_size=2, speculative_config={"method": "medusa", "heads": "h.safetensors"})
 
