@@ -263,8 +263,7 @@ def _torchrun_worker(args: argparse.Namespace) -> bool:
         return False
     from brisk.engine.workers import WorkerArgs, run_worker
 
-    options = json.loads(args.quant_config) if args.quant_config else None
-    run_worker(WorkerArgs(args.model, args.dtype, args.device, args.max_model_len, args.quantization, options,
+    run_worker(WorkerArgs(args.model, args.dtype, args.device, args.max_model_len, args.quantization, args.quant_config,
                           args.tensor_parallel_size, args.pipeline_parallel_size, args.parallel_timeout, None,
                           args.block_size, not args.no_pack_weights), int(os.environ["RANK"]), "env://")
     return True

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Self, Union
@@ -35,11 +34,6 @@ from brisk.request import SamplingParams
 # A prompt is text, or {"prompt_token_ids": [...]} for pre-tokenized input (as in vLLM).
 Prompt = Union[str, dict[str, Any]]
 Messages = list[dict[str, Any]]
-
-
-def _options(config: dict[str, Any] | str | None) -> dict[str, Any] | None:
-    """A quantization_config given as JSON text, as the dict the workers receive."""
-    return json.loads(config) if isinstance(config, str) else config
 
 
 class LLM:
@@ -94,7 +88,7 @@ class LLM:
                                  "need hidden states or KV of their own); with tensor/pipeline parallelism use "
                                  '{"method": "ngram"}')
             self._cluster = start_cluster(WorkerArgs(
-                model, dtype, device, max_model_len, quantization, _options(quantization_config),
+                model, dtype, device, max_model_len, quantization, quantization_config,
                 tensor_parallel_size, pipeline_parallel_size, parallel_timeout_s, pipeline_micro_batches, block_size,
                 pack_weights),
                 cache)

@@ -58,7 +58,7 @@ class WorkerArgs:
     device: str = "cpu"
     max_model_len: int | None = None
     quantization: str | None = None
-    quantization_config: dict[str, Any] | None = None
+    quantization_config: dict[str, Any] | str | None = None  # as given: QuantConfig.parse reads both
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     timeout_s: float = 120.0

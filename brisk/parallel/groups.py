@@ -89,8 +89,7 @@ class ParallelState:
                     self.back_group = group
         # Timeouts are each process's own: rank 0 gives up on a silent worker after timeout_s, while
         # the workers wait for rank 0's next step as long as it takes.
-        timeout = datetime.timedelta(seconds=cfg.timeout_s) if rank == 0 else _CONTROL_TIMEOUT
-        self.control = dist.new_group(backend="gloo", timeout=timeout)
+        self.control = dist.new_group(backend="gloo", timeout=data_timeout if rank == 0 else _CONTROL_TIMEOUT)
 
     # ------------------------------------------------------------------ layout
     def stage_ranks(self, stage: int) -> list[int]:

@@ -167,7 +167,7 @@ class PagedModelRunner:
         if not index:
             return StepLogits(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), {}, [],
                               hidden[:0])
-        picked = hidden if index == list(range(hidden.shape[0])) else hidden[torch.tensor(index, device=self.device)]
+        picked = pick_rows(hidden, index)
         return StepLogits(self.model.compute_logits(picked), rows, inputs.sample_ids, picked)  # [len(index), vocab]
 
     @torch.inference_mode()
@@ -179,6 +179,13 @@ class PagedModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, num_layers)  # [num_tokens, hidden]
         order = {rid: row for rid, row in zip(inputs.sample_ids, inputs.sample_rows)}
         return hidden[torch.tensor([order[s.request_id] for s in steps], device=self.device)]
+
+
+def pick_rows(hidden: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """Rows `index` of hidden [n, hidden]; the tensor itself when that is every row in order."""
+    if index == list(range(hidden.shape[0])):
+        return hidden
+    return hidden[torch.tensor(index, device=hidden.device)]
 
 
 @dataclass

@@ -33,6 +33,7 @@ from brisk.runtime.paged_runner import (
     ScheduledStep,
     StepInputs,
     StepLogits,
+    pick_rows,
 )
 
 # Fewest tokens a pipeline micro-batch is cut to by default (see StageRunner.micro_batch_count).
@@ -137,10 +138,7 @@ class StageRunner:
 
     def _picked(self, h: torch.Tensor, residual: torch.Tensor, index: list[int]) -> torch.Tensor:
         """The final-normed hidden state of the rows to project: [len(index), hidden]."""
-        hidden = self.model.final_norm(h, residual)  # [n, hidden]
-        if index == list(range(hidden.shape[0])):
-            return hidden
-        return hidden[torch.tensor(index, device=hidden.device)]
+        return pick_rows(self.model.final_norm(h, residual), index)
 
     def _logits(self, picked: torch.Tensor) -> torch.Tensor | None:
         """The vocabulary shards of the LM head, gathered on the stage leader: [rows, vocab]
