@@ -15,6 +15,7 @@ from brisk.cli_bench import add_bench_parsers, run_bench
 from brisk.cli_common import (
     QUANT_CONFIG_HELP,
     QUANT_HELP,
+    add_device,
     add_engine,
     add_model,
     add_quant,
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl = esub.add_parser("ppl", help="perplexity on a text file, with KL and top-1 agreement vs float32")
     ppl.add_argument("--model", "-m", default=DEFAULT_MODEL, help=f"model reference (default {DEFAULT_MODEL})")
     ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_device(ppl)
     add_quant(ppl, "evaluate a quantized model")
     ppl.add_argument("--text", type=Path, required=True, help="UTF-8 text file, e.g. wikitext-2-raw/wiki.test.raw")
     ppl.add_argument("--window", type=int, default=1024, help="tokens per non-overlapping window (default 1024)")
@@ -245,7 +247,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     if args.max_tokens is not None and args.max_tokens < 2:
         raise ValueError("--max-tokens must be >= 2")
-    result = eval_ppl(args.model, args.dtype, args.text, args.window, args.max_tokens, quant_kwargs(args))
+    result = eval_ppl(args.model, args.dtype, args.text, args.window, args.max_tokens, quant_kwargs(args),
+                      device=args.device)
     if not args.json:
         print(f"perplexity {result['perplexity']} over {result['tokens_scored']} tokens "
               f"(KL vs float32 {result['kl_vs_float32']}, top-1 agreement {result['top1_agreement_vs_float32']})",

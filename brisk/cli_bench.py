@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from brisk.cli_common import (
+    add_device,
     add_engine,
     add_model,
     add_quant,
@@ -28,7 +29,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     lat.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     lat.add_argument("--new-tokens", type=int, default=128)
     lat.add_argument("--repeats", type=int, default=3)
-    lat.add_argument("--compare", default="", help="peers to run side by side: hf")
+    lat.add_argument("--compare", default="", help="peers to run side by side: hf (on the CPU only)")
+    add_device(lat)
     add_quant(lat, "quantize brisk's model at load")
     add_spec(lat)
 
@@ -137,7 +139,8 @@ def run_bench(args: argparse.Namespace) -> int:
     dtypes = args.dtype_list.split(",") if args.dtype_list else [args.dtype]
     for dtype in dtypes:
         result = bench_latency(args.model, dtype, args.prompt or DEFAULT_PROMPT, not args.no_chat,
-                               args.new_tokens, args.repeats, compare, {**quant_kwargs(args), **spec_kwargs(args)})
+                               args.new_tokens, args.repeats, compare,
+                               {**quant_kwargs(args), **spec_kwargs(args), "device": args.device})
         print(json.dumps(result), flush=True)
     return 0
 

@@ -48,8 +48,12 @@ def add_engine(p: argparse.ArgumentParser) -> None:
     add_parallel(p)
 
 
-def add_parallel(p: argparse.ArgumentParser) -> None:
+def add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu; parallel ranks take cuda:LOCAL_RANK)")
+
+
+def add_parallel(p: argparse.ArgumentParser) -> None:
+    add_device(p)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split every layer over T processes (attention heads by KV group, MLP, vocabulary; default 1)")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,

@@ -323,6 +323,26 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+def check_device(device: str) -> None:
+    """A device brisk can run on, or a ValueError saying what to use instead."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a device name: use cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise ValueError(f"device {device!r}: brisk runs on cpu or cuda")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this torch sees no CUDA GPU (a CPU-only build, or no driver); "
+                         "use --device cpu, or install a CUDA build of torch on a machine with a GPU")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What `LLM(...)` was asked for: the model reference and how to run it."""
@@ -338,3 +358,4 @@ class EngineConfig:
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
+        check_device(self.device)

@@ -81,13 +81,13 @@ def weight_bytes(model: LlamaForCausalLM) -> int:
 
 
 def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: int | None,
-             quant: dict[str, Any] | None = None) -> dict[str, Any]:
+             quant: dict[str, Any] | None = None, device: str = "cpu") -> dict[str, Any]:
     if window < 2:
         raise ValueError(f"--window must be >= 2 tokens, got {window}")
     if not text.is_file():
         raise ValueError(f"--text {text} is not a file")
     llm = LLM(model_ref, dtype=dtype, max_model_len=max(window, 256), num_kv_blocks=96,  # KV only for the decode timing
-              **(quant or {}))
+              device=device, **(quant or {}))
     from brisk.loader.quantized import quantization_of
 
     if quantization_of(Path(model_ref)) is not None:
@@ -98,7 +98,7 @@ def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: in
         raise ValueError(f"{text} holds fewer than 2 tokens; nothing to score")
     reference = None
     if dtype != "float32" or llm.quantization is not None:
-        reference = load_model(model_ref, dtype="float32", max_model_len=max(window, 256)).model
+        reference = load_model(model_ref, dtype="float32", device=device, max_model_len=max(window, 256)).model
         reference.pack_weights()
     total = WindowScore()
     start = time.perf_counter()
@@ -113,7 +113,7 @@ def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: in
         total.tokens += s.tokens
     elapsed = time.perf_counter() - start
     result: dict[str, Any] = {
-        "bench": "ppl", "model": model_ref, "dtype": dtype, "quantization": llm.quantization.describe() if llm.quantization else None, "text": str(text),
+        "bench": "ppl", "model": model_ref, "dtype": dtype, "device": device, "quantization": llm.quantization.describe() if llm.quantization else None, "text": str(text),
         "window": window,
         "tokens_scored": total.tokens, "perplexity": round(math.exp(total.nll_sum / total.tokens), 4),
         "nll_per_token": round(total.nll_sum / total.tokens, 5),

@@ -21,6 +21,11 @@ from brisk.request import SamplingParams
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
+def _machine(device: str) -> str:
+    cpu = platform.processor() or platform.machine()
+    return f"{torch.cuda.get_device_name(device)} ({cpu} host)" if device.startswith("cuda") else cpu
+
+
 def _brisk_run(llm: LLM, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
@@ -49,18 +54,21 @@ def _measure(run: Any, target: Any, ids: list[int], new_tokens: int, repeats: in
 
 def bench_latency(model: str, dtype: str, prompt: str, chat: bool, new_tokens: int, repeats: int,
                   compare: list[str], options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`options`: more LLM(...) arguments (quantization, speculative_config)."""
+    """`options`: more LLM(...) arguments (quantization, speculative_config, device)."""
+    device = str((options or {}).get("device", "cpu"))
+    if compare and device != "cpu":
+        raise ValueError(f"--compare runs the peer on the CPU: drop it with --device {device}")
     t0 = time.perf_counter()
     llm = LLM(model, dtype=dtype, **(options or {}))
     load_s = time.perf_counter() - t0
     tok = llm.get_tokenizer()
     ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     result: dict[str, Any] = {
-        "bench": "latency", "model": model, "dtype": dtype,
+        "bench": "latency", "model": model, "dtype": dtype, "device": device,
         "quantization": llm.quantization.describe() if llm.quantization else None,
         "speculative_config": (options or {}).get("speculative_config"),
         "prompt_tokens": len(ids), "new_tokens": new_tokens,
-        "repeats": repeats, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+        "repeats": repeats, "threads": torch.get_num_threads(), "machine": _machine(device),
     }
     result["brisk"], brisk_tokens = _measure(_brisk_run, llm, ids, new_tokens, repeats)
     result["brisk"]["load_s"] = round(load_s, 2)

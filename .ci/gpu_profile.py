@@ -1,0 +1,112 @@
+"""Where a CUDA decode step's time goes: a SmolLM2-135M-shaped model with random weights (the timing does not
+depend on the values, so no weights need to travel), one engine, batch 1 and batch 32.
+
+    python3 .ci/gpu_profile.py [--device cuda] [--out DIR]
+
+Prints, per batch size, decode tokens/s, wall time per step, GPU kernel time per step and kernel launches per
+step (from torch.profiler), and the operators that spend the most host time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: brisk need not be installed
+
+from tokenizers import Tokenizer as Backend
+from tokenizers import models, pre_tokenizers
+
+from brisk.config import CacheConfig, ModelConfig, SchedulerConfig
+from brisk.engine.llm_engine import LLMEngine
+from brisk.loader.tokenizer import Tokenizer
+from brisk.model.llama import LlamaForCausalLM
+from brisk.request import SamplingParams
+
+SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                      rope_theta=100000.0, tie_word_embeddings=True)
+
+
+def build_engine(device: str, dtype: torch.dtype) -> LLMEngine:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(SMOLLM2, dtype=torch.float32, max_positions=2048)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model = model.to(device=device, dtype=dtype).eval()
+    backend = Backend(models.WordLevel({"w0": 0, "w1": 1}, unk_token="w1"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = Tokenizer(backend, bos_token_id=None, eos_token_id=0, add_bos=False, chat_template=None)
+    return LLMEngine(model, tok, CacheConfig(block_size=16, num_kv_blocks=1024),
+                     SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=2048))
+
+
+def decode_steps(engine: LLMEngine, batch: int, new_tokens: int) -> list[float]:
+    """Per-step wall seconds of the steps after every prompt is in (pure decode)."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        engine.add_request(f"b{batch}-{i}-{time.monotonic_ns()}", torch.randint(2, 49152, (46,), generator=g).tolist(),
+                           params)
+    engine.step()  # the prompts (one step: 46 * batch <= 2048 tokens)
+    times = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def profile(engine: LLMEngine, batch: int, steps: int, device: str) -> dict[str, object]:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"p{batch}-{i}", list(range(2, 48)), params)
+    engine.step()
+    with torch_profile(activities=acts) as prof:
+        while engine.has_unfinished_requests():
+            engine.step()
+    events = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    syncs = {e.key: e.count for e in events if "Synchronize" in e.key or e.key in ("aten::item", "cudaMemcpyAsync")}
+    table = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50)
+    return {"gpu_kernel_ms_per_step": round(kernel_us / 1000 / steps, 3), "launches_per_step": launches / steps,
+            "syncs_per_step": {k: v / steps for k, v in syncs.items()}, "table": table}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
+    ap.add_argument("--batches", default="1,32")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    engine = build_engine(args.device, getattr(torch, args.dtype))
+    for batch in (int(b) for b in args.batches.split(",")):
+        decode_steps(engine, batch, 8)  # warm-up
+        times = sorted(decode_steps(engine, batch, 64))
+        step = times[len(times) // 2]
+        prof = profile(engine, batch, 16, args.device)
+        table = prof.pop("table")
+        (args.out / f"profile-{args.dtype}-b{batch}.txt").write_text(str(table))
+        print(json.dumps({"device": args.device, "dtype": args.dtype, "batch": batch,
+                          "step_ms_p50": round(step * 1000, 2), "decode_tok_s": round(batch / step, 1), **prof}),
+              flush=True)
+        print(table, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
