@@ -135,6 +135,22 @@ def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     return _C.int8_gemm(x, qweight, scale, bias)
 
 
+def int8_gemm_tiled_supported(qweight: torch.Tensor, x: torch.Tensor | None = None) -> bool:
+    """True when `int8_gemm_tiled` can serve this weight: `int8_gemm`'s conditions, a build that has
+    it, and whole tiles (out % 4 == 0, in % 64 == 0)."""
+    return (int8_gemm_supported(qweight, x) and _built("int8_gemm_tiled") and qweight.dim() == 2
+            and qweight.shape[0] % 4 == 0 and qweight.shape[1] % 64 == 0)
+
+
+def int8_gemm_tiled(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`int8_gemm` on a weight in quant/int8.py's tiled layout; the same numbers, bit for bit."""
+    assert _C is not None
+    if x.dim() != 2 or x.shape[1] != qweight.shape[1]:
+        raise ValueError(f"int8_gemm_tiled: x {tuple(x.shape)} does not fit weight {tuple(qweight.shape)}")
+    return _C.int8_gemm_tiled(x, qweight, scale, bias)
+
+
 def _built(name: str) -> bool:
     """The extension is built and has `name` (an older in-tree build may lack newer kernels)."""
     return _C is not None and hasattr(_C, name)
@@ -147,21 +163,29 @@ def group_kernel_supported(qweight: torch.Tensor, x: torch.Tensor | None = None)
             and qweight.is_contiguous() and (x is None or x.device.type == "cpu"))
 
 
+def group_kernel_tiles() -> bool:
+    """True when the group kernels read the tiled layout (quant/base.TiledLinear) given tiled=True."""
+    return _built("group_tile_rows")
+
+
 def group_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-               group: int, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, in] @ W^T (+ bias) -> float32 [M, out], W group-quantized (quant/grouped.py layout)."""
+               group: int, bits: int, bias: torch.Tensor | None = None, tiled: bool = False) -> torch.Tensor:
+    """x [M, in] @ W^T (+ bias) -> float32 [M, out], W group-quantized (quant/grouped.py layout;
+    `tiled`: held in 4-row tiles, quant/base.tile_rows)."""
     assert _C is not None
     in_features = qweight.shape[1] * (2 if bits == 4 else 1)
     if x.dim() != 2 or x.shape[1] != in_features:
         raise ValueError(f"group_gemm: x {tuple(x.shape)} does not fit a weight of {in_features} input features")
-    return _C.group_gemm(x, qweight, scale, zero, group, bits, bias)
+    return _C.group_gemm(x, qweight, scale, zero, group, bits, bias, tiled) if tiled else \
+        _C.group_gemm(x, qweight, scale, zero, group, bits, bias)
 
 
 def group_dequantize(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
-                     bits: int) -> torch.Tensor:
-    """The float32 [out, in] weight `group_gemm` computes with."""
+                     bits: int, tiled: bool = False) -> torch.Tensor:
+    """The float32 [out, in] weight `group_gemm` computes with (row-major, also from a tiled q)."""
     assert _C is not None
-    return _C.group_dequantize(qweight, scale, zero, group, bits)
+    return _C.group_dequantize(qweight, scale, zero, group, bits, tiled) if tiled else \
+        _C.group_dequantize(qweight, scale, zero, group, bits)
 
 
 def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:

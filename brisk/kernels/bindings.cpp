@@ -4,13 +4,15 @@
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
 std::string isa_name();
 torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+torch::Tensor int8_gemm_tiled(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                              const c10::optional<torch::Tensor>& bias);
 torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                         const c10::optional<torch::Tensor>& bias);
 torch::Tensor group_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                          const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
-                         const c10::optional<torch::Tensor>& bias);
+                         const c10::optional<torch::Tensor>& bias, bool tiled);
 torch::Tensor group_dequantize(const torch::Tensor& q, const torch::Tensor& scale,
-                               const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits);
+                               const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits, bool tiled);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x, bool unsigned_offset);
 torch::Tensor int8_epilogue(const torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& s,
@@ -30,11 +32,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("int8_gemm", &int8_gemm, "(x[M,in] @ q[out,in]^T) * scale[out] (+bias), int8 weights streamed once",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("bias") = py::none());
+  m.def("int8_gemm_tiled", &int8_gemm_tiled, "int8_gemm with q in 4-row x 64-column tiles (one memory stream)",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("bias") = py::none());
   m.def("group_gemm", &group_gemm, "x[M,in] @ W^T (+bias), W group-quantized (4-bit table or 8-bit), streamed once",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("zero"), py::arg("group"), py::arg("bits"),
-        py::arg("bias") = py::none());
+        py::arg("bias") = py::none(), py::arg("tiled") = false);
   m.def("group_dequantize", &group_dequantize, "the float32 weight a group-quantized q stands for",
-        py::arg("q"), py::arg("scale"), py::arg("zero"), py::arg("group"), py::arg("bits"));
+        py::arg("q"), py::arg("scale"), py::arg("zero"), py::arg("group"), py::arg("bits"), py::arg("tiled") = false);
+  m.def("group_tile_rows", []() { return 4; }, "rows per tile of the group kernels' tiled layout (tiled=True)");
   m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w for float32 rows", py::arg("x"), py::arg("w"),
         py::arg("eps"));
   m.def("quantize_rows", &quantize_rows, "per-row symmetric int8 of x (+ 128 as uint8 if unsigned_offset); scales",

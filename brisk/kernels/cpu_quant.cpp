@@ -8,6 +8,9 @@
 //   8-bit: q [out, in] int8, w[o, i] = q * scale[o, g]
 //   scale and zero are float16 [out, in / group], as GGUF stores d and m: a float32 pair would
 //   add a third to the bytes a 4-bit decode step reads at group 32.
+//   tiled: q holds tiles of 4 rows x one 32-column run (4 x 16 bytes at 4-bit, 4 x 32 at 8-bit)
+//          side by side, tiles in (row group, run) order (quant/base.py tile_rows): a thread's rows
+//          are then one sequential stream that the hardware prefetchers follow, not four.
 //
 // Decode reads every weight once per token, so the kernels stream q once for all rows of x.
 // A 4-bit group is turned into floats through a 16-entry table (scale * [0..15] + zero, one fma
@@ -29,6 +32,14 @@ struct Weights {
   const uint16_t* scale;  // float16 bits
   const uint16_t* zero;   // float16 bits; null for 8-bit
   int64_t out, in, group, groups;
+  int64_t chunk_bytes;  // bytes of one row's 32-column run: 16 (4-bit) or 32 (8-bit)
+  bool tiled;
+
+  // Where row r's run of columns [32 c, 32 c + 32) starts.
+  const uint8_t* chunk(int64_t r, int64_t c) const {
+    if (tiled) return q + (((r >> 2) * (in / 32) + c) * 4 + (r & 3)) * chunk_bytes;
+    return q + (r * (in / 32) + c) * chunk_bytes;
+  }
 };
 
 #ifdef BRISK_X86
@@ -45,9 +56,7 @@ struct Unpack<4> {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     return _mm512_fmadd_ps(iota, _mm512_set1_ps(_cvtsh_ss(s)), _mm512_set1_ps(_cvtsh_ss(z)));
   }
-  __attribute__((target("avx512f"))) static inline void load(const void* row, int64_t i, __m512 lut, __m512& lo,
-                                                             __m512& hi) {
-    const uint8_t* p = static_cast<const uint8_t*>(row) + i / 2;
+  __attribute__((target("avx512f"))) static inline void load(const uint8_t* p, __m512 lut, __m512& lo, __m512& hi) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     lo = _mm512_permutexvar_ps(v, lut);  // vpermps reads only the index's low 4 bits
     hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
@@ -60,9 +69,8 @@ struct Unpack<8> {
   __attribute__((target("avx512f,f16c"))) static inline __m512 table(uint16_t s, uint16_t) {
     return _mm512_set1_ps(_cvtsh_ss(s));
   }
-  __attribute__((target("avx512f"))) static inline void load(const void* row, int64_t i, __m512 s, __m512& lo,
-                                                             __m512& hi) {
-    const int8_t* p = static_cast<const int8_t*>(row) + i;
+  __attribute__((target("avx512f"))) static inline void load(const uint8_t* q, __m512 s, __m512& lo, __m512& hi) {
+    const int8_t* p = reinterpret_cast<const int8_t*>(q);
     lo = _mm512_mul_ps(brisk_simd::load16(p), s);  // |q| * scale: 8 x 11 bits, exact for fp16 scales
     hi = _mm512_mul_ps(brisk_simd::load16(p + 16), s);
   }
@@ -78,8 +86,9 @@ template <int Bits, int MB, int R>
 __attribute__((target("avx512f,f16c"))) inline void gemm_tile(const Weights& w, const float* x, float* y, int64_t m0,
                                                          int64_t r) {
   const int64_t rb = Unpack<Bits>::row_bytes(w.in);
-  const uint8_t* rows[R];
-  for (int j = 0; j < R; ++j) rows[j] = w.q + (r + j) * rb;
+  // the tile after next comes from DRAM: ask for it now so the loads overlap this work (row-major:
+  // R rows further on; tiled: 1 KB further along the one stream)
+  const int64_t ahead = w.tiled ? 1024 : 2 * R * rb;
   __m512 lo_acc[R][MB], hi_acc[R][MB];
   for (int j = 0; j < R; ++j)
     for (int k = 0; k < MB; ++k) lo_acc[j][k] = hi_acc[j][k] = _mm512_setzero_ps();
@@ -91,10 +100,10 @@ __attribute__((target("avx512f,f16c"))) inline void gemm_tile(const Weights& w, 
     }
     for (int64_t i = g * w.group; i < (g + 1) * w.group; i += kChunk) {
       for (int j = 0; j < R; ++j) {
-        // the tile after next comes from DRAM: ask for it now so the loads overlap this work
-        _mm_prefetch(reinterpret_cast<const char*>(rows[j] + 2 * R * rb + i * Bits / 8), _MM_HINT_T0);
+        const uint8_t* p = w.chunk(r + j, i / kChunk);
+        _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
         __m512 lo, hi;
-        Unpack<Bits>::load(rows[j], i, lut[j], lo, hi);
+        Unpack<Bits>::load(p, lut[j], lo, hi);
         for (int k = 0; k < MB; ++k) {
           const float* xr = x + (m0 + k) * w.in + i;
           lo_acc[j][k] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), lo_acc[j][k]);
@@ -117,7 +126,10 @@ void gemm_rows(const Weights& w, const float* x, float* y, int64_t m0, int64_t r
 
 template <int Bits>
 void gemm(const Weights& w, const float* x, float* y, int64_t m_rows) {
-  at::parallel_for(0, w.out, 16, [&](int64_t r0, int64_t r1) {
+  // tiled: whole row groups per thread, so every 4-row tile is one thread's
+  const int64_t unit = w.tiled ? 4 : 1;
+  at::parallel_for(0, w.out / unit, 16 / unit, [&](int64_t u0, int64_t u1) {
+    const int64_t r0 = u0 * unit, r1 = u1 * unit;
     // rows of x in blocks of 8, 4, 2, 1; weight rows per tile so that 16 accumulators are live
     int64_t m0 = 0;
     for (; m0 + 8 <= m_rows; m0 += 8) gemm_rows<Bits, 8, 1>(w, x, y, m0, r0, r1);
@@ -129,15 +141,13 @@ void gemm(const Weights& w, const float* x, float* y, int64_t m_rows) {
 
 template <int Bits>
 __attribute__((target("avx512f,f16c"))) void dequant_rows(const Weights& w, float* out, int64_t r0, int64_t r1) {
-  const int64_t rb = Unpack<Bits>::row_bytes(w.in);
   for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = w.q + r * rb;
     float* o = out + r * w.in;
     for (int64_t g = 0; g < w.groups; ++g) {
       const __m512 lut = Unpack<Bits>::table(w.scale[r * w.groups + g], w.zero ? w.zero[r * w.groups + g] : 0);
       for (int64_t i = g * w.group; i < (g + 1) * w.group; i += kChunk) {
         __m512 lo, hi;
-        Unpack<Bits>::load(row, i, lut, lo, hi);
+        Unpack<Bits>::load(w.chunk(r, i / kChunk), lut, lo, hi);
         _mm512_storeu_ps(o + i, lo);
         _mm512_storeu_ps(o + i + 16, hi);
       }
@@ -147,7 +157,7 @@ __attribute__((target("avx512f,f16c"))) void dequant_rows(const Weights& w, floa
 #endif
 
 Weights check_weights(const torch::Tensor& q, const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero,
-                      int64_t group, int64_t bits) {
+                      int64_t group, int64_t bits, bool tiled) {
 #ifdef BRISK_X86
   TORCH_CHECK(brisk_simd::cpu_has_avx512f(), "brisk group kernels: need AVX-512");
 #else
@@ -162,13 +172,15 @@ Weights check_weights(const torch::Tensor& q, const torch::Tensor& scale, const 
   TORCH_CHECK(group > 0 && group % 32 == 0 && in % group == 0, "brisk group kernels: group ", group,
               " must be a multiple of 32 dividing ", in);
   const int64_t groups = in / group;
+  TORCH_CHECK(!tiled || out % 4 == 0, "brisk group kernels: a tiled weight needs out % 4 == 0, got ", out);
   TORCH_CHECK(scale.scalar_type() == torch::kFloat16 && scale.is_contiguous() && scale.numel() == out * groups,
               "brisk group kernels: scale must be contiguous float16 [out, in / group]");
   TORCH_CHECK(bits == 8 || (zero.has_value() && zero->scalar_type() == torch::kFloat16 && zero->is_contiguous() &&
                             zero->numel() == out * groups),
               "brisk group kernels: 4-bit needs a contiguous float16 zero [out, in / group]");
   return Weights{static_cast<const uint8_t*>(q.data_ptr()), static_cast<const uint16_t*>(scale.data_ptr()),
-                 bits == 4 ? static_cast<const uint16_t*>(zero->data_ptr()) : nullptr, out, in, group, groups};
+                 bits == 4 ? static_cast<const uint16_t*>(zero->data_ptr()) : nullptr, out, in, group, groups,
+                 bits == 4 ? 16 : 32, tiled};
 }
 
 }  // namespace
@@ -176,8 +188,8 @@ Weights check_weights(const torch::Tensor& q, const torch::Tensor& scale, const 
 // y[M, out] = x[M, in] @ W^T (+ bias), W group-quantized as above, accumulated in float32.
 torch::Tensor group_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                          const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
-                         const c10::optional<torch::Tensor>& bias) {
-  const Weights w = check_weights(q, scale, zero, group, bits);
+                         const c10::optional<torch::Tensor>& bias, bool tiled) {
+  const Weights w = check_weights(q, scale, zero, group, bits, tiled);
   TORCH_CHECK(x.device().is_cpu(), "brisk group_gemm: x must be on the CPU");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.in, "brisk group_gemm: x does not fit the weight");
   auto xf = x.to(torch::kFloat32).contiguous();
@@ -192,8 +204,8 @@ torch::Tensor group_gemm(const torch::Tensor& x, const torch::Tensor& q, const t
 
 // The float32 [out, in] weight the kernel computes with (for large batches and references).
 torch::Tensor group_dequantize(const torch::Tensor& q, const torch::Tensor& scale,
-                               const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits) {
-  const Weights w = check_weights(q, scale, zero, group, bits);
+                               const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits, bool tiled) {
+  const Weights w = check_weights(q, scale, zero, group, bits, tiled);
   auto out = torch::empty({w.out, w.in}, scale.options().dtype(torch::kFloat32));
 #ifdef BRISK_X86
   float* o = out.data_ptr<float>();

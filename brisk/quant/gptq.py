@@ -12,19 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from brisk.quant.grouped import SCALE_MIN, check_group, pack_nibbles
+from brisk.quant.grouped import check_group, group_params, pack_nibbles
 
 BLOCK = 128  # columns updated together (lazy batch updates); a multiple of every group size used
 # Added to the Hessian's diagonal, as a fraction of its mean. GPTQ's usual 0.01 assumes ~10^5
 # calibration tokens; with a few thousand it overfits them (held-out output error above RTN's on
 # SmolLM2). 1.0 was best on held-out text for 3 of 4 projections at 4,096 tokens (measured).
 DAMP = 1.0
-
-
-def _group_params(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float16 (scale, zero) per row of w [out, group], asymmetric min/max as RTN."""
-    lo, hi = w.amin(dim=1), w.amax(dim=1)
-    return ((hi - lo) / 15).clamp(min=SCALE_MIN).half(), lo.half()
 
 
 def _inverse_hessian(xtx: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +42,7 @@ def gptq_quantize(weight: torch.Tensor, xtx: torch.Tensor, group: int
     w = weight.detach().float().to(cpu).clone()
     hinv, dead = _inverse_hessian(xtx.to(cpu), in_features)
     w[:, dead] = 0
+    column_weight = torch.diagonal(xtx).float().to(cpu)  # the inputs' mean square per column
     q = torch.zeros(out, in_features, dtype=torch.uint8, device=cpu)
     scale = torch.zeros(out, in_features // group, dtype=torch.float16, device=cpu)
     zero = torch.zeros_like(scale)
@@ -58,7 +53,7 @@ def gptq_quantize(weight: torch.Tensor, xtx: torch.Tensor, group: int
         for i in range(b1 - b0):
             col = b0 + i
             if col % group == 0:
-                s, z = _group_params(wb[:, i:i + group])
+                s, z = group_params(wb[:, i:i + group], column_weight[col:col + group])
                 scale[:, col // group], zero[:, col // group] = s, z
             s, z = scale[:, col // group].float(), zero[:, col // group].float()
             qc = torch.round((wb[:, i] - z) / s).clamp_(0, 15)

@@ -23,9 +23,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from brisk.kernels import group_dequantize, group_gemm, group_kernel_supported
+from brisk.kernels import (
+    group_dequantize,
+    group_gemm,
+    group_kernel_supported,
+    group_kernel_tiles,
+)
 from brisk.model.layers import Linear
-from brisk.quant.base import QuantizedLinear
+from brisk.quant.base import TiledLinear
 
 KERNEL_MAX_ROWS = 128  # past this, dequantizing once and running a float GEMM is faster (prefill)
 CHUNK = 32  # columns per nibble run / GGUF block
@@ -67,15 +72,47 @@ def dequantize_reference(qweight: torch.Tensor, scale: torch.Tensor, zero: torch
     return (q.double() * scale.double()[..., None] + zero.double()[..., None]).float().reshape(out, -1)
 
 
-def quantize_rtn_4bit(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round-to-nearest, asymmetric: per group, scale = (max - min) / 15 and zero = min (as Q4_1).
-    The float16 scale and zero are rounded first and q is chosen against them, the grid used."""
+# Clipping candidates of the grid search: fractions of a group's range cut from its bottom and top.
+CLIPS = (0.0, 0.04, 0.08, 0.12, 0.16, 0.2)
+
+
+def group_params(w: torch.Tensor, column_weight: torch.Tensor | None = None, search: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float16 (scale, zero) for the groups w [..., group]: the asymmetric grid [lo, hi] / 15 (Q4_1's
+    min/max) or, with `search`, the clipped range [lo + a r, hi - b r] (a, b in CLIPS, r = hi - lo) whose
+    rounding error, weighted per column by `column_weight` [group] (the inputs' mean square), is least.
+    Clipping gives the bulk of a group finer steps at the cost of its extremes; a = b = 0 is a
+    candidate, so a group min/max fits exactly (a Q4_1 block at group 32) stays exact."""
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    if not search:
+        return ((hi - lo) / 15).clamp(min=SCALE_MIN).half(), lo.half()
+    span = hi - lo
+    best_err = torch.full_like(lo, float("inf"))
+    best_scale, best_zero = torch.zeros_like(lo, dtype=torch.float16), torch.zeros_like(lo, dtype=torch.float16)
+    for a in CLIPS:
+        for b in CLIPS:
+            if a + b >= 0.5:
+                continue
+            scale = ((span * (1 - a - b)) / 15).clamp(min=SCALE_MIN).half()
+            zero = (lo + a * span).half()
+            sf, zf = scale.float()[..., None], zero.float()[..., None]
+            err = (w - torch.round((w - zf) / sf).clamp_(0, 15) * sf - zf).square_()
+            err = (err if column_weight is None else err * column_weight).sum(dim=-1)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_scale, best_zero = torch.where(better, scale, best_scale), torch.where(better, zero, best_zero)
+    return best_scale, best_zero
+
+
+def quantize_rtn_4bit(weight: torch.Tensor, group: int, search: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest, asymmetric: per group a float16 scale and zero (`group_params`: Q4_1's
+    min/max, or the clipping with the least error), and q chosen against the rounded scale and
+    zero, the grid used."""
     out, in_features = weight.shape
     check_group(in_features, group)
     w = weight.float().reshape(out, -1, group)
-    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    scale = ((hi - lo) / 15).clamp(min=SCALE_MIN).half()
-    zero = lo.half()
+    scale, zero = group_params(w, search=search)
     q = torch.round((w - zero.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15).to(torch.uint8)
     return pack_nibbles(q.reshape(out, in_features)), scale.contiguous(), zero.contiguous()
 
@@ -90,7 +127,9 @@ def quantize_sym_8bit(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, t
     return q.reshape(out, in_features).contiguous(), scale.contiguous()
 
 
-class GroupLinear(QuantizedLinear):
+class GroupLinear(TiledLinear):
+    """On the CPU the kernel holds qweight in tiles of 4 rows x one 32-column run (quant/base.TiledLinear)."""
+
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
                  bits: int, bias: torch.Tensor | None, output_sizes: tuple[int, ...], dtype: torch.dtype) -> None:
         super().__init__()
@@ -102,7 +141,8 @@ class GroupLinear(QuantizedLinear):
         check_group(self.in_features, group)
         self.output_sizes = output_sizes
         self.dtype = dtype  # what activations and outputs are
-        self.register_buffer("qweight", qweight)
+        self.register_buffer("qweight", qweight)  # row-major or tiled (TiledLinear)
+        self.tile_width = CHUNK * bits // 8  # qweight columns of one 32-column run
         self.register_buffer("scale", scale)  # [out, in / group] float16
         self.register_buffer("zero", zero)  # [out, in / group] float16, 4-bit only
         self.register_buffer("bias", bias)
@@ -135,13 +175,13 @@ class GroupLinear(QuantizedLinear):
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in]: the weight applied to x * input_scale."""
         if group_kernel_supported(self.qweight):
-            return group_dequantize(self.qweight, self.scale, self.zero, self.group, self.bits)
-        return dequantize_reference(self.qweight, self.scale, self.zero, self.group, self.bits)
+            return group_dequantize(self.qweight, self.scale, self.zero, self.group, self.bits, self.tiled)
+        return dequantize_reference(self.qweight_rows(), self.scale, self.zero, self.group, self.bits)
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), in]: rows of the effective weight (embedding lookups of a tied head)."""
         zero = None if self.zero is None else self.zero[ids]
-        rows = dequantize_reference(self.qweight[ids], self.scale[ids], zero, self.group, self.bits)
+        rows = dequantize_reference(self.qweight_rows(ids), self.scale[ids], zero, self.group, self.bits)
         return rows if self.input_scale is None else rows * self.input_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +189,8 @@ class GroupLinear(QuantizedLinear):
         if self.input_scale is not None:
             flat = flat.float() * self.input_scale
         if flat.shape[0] <= KERNEL_MAX_ROWS and group_kernel_supported(self.qweight, flat):
-            y = group_gemm(flat, self.qweight, self.scale, self.zero, self.group, self.bits, self.bias)
+            tiled = self._tile(group_kernel_tiles())
+            y = group_gemm(flat, self.qweight, self.scale, self.zero, self.group, self.bits, self.bias, tiled)
         else:
             y = F.linear(flat.float(), self.dequantize(), self.bias)
         return y.to(self.dtype).reshape(*x.shape[:-1], self.out_features)

@@ -10,6 +10,8 @@ dequantizing writes 113 MB per call). At 256-512 rows the two are even in isolat
 in-model run with the kernel at every size was slower (161 vs 178-195 tokens/s batched), so
 prefill chunks dequantize per call. Without the kernel (no AVX-512, not CPU) the weight is
 always dequantized.
+
+On the CPU the weight is held in 4-row x 64-column tiles (quant/base.TiledLinear).
 """
 
 from __future__ import annotations
@@ -17,11 +19,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from brisk.kernels import int8_gemm, int8_gemm_supported
+from brisk.kernels import (
+    int8_gemm,
+    int8_gemm_supported,
+    int8_gemm_tiled,
+    int8_gemm_tiled_supported,
+)
 from brisk.model.layers import Linear
-from brisk.quant.base import QuantizedLinear
+from brisk.quant.base import TiledLinear
 
 KERNEL_MAX_ROWS = 128  # up to this many rows the int8 kernel beats dequantize + GEMM (measured)
+TILE_COLS = 64  # the tiled kernel's tile: one 64-byte cache line per row
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,7 +40,9 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, scale
 
 
-class Int8Linear(QuantizedLinear):
+class Int8Linear(TiledLinear):
+    tile_width = TILE_COLS
+
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  output_sizes: tuple[int, ...], dtype: torch.dtype) -> None:
         super().__init__()
@@ -40,7 +50,7 @@ class Int8Linear(QuantizedLinear):
         self.out_features = qweight.shape[0]
         self.output_sizes = output_sizes
         self.dtype = dtype  # what activations and outputs are
-        self.register_buffer("qweight", qweight)  # [out, in] int8
+        self.register_buffer("qweight", qweight)  # [out, in] int8, row-major or tiled (TiledLinear)
         self.register_buffer("scale", scale)  # [out] float32
         self.register_buffer("bias", bias)
 
@@ -57,16 +67,19 @@ class Int8Linear(QuantizedLinear):
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight this module computes with: q * s."""
-        return self.qweight.float() * self.scale[:, None]
+        return self.qweight_rows().float() * self.scale[:, None]
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), in]: rows of the weight (embedding lookups of a tied head)."""
-        return self.qweight[ids].float() * self.scale[ids, None]
+        return self.qweight_rows(ids).float() * self.scale[ids, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] <= KERNEL_MAX_ROWS and int8_gemm_supported(self.qweight, flat):
-            y = int8_gemm(flat, self.qweight, self.scale, self.bias)
+            if self._tile(int8_gemm_tiled_supported(self.qweight)):
+                y = int8_gemm_tiled(flat, self.qweight, self.scale, self.bias)
+            else:
+                y = int8_gemm(flat, self.qweight, self.scale, self.bias)
         else:
             y = F.linear(flat.float(), self.dequantize(), self.bias)
         return y.to(self.dtype).reshape(*x.shape[:-1], self.out_features)

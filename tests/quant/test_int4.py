@@ -19,6 +19,7 @@ from brisk.quant.gptq import gptq_quantize
 from brisk.quant.grouped import (
     GroupLinear,
     dequantize_reference,
+    group_params,
     pack_nibbles,
     quantize_rtn_4bit,
     unpack_nibbles,
@@ -39,13 +40,32 @@ def test_nibble_packing_round_trips_and_matches_gguf_order() -> None:
 def test_rtn_error_is_at_most_half_a_step() -> None:
     torch.manual_seed(0)
     w = torch.randn(16, 128) * 0.05
-    q, scale, zero = quantize_rtn_4bit(w, 64)
+    q, scale, zero = quantize_rtn_4bit(w, 64, search=False)
     deq = dequantize_reference(q, scale, zero, 64, 4)
     step = scale.repeat_interleave(64, dim=1)
     assert ((deq - w).abs() <= step / 2 + 1e-7).all()
-    # values already on the grid come back exactly
-    q2, s2, z2 = quantize_rtn_4bit(deq, 64)
-    torch.testing.assert_close(dequantize_reference(q2, s2, z2, 64, 4), deq, rtol=0, atol=1e-7)
+    # values already on the grid come back exactly, with the clipping search too
+    for search in (False, True):
+        q2, s2, z2 = quantize_rtn_4bit(deq, 64, search=search)
+        torch.testing.assert_close(dequantize_reference(q2, s2, z2, 64, 4), deq, rtol=0, atol=1e-7)
+
+
+def test_clipping_search_never_loses_to_min_max_and_wins_on_outliers() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(32, 256) * 0.05
+    w[:, ::61] *= 3  # a few large weights per group: min/max spends the grid on them
+    errors = {}
+    for search in (False, True):
+        q, scale, zero = quantize_rtn_4bit(w, 64, search=search)
+        errors[search] = (dequantize_reference(q, scale, zero, 64, 4) - w).square().reshape(32, 4, 64).sum(-1)
+    assert (errors[True] <= errors[False] * (1 + 1e-5)).all()
+    assert errors[True].sum() < 0.9 * errors[False].sum()
+    # a column weight moves the error to the columns that matter less
+    heavy = torch.ones(64)
+    heavy[::61] = 100.0
+    s_plain, z_plain = group_params(w.reshape(32, 4, 64))
+    s_heavy, z_heavy = group_params(w.reshape(32, 4, 64), heavy)
+    assert not torch.equal(s_plain, s_heavy)
 
 
 @needs_kernel
@@ -169,3 +189,24 @@ def test_bad_options_are_clear_errors(tiny_llama) -> None:
         QuantConfig.parse("int4", "{group_size: 64}")
     with pytest.raises(ValueError, match="load a .gguf model"):
         apply(tiny_llama(tied=True), "gguf")
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])
+def test_tiled_group_weights_give_the_row_major_numbers_and_hide_their_layout(bits: int, rows: int) -> None:
+    torch.manual_seed(2)
+    lin = Linear(128, (40, 24), bias=True)
+    lin.weight.data.normal_(0, 0.1)
+    lin.bias.data.normal_(0, 0.1)
+    q = GroupLinear.from_linear(lin, 64 if bits == 4 else 32, bits)
+    row_major, state = q.qweight.clone(), {k: v.clone() for k, v in q.state_dict().items()}
+    dequantized, ids = q.dequantize(), torch.tensor([0, 63, 7, 12])
+    x = torch.randn(rows, 128)
+    expected = kernels.group_gemm(x, row_major, q.scale, q.zero, q.group, bits, q.bias)
+    assert torch.equal(q(x), expected) and q.tiled and not torch.equal(q.qweight, row_major)
+    assert all(torch.equal(v, state[k]) for k, v in q.state_dict().items())
+    assert torch.equal(q.dequantize(), dequantized) and torch.equal(q.qweight_rows(), row_major)
+    assert torch.equal(q.dequantize_rows(ids), dequantized[ids])
+    q.to(torch.bfloat16)
+    assert not q.tiled and torch.equal(q.qweight, row_major)

@@ -9,6 +9,7 @@ import torch
 from brisk import kernels
 from brisk.model.layers import Linear
 from brisk.quant import apply, check_method
+from brisk.quant.base import tile_rows, untile_rows
 from brisk.quant.int8 import Int8Linear, quantize_per_channel
 
 
@@ -35,6 +36,50 @@ def test_int8_linear_equals_its_dequantized_weight(rows: int, bias: bool) -> Non
     torch.testing.assert_close(q(x), ref, atol=2e-5, rtol=1e-5)
     # and the rounding error against the float weight is what int8 per channel allows
     assert (q.dequantize() - lin.weight).abs().max() <= q.scale.max() / 2 + 1e-7
+
+
+def test_tiles_round_trip_and_hold_4_rows_of_64_columns_side_by_side() -> None:
+    q = torch.randint(-127, 128, (8, 128), dtype=torch.int8)
+    t = tile_rows(q, 64)
+    assert torch.equal(untile_rows(t, 64), q)
+    flat = t.reshape(-1)  # tile (g=0, c=1) starts at byte 256: rows 0..3, columns 64..127
+    assert torch.equal(flat[256:512].view(4, 64), q[0:4, 64:128])
+
+
+@pytest.mark.skipif(not kernels.int8_gemm_tiled_supported(torch.zeros(4, 64, dtype=torch.int8)),
+                    reason="needs the AVX-512 tiled kernel")
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 128])
+def test_tiled_kernel_gives_the_row_major_kernels_numbers_and_hides_its_layout(rows: int) -> None:
+    torch.manual_seed(1)
+    lin = Linear(192, (64, 32, 32), bias=True)
+    lin.weight.data.normal_(0, 0.1)
+    lin.bias.data.normal_(0, 0.1)
+    q = Int8Linear.from_linear(lin)
+    row_major, state = q.qweight.clone(), {k: v.clone() for k, v in q.state_dict().items()}
+    dequantized, ids = q.dequantize(), torch.tensor([0, 5, 127, 64, 3])
+    x = torch.randn(rows, 192)
+    expected = kernels.int8_gemm(x, row_major, q.scale, q.bias)
+    assert torch.equal(q(x), expected) and q.tiled  # bit for bit: the same sums in the same order
+    assert not torch.equal(q.qweight, row_major)  # really held tiled
+    # what the rest of brisk sees is the row-major weight
+    assert all(torch.equal(v, state[k]) for k, v in q.state_dict().items())
+    assert torch.equal(q.dequantize(), dequantized) and torch.equal(q.qweight_rows(), row_major)
+    assert torch.equal(q.dequantize_rows(ids), dequantized[ids])
+    other = Int8Linear.from_linear(lin)
+    other(x)
+    other.load_state_dict(state)  # a row-major checkpoint into a tiled module
+    assert not other.tiled and torch.equal(other(x), expected)
+    q.to(torch.bfloat16)  # moving restores the row-major layout first
+    assert not q.tiled and torch.equal(q.qweight, row_major)
+
+
+def test_shapes_without_whole_tiles_stay_row_major() -> None:
+    lin = Linear(96, (40, 24))  # 96 input columns: not whole 64-column tiles
+    lin.weight.data.normal_(0, 0.1)
+    q = Int8Linear.from_linear(lin)
+    x = torch.randn(2, 96)
+    torch.testing.assert_close(q(x), x @ q.dequantize().T, atol=2e-5, rtol=1e-5)
+    assert not q.tiled
 
 
 @pytest.mark.skipif(not kernels.HAVE_CPU_GEMV or kernels.SMALL_GEMM_MAX_ROWS == 1, reason="needs the AVX-512 kernel")

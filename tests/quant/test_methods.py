@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from brisk import LLM, SamplingParams
-from brisk.bench.eval_ppl import weight_bytes
+from brisk.bench.eval_ppl import score_window, weight_bytes
 from brisk.config import QuantConfig
 from brisk.model.layers import Linear
 from brisk.quant.grouped import GroupLinear
@@ -24,9 +24,12 @@ def test_quantized_model_through_the_batched_engine(method: str, brisk_llm: LLM)
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     alone = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     assert batched == alone  # the batched engine changes nothing for a quantized model either
-    ref = [o.outputs[0].token_ids for o in brisk_llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    agree = sum(a == b for r, q in zip(ref, batched) for a, b in zip(r, q)) / sum(len(r) for r in ref)
-    assert agree >= (1.0 if method == "gguf" else 0.5)  # rounding may flip a near-tie; then texts part ways
+    ref = brisk_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    if method == "gguf":  # the file's own blocks: the float model's text exactly
+        assert batched == [o.outputs[0].token_ids for o in ref]
+    else:  # once a rounding flips a near-tie greedy texts part ways: compare next-token choices on one text
+        scores = [score_window(llm.model, o.prompt_token_ids + o.outputs[0].token_ids, brisk_llm.model) for o in ref]
+        assert sum(s.top1_agree for s in scores) / sum(s.tokens for s in scores) >= 0.7
     assert not any(isinstance(m, Linear) for m in llm.model.modules())
 
 
