@@ -9,11 +9,11 @@ from brisk.loader.resolve import DEFAULT_MODEL
 # The methods are checked by brisk.config.QuantConfig before any model loads (importing quant here
 # would pull torch into every `brisk --help`); this line only describes them.
 QUANT_HELP = ("int8: weight-only per output channel; int4: weight-only, groups of group_size (default 64), "
-              "AWQ-scaled given a calibration text; w8a8: int8 weights and per-token int8 activations, "
+              "GPTQ-rounded given a calibration text; w8a8: int8 weights and per-token int8 activations, "
               "SmoothQuant given a calibration text; ternary: BitNet b1.58 absmean {-1,0,1} x scale, 2-bit "
               "(destroys a model not trained for it); gguf: a .gguf file's Q4_0/Q4_1/Q8_0 blocks as stored")
 QUANT_CONFIG_HELP = ('options as JSON: \'{"group_size": 64}\' (int4), \'{"calibration": "text.txt", '
-                     '"calibration_tokens": 4096}\' (int4: AWQ + GPTQ, w8a8: SmoothQuant)')
+                     '"calibration_tokens": 4096}\' (int4: GPTQ, w8a8: SmoothQuant)')
 
 
 def add_quant(p: argparse.ArgumentParser, what: str) -> None:

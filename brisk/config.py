@@ -166,8 +166,8 @@ QUANT_OPTIONS = ("group_size", "calibration", "calibration_tokens")
 class QuantConfig:
     """How to quantize at load (`LLM(quantization=..., quantization_config={...})`, `-q`,
     `--quant-config '<json>'`). `group_size` applies to int4 (columns per scale and offset);
-    `calibration` is a text file whose first `calibration_tokens` tokens drive AWQ-style scaling
-    (int4) or SmoothQuant's outlier migration (w8a8); None: plain round-to-nearest."""
+    `calibration` is a text file whose first `calibration_tokens` tokens drive GPTQ rounding (int4)
+    or SmoothQuant's outlier migration (w8a8); None: round-to-nearest."""
 
     method: str
     group_size: int = 64
@@ -185,7 +185,7 @@ class QuantConfig:
         if self.calibration is not None and not isinstance(self.calibration, str):
             raise ValueError(f"calibration must be the path of a text file, got {self.calibration!r}")
         if self.calibration is not None and self.method not in ("int4", "w8a8"):
-            raise ValueError(f"calibration applies to int4 (AWQ) and w8a8 (SmoothQuant), not {self.method}")
+            raise ValueError(f"calibration applies to int4 (GPTQ) and w8a8 (SmoothQuant), not {self.method}")
 
     @classmethod
     def parse(cls, method: str, options: dict[str, Any] | str | None = None) -> QuantConfig:
@@ -206,7 +206,7 @@ class QuantConfig:
     def describe(self) -> str:
         """One line for logs and JSON: the method and the options that matter for it."""
         if self.method == "int4":
-            return f"int4 g{self.group_size} {'awq+gptq' if self.calibration else 'rtn'}"
+            return f"int4 g{self.group_size} {'gptq' if self.calibration else 'rtn'}"
         if self.method == "w8a8":
             return f"w8a8{' smoothquant' if self.calibration else ''}"
         return self.method

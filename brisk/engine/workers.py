@@ -101,7 +101,7 @@ def check_parallel(args: WorkerArgs) -> None:
         raise ValueError("-q gguf keeps a GGUF file's whole blocks, which tensor parallelism cannot slice: use int8, "
                          "int4, w8a8 or ternary (each shard is quantized), or pipeline parallelism alone")
     if tp > 1 and quant is not None and quant.calibration is not None:
-        raise ValueError("calibrated quantization (AWQ, SmoothQuant) runs on the whole model: quantize once with "
+        raise ValueError("calibrated quantization (GPTQ, SmoothQuant) runs on the whole model: quantize once with "
                          "`brisk quantize`, then run that checkpoint with pipeline parallelism, or drop calibration")
 
 

@@ -44,12 +44,12 @@ METHODS: dict[str, tuple[Maker, Maker]] = {
 assert set(METHODS) | {"gguf"} == set(QUANT_METHODS)
 
 
-def _calibrator(method: str) -> Callable[[nn.Module, list[int], int], Calibrated]:
-    """From calibration text: AWQ scales and GPTQ inputs for int4, SmoothQuant's migration for w8a8."""
+def _calibrator(method: str) -> Callable[[nn.Module, list[int]], Calibrated]:
+    """From calibration text: GPTQ's Hessians for int4, SmoothQuant's migration for w8a8."""
     if method == "int4":
-        from brisk.quant.awq import awq_calibrate
+        from brisk.quant.calibrate import gptq_calibrate
 
-        return awq_calibrate
+        return gptq_calibrate  # type: ignore[return-value]
     from brisk.quant.w8a8 import smoothquant_calibrate
 
     return smoothquant_calibrate
@@ -81,9 +81,9 @@ def quantizable(model: nn.Module) -> list[tuple[nn.Module, str, Linear]]:
 def apply(model: nn.Module, cfg: QuantConfig | str, calibration_ids: list[int] | None = None) -> int:
     """Quantize every Linear below `model` in place, and the LM head; returns how many were swapped.
 
-    With `calibration_ids` the decoder's weight columns are scaled first, and their inputs divided
-    at run time: AWQ for int4 (quant/awq.py, then GPTQ rounding, quant/gptq.py), SmoothQuant for
-    w8a8 (quant/w8a8.py)."""
+    With `calibration_ids`: GPTQ rounding for int4 (quant/gptq.py, from quant/calibrate.py's
+    statistics); SmoothQuant for w8a8 (quant/w8a8.py), which scales weight columns and divides
+    the inputs at run time."""
     cfg = QuantConfig(cfg) if isinstance(cfg, str) else cfg
     if cfg.method not in METHODS:
         raise ValueError(f"{cfg.method} keeps a GGUF file's own blocks: load a .gguf model with it")
@@ -97,7 +97,7 @@ def _apply(model: nn.Module, cfg: QuantConfig, calibration_ids: list[int] | None
            make_head: Maker) -> int:
     calibrated: Calibrated = {}
     if calibration_ids is not None:
-        calibrated = _calibrator(cfg.method)(model, calibration_ids, cfg.group_size)
+        calibrated = _calibrator(cfg.method)(model, calibration_ids)
     targets = quantizable(model)
     for parent, name, child in targets:
         is_head = parent is model and name == "lm_head"
@@ -125,7 +125,7 @@ def tie_head(model: nn.Module, head: nn.Module) -> None:
 
 
 def _scaled(linear: Linear, scale: torch.Tensor | None) -> Linear:
-    """`linear` with its input columns multiplied by `scale` (AWQ); the input is divided at run time."""
+    """`linear` with its input columns multiplied by `scale` (SmoothQuant); the input is divided at run time."""
     if scale is None:
         return linear
     out = Linear(linear.in_features, linear.output_sizes, linear.bias is not None, torch.float32)

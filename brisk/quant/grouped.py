@@ -1,5 +1,5 @@
 """Group-quantized Linear: 4-bit with a float scale and offset per group of input columns, or 8-bit
-with a scale per group. One module serves the int4 method (round-to-nearest or AWQ-scaled) and the
+with a scale per group. One module serves the int4 method (round-to-nearest or GPTQ-rounded) and the
 GGUF blocks Q4_0, Q4_1 and Q8_0 kept quantized at run time (quant/gguf.py).
 
 Layout (also the C++ kernels', brisk/kernels/cpu_quant.cpp)::
@@ -13,9 +13,9 @@ Layout (also the C++ kernels', brisk/kernels/cpu_quant.cpp)::
 So a GGUF Q4_1 block (d, m, 16 bytes) is a group of 32 with scale d and zero m as it stands, a
 Q4_0 block is zero = -8 d, and Q8_0 is the 8-bit form: no repacking of the nibbles.
 
-An optional `input_scale` [in] (AWQ) multiplies x before the product: the weight was quantized
-after its columns were scaled by 1 / input_scale, which protects the columns that meet large
-activations.
+An optional `input_scale` [in] multiplies x before the product: the weight was quantized after its
+columns were scaled by 1 / input_scale (AWQ-style scaling, which int4 checkpoints written by brisk
+before GPTQ went act-order carry; they still load).
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class GroupLinear(TiledLinear):
         self.register_buffer("scale", scale)  # [out, in / group] float16
         self.register_buffer("zero", zero)  # [out, in / group] float16, 4-bit only
         self.register_buffer("bias", bias)
-        self.register_buffer("input_scale", None)  # [in] float32 when AWQ-scaled
+        self.register_buffer("input_scale", None)  # [in] float32 in AWQ-scaled checkpoints
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, group: int, bits: int,

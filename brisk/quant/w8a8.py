@@ -127,10 +127,9 @@ class W8A8Linear(Int8Linear):
         return f"in={self.in_features}, out={self.output_sizes}, w8a8{smooth}"
 
 
-def smoothquant_calibrate(model: nn.Module, ids: list[int], group: int = 0
-                          ) -> dict[Linear, tuple[torch.Tensor | None, torch.Tensor | None]]:
+def smoothquant_calibrate(model: nn.Module, ids: list[int]) -> dict[Linear, tuple[torch.Tensor | None, None]]:
     """Per decoder Linear, SmoothQuant's column factors from one forward over `ids` (no inputs kept)."""
-    from brisk.quant.awq import collect_stats
+    from brisk.quant.calibrate import collect_stats
 
     return {linear: (smooth_scales(linear.weight, stats.abs_max), None)  # type: ignore[arg-type]
             for linear, stats in collect_stats(model, ids).items()}

@@ -32,7 +32,7 @@ def q8_dir(tmp_path_factory: pytest.TempPathFactory, gguf_path: Path) -> Path:
     return quantize_to_dir("smollm2-135m", INT8, tmp_path_factory.mktemp("q8") / "model")
 
 
-@pytest.mark.parametrize("method", ["int8", "int4-awq"])
+@pytest.mark.parametrize("method", ["int8", "int4-gptq"])
 def test_reload_is_bit_identical_to_quantizing_at_load(method: str, q8_dir: Path, tmp_path: Path) -> None:
     if method == "int8":
         folder, kwargs = q8_dir, {"quantization": "int8"}
@@ -45,8 +45,6 @@ def test_reload_is_bit_identical_to_quantizing_at_load(method: str, q8_dir: Path
     saved = LLM(str(folder), num_kv_blocks=64, max_model_len=512)
     fresh = LLM("smollm2-135m", num_kv_blocks=64, max_model_len=512, **kwargs)  # type: ignore[arg-type]
     assert saved.quantization == fresh.quantization
-    if method != "int8":  # AWQ found columns worth scaling, and the scales travel with the checkpoint
-        assert any(m.input_scale is not None for m in saved.model.modules() if hasattr(m, "input_scale"))
     a, b = dict(saved.model.state_dict()), dict(fresh.model.state_dict())
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     params = SamplingParams(max_tokens=12, temperature=0.0)
