@@ -72,27 +72,41 @@ def dequantize_reference(qweight: torch.Tensor, scale: torch.Tensor, zero: torch
     return (q.double() * scale.double()[..., None] + zero.double()[..., None]).float().reshape(out, -1)
 
 
-# Clipping candidates of the grid search: fractions of a group's range cut from its bottom and top.
+# Clipping candidates of the grid search: fractions of a group's range cut from its bottom and top
+# (at most 0.4 of it in all, so every candidate keeps a positive span).
 CLIPS = (0.0, 0.04, 0.08, 0.12, 0.16, 0.2)
+SEARCH_ROWS = 4096  # groups per slice of the search
 
 
 def group_params(w: torch.Tensor, column_weight: torch.Tensor | None = None, search: bool = True
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """float16 (scale, zero) for the groups w [..., group]: the asymmetric grid [lo, hi] / 15 (Q4_1's
     min/max) or, with `search`, the clipped range [lo + a r, hi - b r] (a, b in CLIPS, r = hi - lo) whose
-    rounding error, weighted per column by `column_weight` [group] (the inputs' mean square), is least.
-    Clipping gives the bulk of a group finer steps at the cost of its extremes; a = b = 0 is a
-    candidate, so a group min/max fits exactly (a Q4_1 block at group 32) stays exact."""
+    rounding error, weighted per column by `column_weight` (broadcast to w: the inputs' mean square),
+    is least. Clipping gives the bulk of a group finer steps at the cost of its extremes; a = b = 0 is
+    a candidate, so a group min/max fits exactly (a Q4_1 block at group 32) stays exact."""
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
     if not search:
         return ((hi - lo) / 15).clamp(min=SCALE_MIN).half(), lo.half()
+    group = w.shape[-1]
+    flat = w.reshape(-1, group)
+    weights = None if column_weight is None else column_weight.expand_as(w).reshape(-1, group)
+    # a few thousand groups at a time: the candidates' temporaries stay in cache (10x faster than whole)
+    parts = [_search(flat[i:i + SEARCH_ROWS], None if weights is None else weights[i:i + SEARCH_ROWS])
+             for i in range(0, flat.shape[0], SEARCH_ROWS)]
+    scale, zero = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return scale.reshape(lo.shape), zero.reshape(lo.shape)
+
+
+def _search(w: torch.Tensor, column_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`group_params`' search over groups w [n, group], every (a, b) pair: ~40 ms per million weights
+    here (a coordinate search, a then b, took a third of that but left 2-3% more error)."""
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
     span = hi - lo
     best_err = torch.full_like(lo, float("inf"))
     best_scale, best_zero = torch.zeros_like(lo, dtype=torch.float16), torch.zeros_like(lo, dtype=torch.float16)
     for a in CLIPS:
         for b in CLIPS:
-            if a + b >= 0.5:
-                continue
             scale = ((span * (1 - a - b)) / 15).clamp(min=SCALE_MIN).half()
             zero = (lo + a * span).half()
             sf, zf = scale.float()[..., None], zero.float()[..., None]
