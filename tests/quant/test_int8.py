@@ -126,3 +126,20 @@ def test_int8_linear_on_cuda_equals_its_dequantized_weight() -> None:
     q = Int8Linear.from_linear(lin).to("cuda")
     x = torch.randn(5, 96, device="cuda")
     torch.testing.assert_close(q(x), x @ q.dequantize().T + lin.bias.cuda(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_weights_tiled_on_the_cpu_move_to_cuda_row_major() -> None:
+    from brisk.quant.grouped import GroupLinear
+
+    torch.manual_seed(0)
+    lin = Linear(576, (960,), bias=True)
+    lin.weight.data.normal_(0, 0.05)
+    lin.bias.data.normal_(0, 0.1)
+    for module in (Int8Linear.from_linear(lin), GroupLinear.from_linear(lin, 64, 4), GroupLinear.from_linear(lin, 32, 8)):
+        x = torch.randn(3, 576)
+        cpu = module(x)  # tiles where the CPU kernel runs
+        module.to("cuda")
+        assert not module.tiled
+        torch.testing.assert_close(module(x.cuda()).cpu(), cpu, atol=1e-4, rtol=1e-4)
