@@ -203,7 +203,7 @@ class GroupLinear(TiledLinear):
         if self.input_scale is not None:
             flat = flat.float() * self.input_scale
         if flat.shape[0] <= KERNEL_MAX_ROWS and group_kernel_supported(self.qweight, flat):
-            tiled = self._tile(group_kernel_tiles())
+            tiled = self.tiled or self._tile(group_kernel_tiles())
             y = group_gemm(flat, self.qweight, self.scale, self.zero, self.group, self.bits, self.bias, tiled)
         else:
             y = F.linear(flat.float(), self.dequantize(), self.bias)
