@@ -13,6 +13,15 @@ from brisk.quant.base import tile_rows, untile_rows
 from brisk.quant.int8 import Int8Linear, quantize_per_channel
 
 
+def random_linear(in_features: int, output_sizes: tuple[int, ...], bias: bool, seed: int = 0) -> Linear:
+    torch.manual_seed(seed)
+    lin = Linear(in_features, output_sizes, bias=bias)
+    lin.weight.data.normal_(0, 0.1)
+    if bias:
+        lin.bias.data.normal_(0, 0.1)
+    return lin
+
+
 def test_quantize_round_trip_is_exact_on_representable_weights() -> None:
     scale = torch.tensor([0.5, 0.01, 2.0])
     q = torch.randint(-127, 128, (3, 40), dtype=torch.int8)
@@ -50,10 +59,7 @@ def test_tiles_round_trip_and_hold_4_rows_of_64_columns_side_by_side() -> None:
                     reason="needs the AVX-512 tiled kernel")
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 128])
 def test_tiled_kernel_gives_the_row_major_kernels_numbers_and_hides_its_layout(rows: int) -> None:
-    torch.manual_seed(1)
-    lin = Linear(192, (64, 32, 32), bias=True)
-    lin.weight.data.normal_(0, 0.1)
-    lin.bias.data.normal_(0, 0.1)
+    lin = random_linear(192, (64, 32, 32), bias=True, seed=1)
     q = Int8Linear.from_linear(lin)
     row_major, state = q.qweight.clone(), {k: v.clone() for k, v in q.state_dict().items()}
     dequantized, ids = q.dequantize(), torch.tensor([0, 5, 127, 64, 3])
@@ -120,9 +126,7 @@ def test_a_tied_head_is_quantized_and_lookups_read_it(tiny_llama) -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_int8_linear_on_cuda_equals_its_dequantized_weight() -> None:
-    torch.manual_seed(0)
-    lin = Linear(96, (64,), bias=True)
-    lin.weight.data.normal_(0, 0.1)
+    lin = random_linear(96, (64,), bias=True)
     q = Int8Linear.from_linear(lin).to("cuda")
     x = torch.randn(5, 96, device="cuda")
     torch.testing.assert_close(q(x), x @ q.dequantize().T + lin.bias.cuda(), atol=1e-4, rtol=1e-4)
@@ -133,10 +137,7 @@ def test_int8_linear_on_cuda_equals_its_dequantized_weight() -> None:
 def test_weights_tiled_on_the_cpu_move_to_cuda_row_major() -> None:
     from brisk.quant.grouped import GroupLinear
 
-    torch.manual_seed(0)
-    lin = Linear(576, (960,), bias=True)
-    lin.weight.data.normal_(0, 0.05)
-    lin.bias.data.normal_(0, 0.1)
+    lin = random_linear(576, (960,), bias=True)
     for module in (Int8Linear.from_linear(lin), GroupLinear.from_linear(lin, 64, 4), GroupLinear.from_linear(lin, 32, 8)):
         x = torch.randn(3, 576)
         cpu = module(x)  # tiles where the CPU kernel runs
