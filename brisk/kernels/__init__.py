@@ -135,11 +135,10 @@ def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     return _C.int8_gemm(x, qweight, scale, bias)
 
 
-def int8_gemm_tiled_supported(qweight: torch.Tensor, x: torch.Tensor | None = None) -> bool:
-    """True when `int8_gemm_tiled` can serve this weight: `int8_gemm`'s conditions, a build that has
-    it, and whole tiles (out % 4 == 0, in % 64 == 0)."""
-    return (int8_gemm_supported(qweight, x) and _built("int8_gemm_tiled") and qweight.dim() == 2
-            and qweight.shape[0] % 4 == 0 and qweight.shape[1] % 64 == 0)
+def int8_kernel_tiles() -> bool:
+    """True when the build has `int8_gemm_tiled` (where `int8_gemm` serves a weight of whole tiles,
+    quant/base.TiledLinear, this one can)."""
+    return _built("int8_gemm_tiled")
 
 
 def int8_gemm_tiled(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,

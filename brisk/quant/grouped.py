@@ -85,8 +85,8 @@ def group_params(w: torch.Tensor, column_weight: torch.Tensor | None = None, sea
     rounding error, weighted per column by `column_weight` (broadcast to w: the inputs' mean square),
     is least. Clipping gives the bulk of a group finer steps at the cost of its extremes; a = b = 0 is
     a candidate, so a group min/max fits exactly (a Q4_1 block at group 32) stays exact."""
-    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
     if not search:
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
         return ((hi - lo) / 15).clamp(min=SCALE_MIN).half(), lo.half()
     group = w.shape[-1]
     flat = w.reshape(-1, group)
@@ -95,7 +95,7 @@ def group_params(w: torch.Tensor, column_weight: torch.Tensor | None = None, sea
     parts = [_search(flat[i:i + SEARCH_ROWS], None if weights is None else weights[i:i + SEARCH_ROWS])
              for i in range(0, flat.shape[0], SEARCH_ROWS)]
     scale, zero = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    return scale.reshape(lo.shape), zero.reshape(lo.shape)
+    return scale.reshape(w.shape[:-1]), zero.reshape(w.shape[:-1])
 
 
 def _search(w: torch.Tensor, column_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

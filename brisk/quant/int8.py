@@ -23,7 +23,7 @@ from brisk.kernels import (
     int8_gemm,
     int8_gemm_supported,
     int8_gemm_tiled,
-    int8_gemm_tiled_supported,
+    int8_kernel_tiles,
 )
 from brisk.model.layers import Linear
 from brisk.quant.base import TiledLinear
@@ -76,7 +76,7 @@ class Int8Linear(TiledLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] <= KERNEL_MAX_ROWS and int8_gemm_supported(self.qweight, flat):
-            if self.tiled or self._tile(int8_gemm_tiled_supported(self.qweight)):
+            if self.tiled or self._tile(int8_kernel_tiles()):
                 y = int8_gemm_tiled(flat, self.qweight, self.scale, self.bias)
             else:
                 y = int8_gemm(flat, self.qweight, self.scale, self.bias)

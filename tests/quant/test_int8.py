@@ -55,7 +55,7 @@ def test_tiles_round_trip_and_hold_4_rows_of_64_columns_side_by_side() -> None:
     assert torch.equal(flat[256:512].view(4, 64), q[0:4, 64:128])
 
 
-@pytest.mark.skipif(not kernels.int8_gemm_tiled_supported(torch.zeros(4, 64, dtype=torch.int8)),
+@pytest.mark.skipif(not (kernels.int8_gemm_supported(torch.zeros(4, 64, dtype=torch.int8)) and kernels.int8_kernel_tiles()),
                     reason="needs the AVX-512 tiled kernel")
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 128])
 def test_tiled_kernel_gives_the_row_major_kernels_numbers_and_hides_its_layout(rows: int) -> None:
