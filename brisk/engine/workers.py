@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -35,7 +34,9 @@ from brisk.parallel.groups import (
     ParallelFailure,
     ParallelState,
     init_distributed,
+    local_store,
     shutdown_distributed,
+    wait_for_workers,
 )
 from brisk.parallel.pipeline import keep_stage, stage_layers
 from brisk.parallel.tensor import (
@@ -158,6 +159,7 @@ class WorkerSet:
     """Ranks 1..W-1 as child processes on this machine; says how one ended when a step fails."""
 
     def __init__(self, args: WorkerArgs, port: int) -> None:
+        """`port`: rank 0's store (see groups.local_store)."""
         world = args.parallel.world_size
         self.timeout_s = args.timeout_s
         env = {**os.environ, "OMP_NUM_THREADS": str(_threads_per_rank(world)), "LOCAL_WORLD_SIZE": str(world)}
@@ -197,6 +199,9 @@ class WorkerSet:
         self.stop(grace_s=1.0)
         return f"parallel engine stopped: {'; '.join(ended)}"
 
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs.values())
+
     @staticmethod
     def _ending(rank: int, proc: subprocess.Popen[bytes]) -> str:
         code = proc.returncode
@@ -235,12 +240,6 @@ class Cluster:
                 torch.set_num_threads(self.threads)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
@@ -252,6 +251,7 @@ def start_cluster(args: WorkerArgs, cache: CacheConfig) -> Cluster:
     check_parallel(args)
     pcfg = args.parallel
     workers: WorkerSet | None = None
+    init: str | torch.distributed.Store
     if launched_by_torchrun():
         if int(os.environ["WORLD_SIZE"]) != pcfg.world_size or int(os.environ["RANK"]) != 0:
             raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes; tensor x pipeline parallel "
@@ -259,15 +259,19 @@ def start_cluster(args: WorkerArgs, cache: CacheConfig) -> Cluster:
         init = "env://"
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", pcfg.world_size))
     else:
-        port = _free_port()
-        workers = WorkerSet(args, port)
-        init, local_world = f"tcp://127.0.0.1:{port}", pcfg.world_size
+        # the store listens first, on a port the OS picked: no window in which another process takes it
+        init = local_store(0, pcfg.world_size)
+        workers = WorkerSet(args, init.port)
+        local_world = pcfg.world_size
     threads = torch.get_num_threads()
     torch.set_num_threads(_threads_per_rank(local_world))
     describe = workers.describe if workers is not None else \
         (lambda e: f"parallel engine stopped: a worker failed or hung ({e})")
     stop = (lambda: workers.stop(grace_s=0.0)) if workers is not None else (lambda: None)
     try:
+        if workers is not None:
+            assert isinstance(init, torch.distributed.TCPStore)
+            wait_for_workers(init, pcfg.world_size, workers.alive)
         state = init_distributed(pcfg, 0, args.device, init)
         loaded, layers = build_rank(args, state)
         # the fullest rank (most layers or KV heads) sets the count: kv_cache_memory_gib is per process
@@ -290,9 +294,9 @@ def start_cluster(args: WorkerArgs, cache: CacheConfig) -> Cluster:
     return Cluster(loaded, ParallelRunner(stage, describe, stop, poll), workers, threads)
 
 
-def run_worker(args: WorkerArgs, rank: int, init_method: str) -> None:
+def run_worker(args: WorkerArgs, rank: int, init: str | torch.distributed.Store) -> None:
     """A worker's whole life: join, build its share, serve steps until rank 0 says stop."""
-    state = init_distributed(args.parallel, rank, args.device, init_method)
+    state = init_distributed(args.parallel, rank, args.device, init)
     try:
         loaded, layers = build_rank(args, state)
         state.gather_objects(kv_block_bytes(loaded.model, args.block_size))
@@ -319,7 +323,8 @@ def main() -> None:
     _exit_with_parent()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
-        run_worker(WorkerArgs(**spec["args"]), spec["rank"], f"tcp://127.0.0.1:{spec['port']}")
+        args = WorkerArgs(**spec["args"])
+        run_worker(args, spec["rank"], local_store(spec["rank"], args.parallel.world_size, spec["port"]))
     except (RuntimeError, OSError) as e:
         if "Connection" not in str(e) and "Timed out" not in str(e) and "timeout" not in str(e).lower():
             raise  # a real error of this worker: its traceback tells rank 0's user what happened

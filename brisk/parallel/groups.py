@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +29,9 @@ from brisk.config import ParallelConfig
 
 # Waiting for the next step message: an idle server may get no request for days.
 _CONTROL_TIMEOUT = datetime.timedelta(days=365)
+# Spawned workers import torch and brisk before they join: seconds on a quiet machine, much longer on
+# a loaded one. Rank 0 waits that long while they live (a worker that dies is reported at once).
+JOIN_TIMEOUT_S = 600.0
 
 
 class ParallelFailure(RuntimeError):
@@ -187,9 +192,34 @@ class ParallelState:
         return out
 
 
-def init_distributed(cfg: ParallelConfig, rank: int, device: str, init_method: str) -> ParallelState:
-    """Join the process group (`init_method`: tcp://host:port, or env:// under torchrun) and build
-    the tensor and pipeline groups."""
+def local_store(rank: int, world_size: int, port: int = 0) -> dist.TCPStore:
+    """The rendezvous of rank 0 and the workers it spawned on this machine. Rank 0 serves it
+    (`port` 0: any free one, read back from `.port`; give it to the workers) and later waits in
+    `wait_for_workers`; a worker connects and says it is there."""
+    timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False)
+    if rank > 0:
+        store.set(f"brisk/joined/{rank}", "1")
+    return store
+
+
+def wait_for_workers(store: dist.TCPStore, world_size: int, alive: Callable[[], bool]) -> None:
+    """Rank 0: until every worker has joined, JOIN_TIMEOUT_S at most, checking `alive()` meanwhile
+    (a step's timeout_s is no measure of how long a process takes to start)."""
+    keys = [f"brisk/joined/{r}" for r in range(1, world_size)]
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while not store.check(keys):
+        if not alive():
+            raise RuntimeError("a worker process ended before it joined")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the workers did not join within {JOIN_TIMEOUT_S:g} s")
+        time.sleep(0.02)
+
+
+def init_distributed(cfg: ParallelConfig, rank: int, device: str, init: str | dist.Store) -> ParallelState:
+    """Join the process group (`init`: a store from `local_store`, or env:// under torchrun) and
+    build the tensor and pipeline groups."""
     dev = torch.device(device)
     if dev.type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
@@ -200,11 +230,27 @@ def init_distributed(cfg: ParallelConfig, rank: int, device: str, init_method: s
         # NCCL ops only make the stream wait; blocking waits turn a dead or hung peer into an error
         # (a ParallelFailure) after timeout_s instead of an abort by the NCCL watchdog.
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=cfg.world_size,
-                            timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    try:
+        if isinstance(init, str):
+            dist.init_process_group(backend, init_method=init, rank=rank, world_size=cfg.world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=init, rank=rank, world_size=cfg.world_size, timeout=timeout)
+    except BaseException:
+        _forget_failed_init()
+        raise
     return ParallelState(cfg, rank, dev)
+
+
+def _forget_failed_init() -> None:
+    """torch names the default group from a counter it bumps before joining and resets only in
+    destroy_process_group: after a failed join this process would call its next group "1" while
+    fresh workers say "0", and each side would wait for the other forever."""
+    if not dist.is_initialized():
+        dist.distributed_c10d._world.group_count = 0
 
 
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    _forget_failed_init()

@@ -149,6 +149,26 @@ def test_bad_parallel_options_fail_before_spawning(tiny_dir: Path, tmp_path: Pat
         LLM(str(tiny_dir), tensor_parallel_size=2, speculative_config={"method": "medusa", "heads": "h.safetensors"})
 
 
+def test_a_failed_join_leaves_the_process_able_to_start_a_grid(tiny_dir: Path, reference: list[list[int]]) -> None:
+    """A worker that never joins (its rank 0 gives up) or that dies before joining is reported at
+    once, and this process can start a grid afterwards (torch names its next group from a counter
+    that a failed join left bumped: fresh workers would wait on a name rank 0 no longer uses)."""
+    import torch.distributed as dist
+
+    from brisk.config import ParallelConfig
+    from brisk.parallel.groups import init_distributed, local_store, wait_for_workers
+
+    store = local_store(0, 2)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="a worker process ended before it joined"):
+        wait_for_workers(store, 2, alive=lambda: False)
+    with pytest.raises(RuntimeError):  # nobody joins: gloo gives up after the step timeout
+        init_distributed(ParallelConfig(tensor_parallel_size=2, timeout_s=1.0), 0, "cpu", store)
+    assert time.monotonic() - started < 30 and not dist.is_initialized()
+    with LLM(str(tiny_dir), tensor_parallel_size=2, parallel_timeout_s=30.0, **ENGINE) as llm:
+        assert _tokens(llm) == reference
+
+
 def test_torchrun_runs_the_same_command_on_every_rank(tiny_dir: Path) -> None:
     """The multi-node launch, on one node: torchrun starts 2 ranks of `brisk generate`; rank 0
     prints, rank 1 serves steps; the text is one process's."""
