@@ -61,7 +61,39 @@ namespace {
 // One row: a = max|x| / 127 (1 for an all-zero row), q = round(x / a) in [-127, 127], plus
 // `offset` (128 for the VNNI kernel's uint8, 0 for int8). A division, not a multiply by 1 / a
 // (two roundings): the same integers as the torch path's torch.round(x / a), whichever path.
+#ifdef BRISK_X86
+// The same integers as the scalar loop below, 16 at a time: the division is IEEE in both, and
+// roundscale's nearest-int is nearbyint's round-half-even. It was a scalar libm call per element,
+// 13% of a batched w8a8 run.
+__attribute__((target("avx512f"))) void quantize_row_avx512(const float* row, uint8_t* out, int64_t k, int offset,
+                                                            float* a) {
+  __m512 m = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(row + i)), m);
+  float amax = _mm512_reduce_max_ps(m);
+  for (; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
+  const float scale = amax > 0.f ? amax / 127.f : 1.f;
+  const __m512 s = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  const __m512i off = _mm512_set1_epi32(offset);
+  for (i = 0; i + 16 <= k; i += 16) {
+    __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(row + i), s),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
+    const __m512i v = _mm512_add_epi32(_mm512_cvtps_epi32(q), off);  // q is a whole number: exact
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(v));
+  }
+  for (; i < k; ++i) {
+    const float q = std::nearbyint(row[i] / scale);
+    out[i] = static_cast<uint8_t>(static_cast<int>(std::clamp(q, -127.f, 127.f)) + offset);
+  }
+  *a = scale;
+}
+#endif
+
 void quantize_row(const float* row, uint8_t* out, int64_t k, int offset, float* a) {
+#ifdef BRISK_X86
+  if (brisk_simd::cpu_has_avx512f()) return quantize_row_avx512(row, out, k, offset, a);
+#endif
   float amax = 0.f;
   for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
   const float scale = amax > 0.f ? amax / 127.f : 1.f;

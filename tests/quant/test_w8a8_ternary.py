@@ -73,6 +73,24 @@ def test_vnni_kernel_matches_the_integer_sum_exactly() -> None:
         kernels.int8_dot_u8s8(torch.zeros(2, 96, dtype=torch.uint8), torch.zeros(4, 96, dtype=torch.int8))
 
 
+@needs_vnni  # the quantizer of the VNNI path
+@pytest.mark.parametrize("width", [192, 200, 7])
+def test_the_cpu_quantizer_gives_torchs_integers(width: int) -> None:
+    """The vectorized quantizer (16 columns at a time, then a scalar tail) against torch.round(x / a):
+    halves round to even, a zero row, widths with and without a tail."""
+    torch.manual_seed(3)
+    x = torch.randn(5, width) * 3
+    x[1] = 0.0
+    x[2, 0] = 127.0  # a = 1 exactly: the halves below are exact ties
+    x[2, 1:6] = torch.tensor([2.5, -3.5, 0.5, -0.5, 126.5])[: width - 1]
+    for unsigned in (False, True):
+        q, a = kernels.quantize_rows(x, unsigned)
+        ref, a_ref = quantize_tokens(x)
+        assert torch.equal(a, a_ref)
+        assert torch.equal(q.int() - 128 if unsigned else q.int(), ref.int())
+    assert quantize_tokens(x)[0][2, 1:5].tolist() == [2, -4, 0, 0][: width - 1]
+
+
 def test_smoothing_moves_activation_outliers_into_the_weights() -> None:
     torch.manual_seed(2)
     lin = _linear(bias=False)
