@@ -88,12 +88,19 @@ class Speculator:
         self._draft_seconds = _Ema()  # one draft pass over the batch
         self._plain_seconds = _Ema()  # one target forward, less the verified drafts' share
         self._seen: set[str] = set()  # requests that have had a proposal since (re)admission
+        self._classes: dict[str, int] = {}  # request id -> the draft class its length was planned for
         self.measure_costs = measure_costs
 
     def plan(self, running: list[Request]) -> None:
         """Draft lengths for the requests that will decode next step."""
+        classify = getattr(self.proposer, "draft_class", None)
         for req in running:
-            req.num_spec_wanted = self.length.wanted(req.request_id)
+            if classify is None:
+                req.num_spec_wanted = self.length.wanted(req.request_id)
+                continue
+            cls, available = classify(req.request_id, req.all_token_ids)
+            self._classes[req.request_id] = cls
+            req.num_spec_wanted = min(available, self.length.wanted(req.request_id, cls)) if available else 0
 
     def fill(self, sched: SchedulerOutput, requests: dict[str, Request],
              generators: dict[str, torch.Generator | None]) -> tuple[list[ScheduledRequest], dict[str, Draft]]:
@@ -136,7 +143,7 @@ class Speculator:
                          [drafts[rid] for rid in ids], [generators[rid] for rid in ids])
         for rid, res in zip(ids, results):
             self.stats.add(len(drafts[rid].token_ids), res.num_accepted)
-            self.length.observe(rid, len(drafts[rid].token_ids), res.num_accepted)
+            self.length.observe(rid, len(drafts[rid].token_ids), res.num_accepted, self._classes.get(rid))
         return dict(zip(ids, results))
 
     def observe_hidden(self, out: StepLogits, verified: dict[str, VerifyOutput]) -> None:
@@ -152,6 +159,7 @@ class Speculator:
     def release(self, request_id: str, finished: bool) -> None:
         self.proposer.release(request_id)
         self._seen.discard(request_id)
+        self._classes.pop(request_id, None)
         if finished:
             self.length.forget(request_id)
 

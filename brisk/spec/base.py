@@ -58,7 +58,12 @@ class Draft:
 
 class Proposer(Protocol):
     """A source of draft tokens. `draft_cost`: one draft token's cost as a fraction of one target
-    decode step (0 for a lookup), which the length controller weighs against acceptance."""
+    decode step (0 for a lookup), which the length controller weighs against acceptance.
+
+    Optional, for proposers that know before drafting how good a draft will be (ngram):
+    `draft_class(request_id, token_ids) -> (cls, available)`: a small int the length controller
+    keeps separate acceptance statistics for, and how many tokens it could propose now (0: none,
+    so no slots are reserved)."""
 
     name: str
     draft_cost: float

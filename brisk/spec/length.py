@@ -16,6 +16,12 @@ CPU: the second row leaves the single-row streaming kernels, further rows then c
 engine measures it at start-up (engine/speculative.py); without a measurement a linear 0.06 per
 token is assumed. draft_cost is measured from the proposer's timings as steps run.
 
+A proposer that can tell in advance how good its next draft will be (n-gram lookup: the length of
+the matched suffix) passes a draft class with each request; every class keeps posteriors of its
+own, per request and engine-wide. On this model's outputs a 4-token match starts an accepted run
+87% of the time (7 tokens on average), a 1-token match 20% (under 1): one posterior for both
+drafts short after a good match and too often after a poor one.
+
 k = 0 (plain decoding) wins when the drawn p1 is low: speculation turns itself off for a request
 whose drafts stop being accepted. The posteriors forget (counts decay by `DECAY` per update and,
 while off, per step), so their spread grows back and a request whose text turns repetitive later
@@ -54,7 +60,8 @@ def expected_run_tokens(p1: float, p2: float, k: int) -> float:
 
 
 class DraftLength:
-    """Per-request draft lengths (plain Python: the engine sets Request.num_spec_wanted from it)."""
+    """Per-request draft lengths (plain Python: the engine sets Request.num_spec_wanted from it).
+    `cls`: the proposer's draft class for this step (None: a proposer without classes)."""
 
     def __init__(self, cfg: SpecConfig, draft_cost: float, verify_costs: list[float], seed: int = 0,
                  max_k: int | None = None) -> None:
@@ -64,16 +71,15 @@ class DraftLength:
         assert len(verify_costs) > self.max_k and verify_costs[0] == 0.0
         self.verify_costs = verify_costs
         self.draft_cost = draft_cost  # of each draft token, in target decode steps (refined by the engine)
-        self._posterior: dict[str, list[float]] = {}  # request id -> [alpha1, beta1, alpha2, beta2]
-        self._overall = list(PRIOR * 2)  # every request's observations, decayed alike
+        # request id -> draft class -> [alpha1, beta1, alpha2, beta2]
+        self._posterior: dict[str, dict[int | None, list[float]]] = {}
+        self._overall: dict[int | None, list[float]] = {}  # every request's observations, decayed alike
         self._rng = random.Random(seed)
 
-    def wanted(self, request_id: str) -> int:
+    def wanted(self, request_id: str, cls: int | None = None) -> int:
         if not self.auto:
             return self.max_k
-        post = self._posterior.get(request_id)
-        if post is None:
-            post = self._posterior[request_id] = self._start()
+        post = self._counts(request_id, cls)
         # Thompson sampling on p1 (whether to draft at all); p2 at its posterior mean, so that an
         # unexplored p2 does not make long drafts look promising before the first is ever accepted
         p1 = self._rng.betavariate(post[0], post[1])
@@ -91,33 +97,38 @@ class DraftLength:
         """One step with k drafts, in plain decode steps."""
         return 1.0 + self.verify_costs[k] + self.draft_cost * k
 
-    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int, cls: int | None = None) -> None:
         """A verify step of `num_drafts` drafts accepted the first `num_accepted`: one trial of the
         first draft, then one of each later draft that was reached (drafts after the first
         rejection were never tried)."""
         if num_drafts == 0:
             return
-        post = self._posterior.get(request_id)
-        if post is None:
-            post = self._posterior[request_id] = self._start()
+        post = self._counts(request_id, cls)
         first_ok = num_accepted >= 1
         later_ok = max(0, num_accepted - 1)
         later_failed = 1.0 if 1 <= num_accepted < num_drafts else 0.0
-        for counts in (post, self._overall):
+        for counts in (post, self._overall[cls]):
             self._decay(counts, DECAY)
             counts[0] += first_ok
             counts[1] += not first_ok
             counts[2] += later_ok
             counts[3] += later_failed
 
-    def _start(self) -> list[float]:
-        """A new request's posteriors: the engine-wide ones, each holding at most START_EVIDENCE
-        observations."""
+    def _counts(self, request_id: str, cls: int | None) -> list[float]:
+        per_class = self._posterior.setdefault(request_id, {})
+        if cls not in per_class:
+            per_class[cls] = self._start(self._overall.setdefault(cls, list(PRIOR * 2)))
+        return per_class[cls]
+
+    @staticmethod
+    def _start(overall: list[float]) -> list[float]:
+        """A new request's posteriors of one class: the engine-wide ones, each holding at most
+        START_EVIDENCE observations."""
         out = []
         for i in (0, 2):
-            evidence = self._overall[i] + self._overall[i + 1] - 2 * PRIOR[0]
+            evidence = overall[i] + overall[i + 1] - 2 * PRIOR[0]
             scale = min(1.0, START_EVIDENCE / evidence) if evidence > 0 else 0.0
-            out += [PRIOR[0] + (self._overall[i] - PRIOR[0]) * scale, PRIOR[1] + (self._overall[i + 1] - PRIOR[1]) * scale]
+            out += [PRIOR[0] + (overall[i] - PRIOR[0]) * scale, PRIOR[1] + (overall[i + 1] - PRIOR[1]) * scale]
         return out
 
     @staticmethod

@@ -15,8 +15,9 @@ import numpy as np
 from brisk.spec.base import Draft, DraftRequest
 
 
-def ngram_lookup(tokens: list[int] | np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+def ngram_match(tokens: list[int] | np.ndarray, n_min: int, n_max: int, k: int) -> tuple[int, list[int]]:
+    """(n, up to k tokens that followed the latest earlier occurrence of the longest matching
+    suffix, of n tokens); (0, []) when no suffix of n_min or more tokens occurs earlier."""
     arr = np.asarray(tokens, dtype=np.int64)
     total = len(arr)
     for n in range(min(n_max, total - 1), n_min - 1, -1):
@@ -26,20 +27,41 @@ def ngram_lookup(tokens: list[int] | np.ndarray, n_min: int, n_max: int, k: int)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if len(hits):
             start = int(hits[-1]) + n  # the token right after the match
-            return arr[start:start + k].tolist()
-    return []
+            return n, arr[start:start + k].tolist()
+    return 0, []
+
+
+def ngram_lookup(tokens: list[int] | np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+    return ngram_match(tokens, n_min, n_max, k)[1]
 
 
 class NgramProposer:
+    """Draft class: the matched suffix's length n (a 4-token match predicts far better than a
+    1-token one). The match found when the engine plans a step is kept for that step's proposal."""
+
     name = "ngram"
     draft_cost = 0.0
 
-    def __init__(self, n_min: int, n_max: int) -> None:
+    def __init__(self, n_min: int, n_max: int, max_drafts: int = 15) -> None:
         self.n_min = n_min
         self.n_max = n_max
+        self.max_drafts = max_drafts
+        self._planned: dict[str, tuple[int, list[int]]] = {}  # request id -> (tokens seen, continuation)
+
+    def draft_class(self, request_id: str, token_ids: list[int]) -> tuple[int, int]:
+        n, follow = ngram_match(token_ids, self.n_min, self.n_max, self.max_drafts)
+        self._planned[request_id] = (len(token_ids), follow)
+        return n, len(follow)
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        return [Draft(ngram_lookup(r.token_ids, self.n_min, self.n_max, r.num_drafts)) for r in requests]
+        return [Draft(self._continuation(r)[:r.num_drafts]) for r in requests]
+
+    def _continuation(self, r: DraftRequest) -> list[int]:
+        seen, follow = self._planned.pop(r.request_id, (-1, []))
+        if seen == len(r.token_ids):
+            return follow
+        return ngram_lookup(r.token_ids, self.n_min, self.n_max, r.num_drafts)
 
     def release(self, request_id: str) -> None:
-        pass  # keeps nothing per request
+        self._planned.pop(request_id, None)

@@ -1,0 +1,47 @@
+"""N-gram drafts by match length: each length keeps its own acceptance statistics, and a request
+with nothing to match reserves no draft slots."""
+
+from __future__ import annotations
+
+from brisk.config import SpecConfig
+from brisk.engine.speculative import Speculator
+from brisk.request import Request, SamplingParams
+from brisk.spec.base import DraftRequest
+from brisk.spec.length import DraftLength
+from brisk.spec.ngram import NgramProposer, ngram_match
+
+COSTS = [0.06 * k for k in range(8)]
+
+
+def test_match_reports_its_length_and_the_tokens_that_followed() -> None:
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 8]
+    assert ngram_match(tokens, 1, 4, 3) == (3, [9, 1, 6])  # "6 7 8" seen before, then 9 1 6
+    assert ngram_match([1, 2, 3], 1, 4, 3) == (0, [])
+
+
+def test_each_match_length_learns_its_own_draft_length() -> None:
+    """Drafts after a 1-token match always fail, after a 4-token match always succeed: the same
+    request drafts nothing after the one and the most after the other."""
+    length = DraftLength(SpecConfig(method="ngram"), 0.0, COSTS, seed=0)
+    for _ in range(60):
+        length.observe("r", 3, 0, cls=1)
+        length.observe("r", 7, 7, cls=4)
+    assert [length.wanted("r", 1) for _ in range(20)].count(0) >= 18
+    assert all(length.wanted("r", 4) == length.max_k for _ in range(20))
+    # a new request starts from what the engine saw per class
+    assert length.wanted("new", 4) == length.max_k
+
+
+def test_no_match_reserves_no_slots_and_a_match_is_proposed_as_planned() -> None:
+    proposer = NgramProposer(1, 4)
+    spec = Speculator(SpecConfig(method="ngram", num_speculative_tokens=4), proposer, COSTS[:5])
+    nothing = Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=8))
+    copying = Request("b", [1, 2, 3, 9, 9, 1, 2], SamplingParams(max_tokens=8))
+    spec.plan([nothing, copying])
+    assert nothing.num_spec_wanted == 0
+    assert copying.num_spec_wanted == 4 and spec._classes["b"] == 2
+    # fill proposes what followed the match ("1 2" before: "3 9 9 1"), cut to the slots given
+    ask = DraftRequest("b", copying.all_token_ids, 3, [], copying.sampling_params, None)
+    assert proposer.propose([ask])[0].token_ids == [3, 9, 9]
+    spec.release("b", finished=True)
+    assert "b" not in spec._classes
