@@ -237,3 +237,28 @@ def ternary_gemm(x: torch.Tensor, plus: torch.Tensor, minus: torch.Tensor, scale
     if x.dim() != 2 or x.shape[1] != plus.shape[1] * 8:
         raise ValueError(f"ternary_gemm: x {tuple(x.shape)} does not fit {plus.shape[1] * 8} input features")
     return _C.ternary_gemm(x, plus, minus, scale, bias)
+
+
+def rotary_supported(qkv: torch.Tensor, cos: torch.Tensor) -> bool:
+    """True when `rotary` serves these tensors: float32 on the CPU, extension built."""
+    return (_built("rotary") and qkv.device.type == "cpu" and qkv.dtype == torch.float32
+            and cos.dtype == torch.float32 and qkv.dim() == 2 and qkv.stride(1) == 1)
+
+
+def rotary(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The first `heads` heads of each fused qkv row [n, width], rotated by cos/sin [n, head_dim]
+    -> [n, heads, head_dim]; the same floats as model/rotary.apply_rotary."""
+    assert _C is not None
+    return _C.rotary(qkv, heads, cos.reshape(qkv.shape[0], -1).contiguous(), sin.reshape(qkv.shape[0], -1).contiguous())
+
+
+def kv_store_supported(k_cache: torch.Tensor) -> bool:
+    """True when `kv_store` can write into this cache: on the CPU, contiguous, extension built."""
+    return _built("kv_store") and k_cache.device.type == "cpu" and k_cache.is_contiguous()
+
+
+def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
+    """k_cache[b, :, :, o] = k[t] and v_cache[b, :, o] = v[t] for each token t in slot (b, o)."""
+    assert _C is not None
+    _C.kv_store(k_cache, v_cache, k, v, slot_blocks, slot_offsets)

@@ -24,6 +24,9 @@ torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& plus, co
 void paged_attention(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                      const torch::Tensor& query_start, const torch::Tensor& kv_lens, double scale);
+torch::Tensor rotary(const torch::Tensor& qkv, int64_t heads, const torch::Tensor& cos, const torch::Tensor& sin);
+void kv_store(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& k, const torch::Tensor& v,
+              const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "x[1,in] @ w[out,in]^T (+bias) streaming the weight once", py::arg("x"), py::arg("w"),
@@ -52,5 +55,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ternary_gemm", &ternary_gemm, "x @ T^T * scale (+bias), T ternary in two bit planes: masked adds/subs",
         py::arg("x"), py::arg("plus"), py::arg("minus"), py::arg("scale"), py::arg("bias") = py::none());
   m.def("isa", &isa_name, "instruction set the GEMV kernels dispatch to on this CPU");
+  m.def("rotary", &rotary, "rotary embedding of the first `heads` heads of fused qkv rows (torch's rounding)",
+        py::arg("qkv"), py::arg("heads"), py::arg("cos"), py::arg("sin"));
+  m.def("kv_store", &kv_store, "write new tokens' keys and values into their paged slots", py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("k"), py::arg("v"), py::arg("slot_blocks"), py::arg("slot_offsets"));
   m.def("paged_attention", &paged_attention, "exact causal attention over a paged KV cache (in place into out)");
 }

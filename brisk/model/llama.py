@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from brisk.config import ModelConfig
-from brisk.kernels import pack_supported, pack_weight
+from brisk.kernels import pack_supported, pack_weight, rotary, rotary_supported
 from brisk.model.attention import AttentionMetadata, ContiguousAttention, SeqSpan
 from brisk.model.layers import Embedding, Linear, RMSNorm, linear, silu_and_mul
 from brisk.model.rotary import apply_rotary, rope_tables
@@ -35,8 +35,11 @@ class LlamaAttention(nn.Module):
         n = x.shape[0]
         qkv = self.qkv_proj(x)  # [n, (heads + 2 * kv_heads) * head_dim]
         # q and k rotate together: one rotary call for both.
-        qk = qkv[:, : (self.num_heads + self.num_kv_heads) * self.head_dim]
-        qk = apply_rotary(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        rotated = self.num_heads + self.num_kv_heads
+        if rotary_supported(qkv, cos):
+            qk = rotary(qkv, rotated, cos, sin)  # one C++ pass, the same floats as apply_rotary
+        else:
+            qk = apply_rotary(qkv[:, : rotated * self.head_dim].view(n, rotated, self.head_dim), cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # [n, heads, hd], [n, kv_heads, hd]
         v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim:].view(n, self.num_kv_heads, self.head_dim)
         out = attn_metadata.attend(self.layer_idx, q, k, v)  # [n, heads, head_dim]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from brisk.kernels import kv_store, kv_store_supported
 from brisk.model.attention import KVCache
 
 KERNEL_MAX_QUERY = 16  # spans with at most this many new tokens use the paged kernel
@@ -90,8 +91,11 @@ class PagedAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]  # [blocks, n_kv, hd, bs], [blocks, n_kv, bs, hd]
-        k_cache[self.slot_blocks, :, :, self.slot_offsets] = k  # [num_tokens, n_kv, head_dim]
-        v_cache[self.slot_blocks, :, self.slot_offsets] = v
+        if kv_store_supported(k_cache) and k.stride(-1) == 1 and v.stride(-1) == 1:
+            kv_store(k_cache, v_cache, k, v, self.slot_blocks, self.slot_offsets)
+        else:
+            k_cache[self.slot_blocks, :, :, self.slot_offsets] = k  # [num_tokens, n_kv, head_dim]
+            v_cache[self.slot_blocks, :, self.slot_offsets] = v
         out = torch.empty_like(q)  # [num_tokens, heads, head_dim]
         nk = self.num_kernel_tokens
         if nk and self.padded is not None:

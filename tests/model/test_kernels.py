@@ -110,3 +110,46 @@ def test_packed_copies_follow_the_model() -> None:
     torch.testing.assert_close(model.compute_logits(h), ref, atol=1e-5, rtol=1e-5)  # tied head, packed
     model.to(torch.bfloat16)  # a moved/cast model must not keep float32 copies
     assert model.layers[0].mlp.down_proj.packed is None and model._tied_head_packed is None
+
+
+needs_glue = pytest.mark.skipif(not kernels.rotary_supported(torch.zeros(1, 2), torch.zeros(1)),
+                                reason="brisk._C without the rotary / kv_store kernels")
+
+
+@needs_glue
+@pytest.mark.parametrize("n", [1, 5, 40])
+def test_rotary_kernel_gives_apply_rotarys_floats(n: int) -> None:
+    """Bit for bit: every product and the sum rounded as torch rounds them (no fused multiply-add),
+    on q and k heads at the front of a fused qkv row (a strided view)."""
+    from brisk.config import RopeScaling
+    from brisk.model.rotary import apply_rotary, rope_tables
+
+    heads, kv, hd = 9, 3, 64
+    g = torch.Generator().manual_seed(n)
+    qkv = torch.randn(n, (heads + 2 * kv) * hd, generator=g) * 3
+    cos_t, sin_t = rope_tables(hd, 100000.0, RopeScaling(), 8192, 4096)
+    pos = torch.randint(0, 4096, (n,), generator=g)
+    cos, sin = cos_t[pos].unsqueeze(1), sin_t[pos].unsqueeze(1)
+    ref = apply_rotary(qkv[:, : (heads + kv) * hd].view(n, heads + kv, hd), cos, sin)
+    assert torch.equal(kernels.rotary(qkv, heads + kv, cos, sin), ref)
+
+
+@needs_glue
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_store_writes_what_index_put_writes(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    blocks, n_kv, hd, bs, n = 6, 3, 64, 16, 7
+    k_cache = torch.randn(blocks, n_kv, hd, bs, generator=g).to(dtype)
+    v_cache = torch.randn(blocks, n_kv, bs, hd, generator=g).to(dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    qk = torch.randn(n, 12, hd, generator=g).to(dtype)
+    k = qk[:, 9:]  # a view into the rotated heads, as the model passes it
+    v = torch.randn(n, n_kv * hd, generator=g).to(dtype).view(n, n_kv, hd)
+    slot_blocks = torch.tensor([0, 0, 5, 2, 2, 2, 4])
+    slot_offsets = torch.tensor([0, 15, 3, 7, 8, 9, 0])
+    k_ref[slot_blocks, :, :, slot_offsets] = k
+    v_ref[slot_blocks, :, slot_offsets] = v
+    kernels.kv_store(k_cache, v_cache, k, v, slot_blocks, slot_offsets)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.kv_store(k_cache, v_cache, k[:1], v[:1], torch.tensor([6]), torch.tensor([0]))
