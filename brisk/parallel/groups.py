@@ -246,8 +246,9 @@ def _forget_failed_init() -> None:
     """torch names the default group from a counter it bumps before joining and resets only in
     destroy_process_group: after a failed join this process would call its next group "1" while
     fresh workers say "0", and each side would wait for the other forever."""
-    if not dist.is_initialized():
-        dist.distributed_c10d._world.group_count = 0
+    world = getattr(dist.distributed_c10d, "_world", None)  # private: a later torch may differ
+    if not dist.is_initialized() and hasattr(world, "group_count"):
+        world.group_count = 0
 
 
 def shutdown_distributed() -> None:
