@@ -66,6 +66,7 @@ class TiledLinear(QuantizedLinear):
     qweight: torch.Tensor
     tile_width: int  # columns of qweight per tile row
     tiled: bool = False
+    dtype: torch.dtype
 
     def qweight_rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The weight row-major: all of it (a copy when tiled) or rows `ids`."""
@@ -85,6 +86,12 @@ class TiledLinear(QuantizedLinear):
             self.qweight = tile_rows(self.qweight, self.tile_width)
             self.tiled = True
         return self.tiled
+
+    def _shaped(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """A kernel's float32 [rows, out] as this module's output: x's leading dims, its dtype."""
+        if y.dtype != self.dtype:
+            y = y.to(self.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
     def _untile(self) -> None:
         if self.tiled:

@@ -75,14 +75,15 @@ class Int8Linear(TiledLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= KERNEL_MAX_ROWS and int8_gemm_supported(self.qweight, flat):
+        b = self._buffers  # plain dict reads, see GroupLinear.forward
+        if flat.shape[0] <= KERNEL_MAX_ROWS and (flat.is_cpu if self.tiled else int8_gemm_supported(b["qweight"], flat)):
             if self.tiled or self._tile(int8_kernel_tiles()):
-                y = int8_gemm_tiled(flat, self.qweight, self.scale, self.bias)
+                y = int8_gemm_tiled(flat, b["qweight"], b["scale"], b["bias"])
             else:
-                y = int8_gemm(flat, self.qweight, self.scale, self.bias)
+                y = int8_gemm(flat, b["qweight"], b["scale"], b["bias"])
         else:
-            y = F.linear(flat.float(), self.dequantize(), self.bias)
-        return y.to(self.dtype).reshape(*x.shape[:-1], self.out_features)
+            y = F.linear(flat.float(), self.dequantize(), b["bias"])
+        return self._shaped(y, x)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.output_sizes}, int8 per-channel"
