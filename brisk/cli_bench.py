@@ -29,7 +29,9 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     lat.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     lat.add_argument("--new-tokens", type=int, default=128)
     lat.add_argument("--repeats", type=int, default=3)
-    lat.add_argument("--compare", default="", help="peers to run side by side: hf (on the CPU only)")
+    lat.add_argument("--compare", default="",
+                     help="peers to run side by side: hf (on the CPU only); plain (the same model without "
+                          "-q / --speculative-config, its runs interleaved with brisk's: decode_speedup_vs_plain)")
     add_device(lat)
     add_quant(lat, "quantize brisk's model at load")
     add_spec(lat)
@@ -118,7 +120,7 @@ def _bench_parallel(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     compare = [c for c in getattr(args, "compare", "").split(",") if c]
-    peers = {"hf", "vllm"} if args.bench == "throughput" else {"hf"}
+    peers = {"hf", "vllm"} if args.bench == "throughput" else {"hf", "plain"}
     unknown = set(compare) - peers
     if unknown:
         raise ValueError(f"unknown --compare peer(s): {', '.join(sorted(unknown))}; available: {', '.join(sorted(peers))}")

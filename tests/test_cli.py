@@ -49,6 +49,19 @@ def test_bench_latency_prints_json(gguf_path, capsys) -> None:
     assert result["brisk"]["decode_tok_s"] > 0 and result["prompt_tokens"] > 0
 
 
+def test_bench_latency_interleaves_a_plain_engine(gguf_path, capsys) -> None:
+    """`--compare plain`: the quantized engine beside the same model unquantized, runs interleaved."""
+    code, out, _ = _run(capsys, "bench", "latency", "-q", "int8", "--compare", "plain", "--new-tokens", "4",
+                        "--repeats", "2")
+    assert code == 0
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["quantization"].startswith("int8") and result["plain"]["decode_tok_s"] > 0
+    ratio = result["brisk"]["decode_tok_s"] / result["plain"]["decode_tok_s"]
+    assert abs(result["decode_speedup_vs_plain"] - ratio) < 0.01 and isinstance(result["same_tokens_as_plain"], bool)
+    code, _, err = _run(capsys, "bench", "latency", "--compare", "vllm")
+    assert code == 2 and "available: hf, plain" in err
+
+
 def test_missing_model_path(capsys) -> None:
     code, _, err = _run(capsys, "generate", "--model", "/no/such/model.gguf", "--prompt", "hi")
     assert code == 2 and "not found" in err and "Traceback" not in err

@@ -2,6 +2,8 @@
 
 brisk and (with `--compare hf`) HF transformers run the same prompt ids on the same weights in the
 same process, one after the other, so the ratio is measured side by side on one machine state.
+`--compare plain` loads the same model without quantization or speculation beside brisk's and
+interleaves their runs (the issue targets "int4 decode >= 4x float32" are such ratios).
 Each figure is the median of `repeats` runs after one warm-up.
 """
 
@@ -41,15 +43,34 @@ def _hf_run(peer: Any, ids: list[int], new_tokens: int) -> tuple[float, float, l
     return ttft, (new_tokens - 1) / max(total - ttft, 1e-9), tokens[0]
 
 
+def _summary(samples: list[tuple[float, float]]) -> dict[str, float]:
+    return {"ttft_s": round(statistics.median(t for t, _ in samples), 4),
+            "decode_tok_s": round(statistics.median(r for _, r in samples), 2)}
+
+
 def _measure(run: Any, target: Any, ids: list[int], new_tokens: int, repeats: int) -> tuple[dict[str, float], list[int]]:
     run(target, ids, min(8, new_tokens))  # warm-up: allocator, thread pool, kernels
-    ttfts, rates = [], []
+    samples = []
     tokens: list[int] = []
     for _ in range(repeats):
         ttft, rate, tokens = run(target, ids, new_tokens)
-        ttfts.append(ttft)
-        rates.append(rate)
-    return {"ttft_s": round(statistics.median(ttfts), 4), "decode_tok_s": round(statistics.median(rates), 2)}, tokens
+        samples.append((ttft, rate))
+    return _summary(samples), tokens
+
+
+def _interleaved(engines: list[LLM], ids: list[int], new_tokens: int,
+                 repeats: int) -> list[tuple[dict[str, float], list[int]]]:
+    """Each engine's summary and tokens, their runs interleaved (a, b, a, b, ...) so that a noisy
+    neighbour on the machine slows both alike."""
+    for llm in engines:
+        _brisk_run(llm, ids, min(8, new_tokens))
+    samples: list[list[tuple[float, float]]] = [[] for _ in engines]
+    tokens: list[list[int]] = [[] for _ in engines]
+    for _ in range(repeats):
+        for i, llm in enumerate(engines):
+            ttft, rate, tokens[i] = _brisk_run(llm, ids, new_tokens)
+            samples[i].append((ttft, rate))
+    return [(_summary(s), t) for s, t in zip(samples, tokens)]
 
 
 def bench_latency(model: str, dtype: str, prompt: str, chat: bool, new_tokens: int, repeats: int,
@@ -70,7 +91,15 @@ def bench_latency(model: str, dtype: str, prompt: str, chat: bool, new_tokens: i
         "prompt_tokens": len(ids), "new_tokens": new_tokens,
         "repeats": repeats, "threads": torch.get_num_threads(), "machine": _machine(device),
     }
-    result["brisk"], brisk_tokens = _measure(_brisk_run, llm, ids, new_tokens, repeats)
+    if "plain" in compare:  # the same weights without -q / speculation, interleaved
+        plain = LLM(model, dtype=dtype, device=device)
+        (result["brisk"], brisk_tokens), (result["plain"], plain_tokens) = \
+            _interleaved([llm, plain], ids, new_tokens, repeats)
+        del plain
+        result["decode_speedup_vs_plain"] = round(result["brisk"]["decode_tok_s"] / result["plain"]["decode_tok_s"], 3)
+        result["same_tokens_as_plain"] = brisk_tokens == plain_tokens
+    else:
+        result["brisk"], brisk_tokens = _measure(_brisk_run, llm, ids, new_tokens, repeats)
     result["brisk"]["load_s"] = round(load_s, 2)
     if "hf" in compare:
         from brisk.bench.peers import HFPeer
