@@ -5,8 +5,8 @@ over its drafts' acceptance (as in Early-Exit Speculative Decoding, EESD, with o
 p1, that the first draft is accepted, and p2, that a draft is accepted once the one before it was.
 Drafts come in runs (an n-gram match copies a whole span, a good draft model agrees for a while),
 so p2 is usually well above p1, and one i.i.d. rate would undervalue long drafts. Every step it
-draws p1 from its posterior (Thompson sampling) and picks the k that maximises tokens
-gained per unit of cost (p1 drawn, p2 at its mean, see `wanted`):
+draws p1 from its posterior (Thompson sampling; p2 too once p1 is high, see `wanted`) and picks
+the k that maximises tokens gained per unit of cost:
 
     E[tokens | p1, p2, k] = 1 + p1 (1 - p2^k) / (1 - p2)     (= Leviathan et al.'s when p1 = p2)
     cost(k)               = 1 + verify(k) + draft_cost * k   (in target decode steps)
@@ -80,10 +80,14 @@ class DraftLength:
         if not self.auto:
             return self.max_k
         post = self._counts(request_id, cls)
-        # Thompson sampling on p1 (whether to draft at all); p2 at its posterior mean, so that an
-        # unexplored p2 does not make long drafts look promising before the first is ever accepted
+        # Thompson sampling on p1 (whether to draft at all). p2 is drawn too when the drawn p1 says
+        # first drafts are mostly accepted, else taken at its mean: at its mean always, it never
+        # learned (an accepted one-token draft is no trial of a second, so a request settled on
+        # k = 1 kept p2 at its prior 0.5, for which k = 1 stays best: a draft model accepted 100%
+        # of the time drafted one token a step), and drawn always, an untried p2 lengthens the
+        # occasional try of drafts whose first token is rarely accepted.
         p1 = self._rng.betavariate(post[0], post[1])
-        p2 = post[2] / (post[2] + post[3])
+        p2 = self._rng.betavariate(post[2], post[3]) if p1 >= 0.5 else post[2] / (post[2] + post[3])
         k = self.best_k(p1, p2)
         if k == 0:
             self._decay(post, OFF_DECAY)
