@@ -41,7 +41,7 @@ class LlamaAttention(nn.Module):
         else:
             qk = apply_rotary(qkv[:, : rotated * self.head_dim].view(n, rotated, self.head_dim), cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # [n, heads, hd], [n, kv_heads, hd]
-        v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim:].view(n, self.num_kv_heads, self.head_dim)
+        v = qkv[:, rotated * self.head_dim:].view(n, self.num_kv_heads, self.head_dim)
         out = attn_metadata.attend(self.layer_idx, q, k, v)  # [n, heads, head_dim]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
