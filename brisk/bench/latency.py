@@ -49,26 +49,20 @@ def _summary(samples: list[tuple[float, float]]) -> dict[str, float]:
 
 
 def _measure(run: Any, target: Any, ids: list[int], new_tokens: int, repeats: int) -> tuple[dict[str, float], list[int]]:
-    run(target, ids, min(8, new_tokens))  # warm-up: allocator, thread pool, kernels
-    samples = []
-    tokens: list[int] = []
-    for _ in range(repeats):
-        ttft, rate, tokens = run(target, ids, new_tokens)
-        samples.append((ttft, rate))
-    return _summary(samples), tokens
+    return _interleaved([(run, target)], ids, new_tokens, repeats)[0]
 
 
-def _interleaved(engines: list[LLM], ids: list[int], new_tokens: int,
+def _interleaved(runs: list[tuple[Any, Any]], ids: list[int], new_tokens: int,
                  repeats: int) -> list[tuple[dict[str, float], list[int]]]:
-    """Each engine's summary and tokens, their runs interleaved (a, b, a, b, ...) so that a noisy
-    neighbour on the machine slows both alike."""
-    for llm in engines:
-        _brisk_run(llm, ids, min(8, new_tokens))
-    samples: list[list[tuple[float, float]]] = [[] for _ in engines]
-    tokens: list[list[int]] = [[] for _ in engines]
+    """Each (run, target)'s summary and tokens, their runs interleaved (a, b, a, b, ...) so that a
+    noisy neighbour on the machine slows all alike; one warm-up each first (allocator, threads)."""
+    for run, target in runs:
+        run(target, ids, min(8, new_tokens))
+    samples: list[list[tuple[float, float]]] = [[] for _ in runs]
+    tokens: list[list[int]] = [[] for _ in runs]
     for _ in range(repeats):
-        for i, llm in enumerate(engines):
-            ttft, rate, tokens[i] = _brisk_run(llm, ids, new_tokens)
+        for i, (run, target) in enumerate(runs):
+            ttft, rate, tokens[i] = run(target, ids, new_tokens)
             samples[i].append((ttft, rate))
     return [(_summary(s), t) for s, t in zip(samples, tokens)]
 
@@ -94,7 +88,7 @@ def bench_latency(model: str, dtype: str, prompt: str, chat: bool, new_tokens: i
     if "plain" in compare:  # the same weights without -q / speculation, interleaved
         plain = LLM(model, dtype=dtype, device=device)
         (result["brisk"], brisk_tokens), (result["plain"], plain_tokens) = \
-            _interleaved([llm, plain], ids, new_tokens, repeats)
+            _interleaved([(_brisk_run, llm), (_brisk_run, plain)], ids, new_tokens, repeats)
         del plain
         result["decode_speedup_vs_plain"] = round(result["brisk"]["decode_tok_s"] / result["plain"]["decode_tok_s"], 3)
         result["same_tokens_as_plain"] = brisk_tokens == plain_tokens

@@ -61,6 +61,11 @@ namespace {
 // One row: a = max|x| / 127 (1 for an all-zero row), q = round(x / a) in [-127, 127], plus
 // `offset` (128 for the VNNI kernel's uint8, 0 for int8). A division, not a multiply by 1 / a
 // (two roundings): the same integers as the torch path's torch.round(x / a), whichever path.
+inline uint8_t quantize_value(float x, float scale, int offset) {
+  const float q = std::nearbyint(x / scale);  // round half to even, as torch.round
+  return static_cast<uint8_t>(static_cast<int>(std::clamp(q, -127.f, 127.f)) + offset);
+}
+
 #ifdef BRISK_X86
 // The same integers as the scalar loop below, 16 at a time: the division is IEEE in both, and
 // roundscale's nearest-int is nearbyint's round-half-even. It was a scalar libm call per element,
@@ -82,10 +87,7 @@ __attribute__((target("avx512f"))) void quantize_row_avx512(const float* row, ui
     const __m512i v = _mm512_add_epi32(_mm512_cvtps_epi32(q), off);  // q is a whole number: exact
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(v));
   }
-  for (; i < k; ++i) {
-    const float q = std::nearbyint(row[i] / scale);
-    out[i] = static_cast<uint8_t>(static_cast<int>(std::clamp(q, -127.f, 127.f)) + offset);
-  }
+  for (; i < k; ++i) out[i] = quantize_value(row[i], scale, offset);
   *a = scale;
 }
 #endif
@@ -97,10 +99,7 @@ void quantize_row(const float* row, uint8_t* out, int64_t k, int offset, float* 
   float amax = 0.f;
   for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
   const float scale = amax > 0.f ? amax / 127.f : 1.f;
-  for (int64_t i = 0; i < k; ++i) {
-    const float q = std::nearbyint(row[i] / scale);  // round half to even, as torch.round
-    out[i] = static_cast<uint8_t>(static_cast<int>(std::clamp(q, -127.f, 127.f)) + offset);
-  }
+  for (int64_t i = 0; i < k; ++i) out[i] = quantize_value(row[i], scale, offset);
   *a = scale;
 }
 }  // namespace

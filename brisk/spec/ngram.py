@@ -31,11 +31,6 @@ def ngram_match(tokens: list[int] | np.ndarray, n_min: int, n_max: int, k: int) 
     return 0, []
 
 
-def ngram_lookup(tokens: list[int] | np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
-    return ngram_match(tokens, n_min, n_max, k)[1]
-
-
 class NgramProposer:
     """Draft class: the matched suffix's length n (a 4-token match predicts far better than a
     1-token one). The match found when the engine plans a step is kept for that step's proposal."""
@@ -61,7 +56,7 @@ class NgramProposer:
         seen, follow = self._planned.pop(r.request_id, (-1, []))
         if seen == len(r.token_ids):
             return follow
-        return ngram_lookup(r.token_ids, self.n_min, self.n_max, r.num_drafts)
+        return ngram_match(r.token_ids, self.n_min, self.n_max, r.num_drafts)[1]
 
     def release(self, request_id: str) -> None:
         self._planned.pop(request_id, None)
