@@ -13,7 +13,8 @@ QUANT_HELP = ("int8: weight-only per output channel; int4: weight-only, groups o
               "SmoothQuant given a calibration text; ternary: BitNet b1.58 absmean {-1,0,1} x scale, 2-bit "
               "(destroys a model not trained for it); gguf: a .gguf file's Q4_0/Q4_1/Q8_0 blocks as stored")
 QUANT_CONFIG_HELP = ('options as JSON: \'{"group_size": 64}\' (int4), \'{"calibration": "text.txt", '
-                     '"calibration_tokens": 4096}\' (int4: GPTQ, w8a8: SmoothQuant)')
+                     '"calibration_tokens": 4096}\' (int4: GPTQ, w8a8: SmoothQuant), \'{"activations": "int8"}\' '
+                     '(int4, gguf: int8 activations in integer dot products, faster, a small quality cost)')
 
 
 def add_quant(p: argparse.ArgumentParser, what: str) -> None:

@@ -159,7 +159,8 @@ class SchedulerConfig:
 
 
 QUANT_METHODS = ("int8", "int4", "w8a8", "ternary", "gguf")  # quant/ registers one module per name (checked there too)
-QUANT_OPTIONS = ("group_size", "calibration", "calibration_tokens")
+QUANT_OPTIONS = ("group_size", "calibration", "calibration_tokens", "activations")
+ACTIVATION_MODES = ("float", "int8")  # what int4 / gguf weights multiply (quant/grouped.py ACT_MODES)
 
 
 @dataclass(frozen=True)
@@ -167,12 +168,16 @@ class QuantConfig:
     """How to quantize at load (`LLM(quantization=..., quantization_config={...})`, `-q`,
     `--quant-config '<json>'`). `group_size` applies to int4 (columns per scale and offset);
     `calibration` is a text file whose first `calibration_tokens` tokens drive GPTQ rounding (int4)
-    or SmoothQuant's outlier migration (w8a8); None: round-to-nearest."""
+    or SmoothQuant's outlier migration (w8a8); None: round-to-nearest. `activations` (int4, gguf):
+    "float" multiplies the 4-bit weights by float32 activations; "int8" quantizes the activations
+    per 32-column block and uses integer dot products as llama.cpp does (faster on AVX512-VNNI
+    CPUs; its quality cost is measured in BENCHMARKS.md)."""
 
     method: str
     group_size: int = 64
     calibration: str | None = None
     calibration_tokens: int = 4096
+    activations: str = "float"
 
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
@@ -184,6 +189,10 @@ class QuantConfig:
             raise ValueError(f"calibration_tokens must be an integer >= 16, got {self.calibration_tokens!r}")
         if self.calibration is not None and not isinstance(self.calibration, str):
             raise ValueError(f"calibration must be the path of a text file, got {self.calibration!r}")
+        if self.activations not in ACTIVATION_MODES:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, got {self.activations!r}")
+        if self.activations != "float" and self.method not in ("int4", "gguf"):
+            raise ValueError(f"activations {self.activations!r} applies to int4 and gguf weights, not {self.method}")
         if self.calibration is not None and self.method not in ("int4", "w8a8"):
             raise ValueError(f"calibration applies to int4 (GPTQ) and w8a8 (SmoothQuant), not {self.method}")
 
@@ -205,8 +214,11 @@ class QuantConfig:
 
     def describe(self) -> str:
         """One line for logs and JSON: the method and the options that matter for it."""
+        acts = " a8" if self.activations == "int8" else ""
         if self.method == "int4":
-            return f"int4 g{self.group_size} {'gptq' if self.calibration else 'rtn'}"
+            return f"int4 g{self.group_size} {'gptq' if self.calibration else 'rtn'}{acts}"
+        if self.method == "gguf":
+            return f"gguf{acts}"
         if self.method == "w8a8":
             return f"w8a8{' smoothquant' if self.calibration else ''}"
         return self.method

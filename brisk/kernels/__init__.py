@@ -179,6 +179,22 @@ def group_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
         _C.group_gemm(x, qweight, scale, zero, group, bits, bias)
 
 
+def group_q8act_supported() -> bool:
+    """True when `group_gemm_q8act` runs here (extension built, AVX512-VNNI)."""
+    return _HAVE_Q8ACT
+
+
+def group_gemm_q8act(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                     group: int, bits: int, bias: torch.Tensor | None = None, tiled: bool = False) -> torch.Tensor:
+    """`group_gemm` of x quantized per row and 32-column block to int8 (quant/grouped.py
+    quantize_act_blocks): integer dot products with the weights' nibbles or bytes (VNNI)."""
+    assert _C is not None
+    in_features = qweight.shape[1] * (2 if bits == 4 else 1)
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"group_gemm_q8act: x {tuple(x.shape)} does not fit a weight of {in_features} input features")
+    return _C.group_gemm_q8act(x, qweight, scale, zero, group, bits, bias, tiled)
+
+
 def group_dequantize(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
                      bits: int, tiled: bool = False) -> torch.Tensor:
     """The float32 [out, in] weight `group_gemm` computes with (row-major, also from a tiled q)."""
@@ -205,6 +221,7 @@ def have_vnni() -> bool:
 
 
 _HAVE_VNNI = _built("quantize_rows") and bool(_C.have_vnni())  # decided once: W8A8 asks on every call
+_HAVE_Q8ACT = _HAVE_VNNI and _built("group_gemm_q8act")
 
 
 def quantize_rows(x: torch.Tensor, unsigned_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:

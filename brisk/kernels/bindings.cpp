@@ -11,6 +11,9 @@ torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const to
 torch::Tensor group_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                          const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
                          const c10::optional<torch::Tensor>& bias, bool tiled);
+torch::Tensor group_gemm_q8act(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                               const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
+                               const c10::optional<torch::Tensor>& bias, bool tiled);
 torch::Tensor group_dequantize(const torch::Tensor& q, const torch::Tensor& scale,
                                const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits, bool tiled);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
@@ -38,6 +41,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm_tiled", &int8_gemm_tiled, "int8_gemm with q in 4-row x 64-column tiles (one memory stream)",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("bias") = py::none());
   m.def("group_gemm", &group_gemm, "x[M,in] @ W^T (+bias), W group-quantized (4-bit table or 8-bit), streamed once",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("zero"), py::arg("group"), py::arg("bits"),
+        py::arg("bias") = py::none(), py::arg("tiled") = false);
+  m.def("group_gemm_q8act", &group_gemm_q8act,
+        "group_gemm with x quantized to int8 per 32-column block: VNNI integer dot products (AVX512-VNNI)",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("zero"), py::arg("group"), py::arg("bits"),
         py::arg("bias") = py::none(), py::arg("tiled") = false);
   m.def("group_dequantize", &group_dequantize, "the float32 weight a group-quantized q stands for",

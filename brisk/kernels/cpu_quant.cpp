@@ -10,7 +10,8 @@
 //   add a third to the bytes a 4-bit decode step reads at group 32.
 //   tiled: q holds tiles of 4 rows x one 32-column run (4 x 16 bytes at 4-bit, 4 x 32 at 8-bit)
 //          side by side, tiles in (row group, run) order (quant/base.py tile_rows): a thread's rows
-//          are then one sequential stream that the hardware prefetchers follow, not four.
+//          are then one sequential stream that the hardware prefetchers follow, not four; scale
+//          and zero tiled alike, 4 rows x 1 group (a group's 4 scales are 8 contiguous bytes).
 //
 // Decode reads every weight once per token, so the kernels stream q once for all rows of x.
 // A 4-bit group is turned into floats through a 16-entry table (scale * [0..15] + zero, one fma
@@ -34,6 +35,9 @@ struct Weights {
   int64_t out, in, group, groups;
   int64_t chunk_bytes;  // bytes of one row's 32-column run: 16 (4-bit) or 32 (8-bit)
   bool tiled;
+
+  // Index of row r's group g in scale and zero.
+  int64_t at(int64_t r, int64_t g) const { return tiled ? ((r >> 2) * groups + g) * 4 + (r & 3) : r * groups + g; }
 
   // Where row r's run of columns [32 c, 32 c + 32) starts.
   const uint8_t* chunk(int64_t r, int64_t c) const {
@@ -95,7 +99,7 @@ __attribute__((target("avx512f,f16c"))) inline void gemm_tile(const Weights& w, 
   for (int64_t g = 0; g < w.groups; ++g) {
     __m512 lut[R];
     for (int j = 0; j < R; ++j) {
-      const int64_t at = (r + j) * w.groups + g;
+      const int64_t at = w.at(r + j, g);
       lut[j] = Unpack<Bits>::table(w.scale[at], w.zero ? w.zero[at] : 0);
     }
     for (int64_t i = g * w.group; i < (g + 1) * w.group; i += kChunk) {
@@ -144,7 +148,7 @@ __attribute__((target("avx512f,f16c"))) void dequant_rows(const Weights& w, floa
   for (int64_t r = r0; r < r1; ++r) {
     float* o = out + r * w.in;
     for (int64_t g = 0; g < w.groups; ++g) {
-      const __m512 lut = Unpack<Bits>::table(w.scale[r * w.groups + g], w.zero ? w.zero[r * w.groups + g] : 0);
+      const __m512 lut = Unpack<Bits>::table(w.scale[w.at(r, g)], w.zero ? w.zero[w.at(r, g)] : 0);
       for (int64_t i = g * w.group; i < (g + 1) * w.group; i += kChunk) {
         __m512 lo, hi;
         Unpack<Bits>::load(w.chunk(r, i / kChunk), lut, lo, hi);

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,9 +71,11 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
                before_quant: Callable[[LlamaForCausalLM], None] | None = None) -> LoadedModel:
     """Resolve `ref`, build the architecture and stream the weights into it; quantize with `quant`.
 
-    A checkpoint written by `brisk quantize` loads as saved (`quant` must then be None or equal).
+    A checkpoint written by `brisk quantize` loads as saved (`quant` must then be None or equal,
+    but for `activations`, a run-time choice that `quant` may change).
     `before_quant` reshapes the float model first (tensor-parallel sharding: each shard is quantized)."""
     from brisk.loader.quantized import load_quantized_state, quantization_of
+    from brisk.quant import set_activations
 
     source = resolve_model(ref)
     tdtype = torch_dtype(dtype)
@@ -88,6 +91,9 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
         with torch.device(device):
             model = build_model(cfg, tdtype, max_positions=max_model_len or cfg.max_position_embeddings)
         load_quantized_state(model, source.path, saved)
+        if quant is not None and quant.activations != saved.activations:
+            saved = dataclasses.replace(saved, activations=quant.activations)
+        set_activations(model, saved.activations)
         if before_quant is not None:
             before_quant(model)
         return LoadedModel(model.eval(), tokenizer, cfg, source, saved)
@@ -104,6 +110,7 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
         before_quant(model)
     if quant is not None:
         _quantize(model, quant, source, cfg, tokenizer)
+        set_activations(model, quant.activations)
     return LoadedModel(model.eval(), tokenizer, cfg, source, quant)
 
 

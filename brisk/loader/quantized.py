@@ -52,8 +52,9 @@ def save_quantized(model: LlamaForCausalLM, quant: QuantConfig, out: Path, dtype
 def _options(quant: QuantConfig) -> dict[str, object]:
     if quant.method not in ("int4", "w8a8"):
         return {}
+    acts = {"activations": quant.activations} if quant.method == "int4" else {}
     return {"group_size": quant.group_size, "calibration": quant.calibration,
-            "calibration_tokens": quant.calibration_tokens}
+            "calibration_tokens": quant.calibration_tokens, **acts}
 
 
 def load_quantized_state(model: LlamaForCausalLM, path: Path, quant: QuantConfig) -> None:

@@ -117,6 +117,17 @@ def _apply(model: nn.Module, cfg: QuantConfig, calibration_ids: list[int] | None
     return len(targets)
 
 
+def set_activations(model: nn.Module, mode: str) -> None:
+    """What every group-quantized Linear (int4, gguf, the 8-bit heads) multiplies its weights by:
+    "float" activations or "int8" ones in integer dot products (QuantConfig.activations)."""
+    for m in model.modules():
+        if isinstance(m, GroupLinear):
+            m.activations = mode
+    drop_plan = getattr(model, "drop_decode_plan", None)
+    if drop_plan is not None:
+        drop_plan()  # a compiled decode plan captured the old mode
+
+
 def tie_head(model: nn.Module, head: nn.Module) -> None:
     """Make `head` the LM head and the source of token lookups (the float embedding is dropped)."""
     dtype = model.embed_tokens.weight.dtype  # type: ignore[union-attr]

@@ -59,31 +59,46 @@ class TiledLinear(QuantizedLinear):
     """A quantized Linear whose `qweight` [out, cols] the CPU kernel may hold in tiles of 4 rows x one
     run of `tile_width` columns (64 bytes of 4-bit, 128 of 8-bit... see the kernels): a thread then
     reads one sequential stream instead of four rows far apart, which the hardware prefetchers follow
-    (the default model's int8 weights, cold: 8.1 -> 4.9 ms a token). The first CPU kernel call tiles
-    the weight in place (`_tile`); everything else sees it row-major: `state_dict()` (checkpoints),
-    `qweight_rows()`, and `.to(...)`, which restores the row-major weight before moving."""
+    (the default model's int8 weights, cold: 8.1 -> 4.9 ms a token). Per-group buffers may be tiled
+    alongside (`tiled_buffers`: a group's 4 scales in one load). The first CPU kernel call tiles them
+    in place (`_tile`); everything else sees them row-major: `state_dict()` (checkpoints),
+    `qweight_rows()` / `rows()`, and `.to(...)`, which restores the row-major layout before moving."""
 
     qweight: torch.Tensor
     tile_width: int  # columns of qweight per tile row
     tiled: bool = False
     dtype: torch.dtype
 
+    def tiled_buffers(self) -> dict[str, int]:
+        """Buffers held tiled, each with its tile width in columns (qweight and, in subclasses, more)."""
+        return {"qweight": self.tile_width}
+
+    def rows(self, name: str, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Buffer `name` row-major: all of it (a copy when tiled) or rows `ids`."""
+        t = self._buffers[name]
+        assert t is not None
+        if not self.tiled or name not in self.tiled_buffers():
+            return t if ids is None else t[ids]
+        width = self.tiled_buffers()[name]
+        if ids is None:
+            return untile_rows(t, width)
+        out, cols = t.shape
+        tiles = t.view(out // TILE_ROWS, cols // width, TILE_ROWS, width)
+        return tiles[ids // TILE_ROWS, :, ids % TILE_ROWS].reshape(len(ids), cols)
+
     def qweight_rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The weight row-major: all of it (a copy when tiled) or rows `ids`."""
-        if not self.tiled:
-            return self.qweight if ids is None else self.qweight[ids]
-        if ids is None:
-            return untile_rows(self.qweight, self.tile_width)
-        out, cols = self.qweight.shape
-        tiles = self.qweight.view(out // TILE_ROWS, cols // self.tile_width, TILE_ROWS, self.tile_width)
-        return tiles[ids // TILE_ROWS, :, ids % TILE_ROWS].reshape(len(ids), cols)
+        return self.rows("qweight", ids)
 
     def _tile(self, kernel_tiles: bool) -> bool:
         """Hold the weight tiled when the kernel reads tiles (`kernel_tiles`) and the shape is whole
         tiles; True when it is tiled."""
-        out, cols = self.qweight.shape
-        if not self.tiled and kernel_tiles and out % TILE_ROWS == 0 and cols % self.tile_width == 0:
-            self.qweight = tile_rows(self.qweight, self.tile_width)
+        if self.tiled or not kernel_tiles:
+            return self.tiled
+        shapes = {name: self._buffers[name] for name in self.tiled_buffers() if self._buffers[name] is not None}
+        if all(t.shape[0] % TILE_ROWS == 0 and t.shape[1] % self.tiled_buffers()[n] == 0 for n, t in shapes.items()):
+            for name, t in shapes.items():
+                self._buffers[name] = tile_rows(t, self.tiled_buffers()[name])
             self.tiled = True
         return self.tiled
 
@@ -95,13 +110,17 @@ class TiledLinear(QuantizedLinear):
 
     def _untile(self) -> None:
         if self.tiled:
-            self.qweight = untile_rows(self.qweight, self.tile_width)
+            for name in self.tiled_buffers():
+                if self._buffers[name] is not None:
+                    self._buffers[name] = self.rows(name)
             self.tiled = False
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.tiled:  # checkpoints hold the row-major weight, whatever the kernel did in memory
-            destination[prefix + "qweight"] = self.qweight_rows()
+        if self.tiled:  # checkpoints hold the row-major buffers, whatever the kernel did in memory
+            for name in self.tiled_buffers():
+                if self._buffers[name] is not None:
+                    destination[prefix + name] = self.rows(name)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
         self._untile()  # the incoming weight is row-major

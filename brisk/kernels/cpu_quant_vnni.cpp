@@ -1,0 +1,271 @@
+// Group-quantized weights (cpu_quant.cpp's layout, row-major or tiled) times activations quantized
+// to int8 in blocks of 32 columns, as llama.cpp multiplies its Q4_1 weights by Q8_1 activations:
+// the weight nibbles (or the int8 weights + 128) meet the int8 activations in AVX512-VNNI's
+// vpdpbusd, 64 multiply-adds an instruction with no per-weight conversion to float. The float
+// kernel spends ~6 vector instructions on every 32 weights (nibble -> table lookup -> fma); this
+// one ~6 on every 128, so decode is bound by reading the weights, not by unpacking them.
+//
+// Activations, per row and block b of 32 columns: a_b = max |x| / 127, q = round-half-even(x / a_b)
+// (IEEE division: the integers torch.round(x / a) gives, quant/grouped.py quantize_act_blocks).
+// With w = q_w s + z (4-bit) or q_w s (8-bit) per group g of the weight row:
+//   y = sum_g ( s_g * sum_{b in g} a_b * D_b  +  z'_g * C_g )
+//   D_b = sum over the block of u_w q_x (int32, exact);  C_g = sum_{b in g} a_b * sum_b(q_x)
+//   4-bit: u_w = q_w, z' = z;   8-bit: u_w = q_w + 128 (vpdpbusd's unsigned operand), z' = -128 s.
+// Every (x row, weight row) pair is summed in the same order whatever the batch: batch invariant.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+#include "simd.h"
+
+bool have_vnni();  // cpu_int8mm.cpp
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // activation columns per int8 scale; also one weight run
+
+struct GroupWeights {
+  const uint8_t* q;
+  const uint16_t* scale;  // float16 bits [out, groups]
+  const uint16_t* zero;   // float16 bits [out, groups]; null for 8-bit
+  int64_t out, in, group, groups, run_bytes;  // run_bytes: one row's 32 columns (16 or 32)
+  bool tiled;
+
+  // index of row r's group g in scale and zero (tiled: 4 rows x 1 group, cpu_quant.cpp)
+  int64_t at(int64_t r, int64_t g) const { return tiled ? ((r >> 2) * groups + g) * 4 + (r & 3) : r * groups + g; }
+
+  const uint8_t* run(int64_t r, int64_t c) const {
+    if (tiled) return q + (((r >> 2) * (in / kBlock) + c) * 4 + (r & 3)) * run_bytes;
+    return q + (r * (in / kBlock) + c) * run_bytes;
+  }
+};
+
+struct Acts {
+  const int8_t* q;  // [M, in]
+  const float* a;   // [M, in / 32] block scales
+  const float* c;   // [M, groups]  sum_{b in g} a_b * sum_b(q)
+  int64_t in, blocks, groups;
+};
+
+#ifdef BRISK_X86
+// round-half-even to an integer in [-127, 127]
+__attribute__((target("avx512f"))) inline __m512i round_clamp(__m512 v) {
+  const __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(r, _mm512_set1_ps(127.0f)), _mm512_set1_ps(-127.0f)));
+}
+
+// One row of activations -> int8 blocks, their scales and the per-group sums C_g.
+__attribute__((target("avx512f,avx512bw"))) void quantize_act_row(const float* x, const GroupWeights& w, int8_t* q,
+                                                                  float* a, float* c) {
+  const int64_t per_group = w.group / kBlock;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    float cg = 0.0f;
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      const __m512 v0 = _mm512_loadu_ps(x + b * kBlock), v1 = _mm512_loadu_ps(x + b * kBlock + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float ab = amax / 127.0f;
+      __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
+      if (ab > 0.0f) {
+        const __m512 d = _mm512_set1_ps(ab);
+        q0 = round_clamp(_mm512_div_ps(v0, d));
+        q1 = round_clamp(_mm512_div_ps(v1, d));
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
+      a[b] = ab;
+      cg += ab * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    }
+    c[g] = cg;
+  }
+}
+
+// The bytes of 4 weight rows' run c, row j in the j-th quarter (4-bit: 16 bytes) or half of the
+// j/2-th vector (8-bit: 32 bytes). Tiled weights are one contiguous load; row-major ones and the
+// last rows of an odd-sized matrix are gathered (missing rows read as zeros and are not stored).
+template <int Bits>
+__attribute__((target("avx512f"))) inline void load_rows(const GroupWeights& w, int64_t r, int64_t c, int nrows,
+                                                        __m512i (&v)[Bits == 4 ? 1 : 2]) {
+  constexpr int kVecs = Bits == 4 ? 1 : 2;
+  if (w.tiled) {
+    const uint8_t* p = w.run(r, c);
+    for (int i = 0; i < kVecs; ++i) v[i] = _mm512_loadu_si512(p + 64 * i);
+    return;
+  }
+  alignas(64) uint8_t buf[64 * kVecs] = {};
+  for (int j = 0; j < nrows; ++j) std::memcpy(buf + j * w.run_bytes, w.run(r + j, c), w.run_bytes);
+  for (int i = 0; i < kVecs; ++i) v[i] = _mm512_load_si512(buf + 64 * i);
+}
+
+// The 4 rows' scales and offsets (z': 4-bit zero, 8-bit -128 scale) of group g as floats. Tiled:
+// one 8-byte load each; row-major: gathered in registers (scalar stores read back as one vector
+// would stall store forwarding).
+template <int Bits>
+__attribute__((target("avx512f,f16c"))) inline void group_params(const GroupWeights& w, int64_t r, int64_t g,
+                                                                int nrows, __m128& s4, __m128& z4) {
+  if (w.tiled) {
+    const int64_t at = w.at(r, g);
+    s4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.scale + at)));
+    z4 = Bits == 4 ? _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zero + at)))
+                   : _mm_mul_ps(s4, _mm_set1_ps(-128.0f));
+    return;
+  }
+  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int j = 0; j < nrows; ++j) {
+    s[j] = _cvtsh_ss(w.scale[w.at(r + j, g)]);
+    z[j] = Bits == 4 ? _cvtsh_ss(w.zero[w.at(r + j, g)]) : -128.0f * s[j];
+  }
+  s4 = _mm_setr_ps(s[0], s[1], s[2], s[3]);
+  z4 = _mm_setr_ps(z[0], z[1], z[2], z[3]);
+}
+
+// Each of the 4 rows' lanes summed: [row 0, row 1, row 2, row 3], in a fixed order.
+template <int Vecs>
+__attribute__((target("avx512f"))) inline __m128 row_sums(const __m512 (&acc)[Vecs]) {
+  __m128 r[4];
+  if constexpr (Vecs == 1) {  // 4 lanes a row: row j is 128-bit quarter j
+    for (int j = 0; j < 4; ++j) r[j] = _mm512_extractf32x4_ps(acc[0], j);
+  } else {  // 8 lanes a row: rows 2 i and 2 i + 1 are the halves of vector i
+    r[0] = _mm_add_ps(_mm512_extractf32x4_ps(acc[0], 0), _mm512_extractf32x4_ps(acc[0], 1));
+    r[1] = _mm_add_ps(_mm512_extractf32x4_ps(acc[0], 2), _mm512_extractf32x4_ps(acc[0], 3));
+    r[2] = _mm_add_ps(_mm512_extractf32x4_ps(acc[1], 0), _mm512_extractf32x4_ps(acc[1], 1));
+    r[3] = _mm_add_ps(_mm512_extractf32x4_ps(acc[1], 2), _mm512_extractf32x4_ps(acc[1], 3));
+  }
+  return _mm_hadd_ps(_mm_hadd_ps(r[0], r[1]), _mm_hadd_ps(r[2], r[3]));
+}
+
+// Which of a tile's 4 rows each int32 lane holds: 4 lanes a row (4-bit, one vector), 8 (8-bit, two).
+template <int Lanes>
+alignas(64) constexpr int32_t kRowOfLane[2][16] = {
+    {0 / Lanes, 1 / Lanes, 2 / Lanes, 3 / Lanes, 4 / Lanes, 5 / Lanes, 6 / Lanes, 7 / Lanes, 8 / Lanes, 9 / Lanes,
+     10 / Lanes, 11 / Lanes, 12 / Lanes, 13 / Lanes, 14 / Lanes, 15 / Lanes},
+    {16 / Lanes, 17 / Lanes, 18 / Lanes, 19 / Lanes, 20 / Lanes, 21 / Lanes, 22 / Lanes, 23 / Lanes, 24 / Lanes,
+     25 / Lanes, 26 / Lanes, 27 / Lanes, 28 / Lanes, 29 / Lanes, 30 / Lanes, 31 / Lanes}};
+
+// y rows [m0, m0 + MB) x weight rows [r, r + nrows), nrows <= 4. Per x row: `gacc` sums a group's
+// blocks (a_b * D_b as floats), `acc` the groups times their scale, `zacc` the offset terms.
+template <int Bits, int MB>
+__attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void vnni_tile(const GroupWeights& w, const Acts& x,
+                                                                           float* y, int64_t m0, int64_t r, int nrows) {
+  constexpr int kVecs = Bits == 4 ? 1 : 2;
+  constexpr int kLanes = 16 * kVecs / 4;  // int32 lanes each weight row's partial sums occupy
+  const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t per_group = w.group / kBlock;
+  const int64_t ahead = w.tiled ? 1024 : 0;  // the tiled stream 1 KB on comes from DRAM: ask now
+  __m512 acc[MB][kVecs];
+  __m128 zacc[MB];
+  for (int k = 0; k < MB; ++k) {
+    zacc[k] = _mm_setzero_ps();
+    for (int i = 0; i < kVecs; ++i) acc[k][i] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m128 s4, z4;  // the 4 rows' scales and offsets for this group
+    group_params<Bits>(w, r, g, nrows, s4, z4);
+    __m512 svec[kVecs];  // each scale spread over its row's lanes
+    for (int i = 0; i < kVecs; ++i)
+      svec[i] = _mm512_permutexvar_ps(_mm512_loadu_si512(kRowOfLane<kLanes>[i]), _mm512_castps128_ps512(s4));
+    __m512 gacc[MB][kVecs];
+    for (int k = 0; k < MB; ++k)
+      for (int i = 0; i < kVecs; ++i) gacc[k][i] = _mm512_setzero_ps();
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w.run(r, b)) + ahead, _MM_HINT_T0);
+      __m512i v[kVecs];
+      load_rows<Bits>(w, r, b, nrows, v);
+      __m512i lo, hi;
+      if constexpr (Bits == 4) {
+        lo = _mm512_and_si512(v[0], nibble);                         // columns 0..15 of each row
+        hi = _mm512_and_si512(_mm512_srli_epi16(v[0], 4), nibble);  // columns 16..31
+      } else {
+        lo = _mm512_xor_si512(v[0], flip);  // rows 0, 1: q + 128 as unsigned bytes
+        hi = _mm512_xor_si512(v[1], flip);  // rows 2, 3
+      }
+      for (int k = 0; k < MB; ++k) {
+        const int8_t* xq = x.q + (m0 + k) * x.in + b * kBlock;
+        const __m512 ab = _mm512_set1_ps(x.a[(m0 + k) * x.blocks + b]);
+        __m512i d[kVecs];
+        if constexpr (Bits == 4) {
+          const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
+          const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
+          d[0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
+        } else {
+          const __m512i xb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
+          d[0] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xb);
+          d[1] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, xb);
+        }
+        for (int i = 0; i < kVecs; ++i) gacc[k][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[i]), ab, gacc[k][i]);
+      }
+    }
+    for (int k = 0; k < MB; ++k) {
+      for (int i = 0; i < kVecs; ++i) acc[k][i] = _mm512_fmadd_ps(gacc[k][i], svec[i], acc[k][i]);
+      zacc[k] = _mm_fmadd_ps(z4, _mm_set1_ps(x.c[(m0 + k) * x.groups + g]), zacc[k]);
+    }
+  }
+  for (int k = 0; k < MB; ++k) {
+    alignas(16) float t[4];
+    _mm_store_ps(t, _mm_add_ps(row_sums<kVecs>(acc[k]), zacc[k]));
+    for (int j = 0; j < nrows; ++j) y[(m0 + k) * w.out + r + j] = t[j];
+  }
+}
+
+// Each thread takes whole 4-row tiles and runs every block of x rows over a tile while it is in
+// L1, so the weights are read from memory once whatever the batch.
+template <int Bits>
+void vnni_gemm(const GroupWeights& w, const Acts& x, float* y, int64_t m_rows) {
+  const int64_t tiles = (w.out + 3) / 4;
+  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = 4 * t;
+      const int nrows = static_cast<int>(std::min<int64_t>(4, w.out - r));
+      int64_t m0 = 0;
+      for (; m0 + 4 <= m_rows; m0 += 4) vnni_tile<Bits, 4>(w, x, y, m0, r, nrows);
+      for (; m0 + 2 <= m_rows; m0 += 2) vnni_tile<Bits, 2>(w, x, y, m0, r, nrows);
+      for (; m0 < m_rows; ++m0) vnni_tile<Bits, 1>(w, x, y, m0, r, nrows);
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+// y[M, out] = quantize_act_blocks(x) @ W^T (+ bias): W as group_gemm's, x quantized to int8 per row
+// and 32-column block. Needs AVX512-VNNI (brisk.kernels checks have_vnni before choosing it).
+torch::Tensor group_gemm_q8act(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                               const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
+                               const c10::optional<torch::Tensor>& bias, bool tiled) {
+  TORCH_CHECK(have_vnni(), "brisk group_gemm_q8act: needs AVX512-VNNI");
+  TORCH_CHECK(bits == 4 || bits == 8, "brisk group_gemm_q8act: bits must be 4 or 8");
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.device().is_cpu() && scale.is_contiguous() && scale.device().is_cpu(),
+              "brisk group_gemm_q8act: q and scale must be contiguous CPU tensors");
+  TORCH_CHECK(bits == 4 ? q.scalar_type() == torch::kUInt8 : q.scalar_type() == torch::kInt8,
+              "brisk group_gemm_q8act: 4-bit q is uint8, 8-bit q is int8");
+  const int64_t out = q.size(0), in = bits == 4 ? q.size(1) * 2 : q.size(1);
+  TORCH_CHECK(group > 0 && group % kBlock == 0 && in % group == 0, "brisk group_gemm_q8act: group ", group,
+              " must be a multiple of 32 dividing ", in);
+  const int64_t groups = in / group;
+  TORCH_CHECK(!tiled || out % 4 == 0, "brisk group_gemm_q8act: a tiled weight needs out % 4 == 0");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat16 && scale.numel() == out * groups,
+              "brisk group_gemm_q8act: scale must be float16 [out, in / group]");
+  TORCH_CHECK(bits == 8 || (zero.has_value() && zero->scalar_type() == torch::kFloat16 && zero->is_contiguous() &&
+                            zero->numel() == out * groups),
+              "brisk group_gemm_q8act: 4-bit needs a contiguous float16 zero [out, in / group]");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == in, "brisk group_gemm_q8act: x does not fit the weight");
+  const GroupWeights w{static_cast<const uint8_t*>(q.data_ptr()), static_cast<const uint16_t*>(scale.data_ptr()),
+                       bits == 4 ? static_cast<const uint16_t*>(zero->data_ptr()) : nullptr, out, in, group, groups,
+                       bits == 4 ? 16 : 32, tiled};
+  const int64_t m = x.size(0);
+  auto xf = x.to(torch::kFloat32).contiguous();
+  auto xq = torch::empty({m, in}, x.options().dtype(torch::kInt8));
+  auto a = torch::empty({m, in / kBlock}, x.options().dtype(torch::kFloat32));
+  auto c = torch::empty({m, groups}, x.options().dtype(torch::kFloat32));
+  auto y = torch::empty({m, out}, x.options().dtype(torch::kFloat32));
+#ifdef BRISK_X86
+  for (int64_t i = 0; i < m; ++i)
+    quantize_act_row(xf.data_ptr<float>() + i * in, w, xq.data_ptr<int8_t>() + i * in,
+                     a.data_ptr<float>() + i * (in / kBlock), c.data_ptr<float>() + i * groups);
+  const Acts acts{xq.data_ptr<int8_t>(), a.data_ptr<float>(), c.data_ptr<float>(), in, in / kBlock, groups};
+  if (bits == 4) vnni_gemm<4>(w, acts, y.data_ptr<float>(), m);
+  else vnni_gemm<8>(w, acts, y.data_ptr<float>(), m);
+#endif
+  if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
+  return y;
+}
