@@ -17,7 +17,7 @@ else:
             "brisk._C",
             ["brisk/kernels/bindings.cpp", "brisk/kernels/cpu_gemv.cpp", "brisk/kernels/cpu_paged_attention.cpp",
              "brisk/kernels/cpu_quant.cpp", "brisk/kernels/cpu_quant_vnni.cpp", "brisk/kernels/cpu_norm.cpp",
-             "brisk/kernels/cpu_int8mm.cpp", "brisk/kernels/cpu_ternary.cpp", "brisk/kernels/cpu_rope.cpp"],
+             "brisk/kernels/cpu_int8mm.cpp", "brisk/kernels/cpu_ternary.cpp", "brisk/kernels/cpu_rope.cpp", "brisk/kernels/cpu_decode_plan.cpp"],
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             optional=True,

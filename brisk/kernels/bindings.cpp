@@ -31,7 +31,10 @@ torch::Tensor rotary(const torch::Tensor& qkv, int64_t heads, const torch::Tenso
 void kv_store(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& k, const torch::Tensor& v,
               const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets);
 
+void bind_decode_plan(py::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_decode_plan(m);
   m.def("gemv", &gemv, "x[1,in] @ w[out,in]^T (+bias) streaming the weight once", py::arg("x"), py::arg("w"),
         py::arg("bias") = py::none());
   m.def("small_gemm", &small_gemm, "x[M,in] @ w[out,in]^T (+bias) for small M, weights streamed once",

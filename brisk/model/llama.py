@@ -16,6 +16,7 @@ from torch import nn
 from brisk.config import ModelConfig
 from brisk.kernels import pack_supported, pack_weight, rotary, rotary_supported
 from brisk.model.attention import AttentionMetadata, ContiguousAttention, SeqSpan
+from brisk.model.decode_plan import build_decode_plan, plan_applies, run_plan
 from brisk.model.layers import Embedding, Linear, RMSNorm, linear, silu_and_mul
 from brisk.model.rotary import apply_rotary, rope_tables
 
@@ -94,6 +95,9 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)  # [max_positions, head_dim]
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
         self._tied_head_packed: torch.Tensor | None = None  # the tied LM head's packed weight
+        # decode steps in C++ (model/decode_plan.py): None until built, False where none applies
+        self.use_decode_plan = True
+        self._decode_plan: object | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -135,9 +139,27 @@ class LlamaForCausalLM(nn.Module):
         `forward`, whose (h, residual) travel to the next stage."""
         cos = self.rope_cos[positions].unsqueeze(1)  # [n, 1, head_dim]
         sin = self.rope_sin[positions].unsqueeze(1)
-        for layer in self.layers[start:end]:
-            h, residual = layer(h, residual, cos, sin, attn_metadata)
+        plan = self._plan_for(h, attn_metadata)
+        if plan is not None:
+            out = run_plan(plan, h, residual, cos, sin, attn_metadata, start, end)  # type: ignore[arg-type]
+            if out is not None:
+                return out
+        layers = self.layers
+        for i in range(start, end):
+            h, residual = layers[i](h, residual, cos, sin, attn_metadata)
         return h, residual
+
+    def _plan_for(self, h: torch.Tensor, attn_metadata: AttentionMetadata) -> object | None:
+        """The C++ decode plan when this step can use it (built on first use)."""
+        if not self.use_decode_plan or self._decode_plan is False or not plan_applies(h, attn_metadata):
+            return None
+        if self._decode_plan is None:
+            self._decode_plan = build_decode_plan(self) or False
+        return self._decode_plan or None
+
+    def drop_decode_plan(self) -> None:
+        """Forget the C++ decode plan: the modules it captured may change (rebuilt on next use)."""
+        self._decode_plan = None
 
     def final_norm(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return self.norm(h if residual is None else h + residual)
@@ -180,7 +202,9 @@ class LlamaForCausalLM(nn.Module):
         return super()._apply(fn, recurse)
 
     def unpack_weights(self) -> None:
-        """Drop the packed copies (they go stale when weights change or the model moves)."""
+        """Drop the packed copies and the decode plan (they go stale when weights change or the
+        model moves)."""
+        self.drop_decode_plan()
         for m in self.modules():
             if hasattr(m, "packed"):
                 m.packed = None

@@ -1,0 +1,116 @@
+"""Decode steps of a Llama layer stack in C++ (brisk/kernels/cpu_decode_plan.cpp).
+
+A decode step on the CPU made ~270 nn.Module calls and ~750 torch calls a token; on the int4 model
+Python and dispatch were about a third of the step. `build_decode_plan` hands each layer's tensors
+to a C++ `DecodePlan` that calls the same kernels the modules would call, with the same arguments
+in the same order, so the numbers are identical (tested) and only the interpreter is gone. It is
+the CPU counterpart of capturing a CUDA graph: built once, after the first decode step has put the
+quantized weights in their kernel layouts, and dropped whenever the modules may change
+(`LlamaForCausalLM.drop_decode_plan`: `.to()`, new weights, another activation mode).
+
+A plan exists only when every piece has its C++ kernel: float32 activations on an AVX-512 CPU,
+float / int4 / gguf / int8 Linears (W8A8, ternary and tensor-parallel Linears keep the module
+path), the paged KV cache; it runs steps of at most `PLAN_MAX_ROWS` tokens served by the paged
+kernel (decode batches, speculative verify steps), never long prefill chunks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from brisk import kernels
+from brisk.model.layers import Linear, RMSNorm
+from brisk.model.paged_attention import HAVE_PAGED_KERNEL, PagedAttention
+from brisk.quant.grouped import GroupLinear
+from brisk.quant.int8 import Int8Linear
+
+# float Linears take gemv (one row) or small_gemm (up to 8, model/layers.py linear) below this
+PLAN_MAX_ROWS = 8
+KIND_FLOAT, KIND_GROUP, KIND_GROUP_INT8_ACTS, KIND_INT8, KIND_INT8_TILED = range(5)
+
+LinearOp = tuple[int, torch.Tensor, Any, Any, Any, int, int, bool]
+
+
+def plan_supported() -> bool:
+    """The extension has the plan and the kernels it calls (AVX-512 build)."""
+    return (kernels._built("DecodePlan") and kernels._built("rotary") and kernels._built("kv_store")
+            and HAVE_PAGED_KERNEL and kernels.SMALL_GEMM_MAX_ROWS >= PLAN_MAX_ROWS)
+
+
+def linear_op(m: torch.nn.Module) -> LinearOp | None:
+    """The kernel call `m.forward` makes for up to PLAN_MAX_ROWS float32 rows on the CPU, as
+    (kind, weight, scale, zero, bias, group, bits, tiled); None when it makes no single C++ call."""
+    if type(m) is Linear:
+        w = m.weight
+        if w.dtype != torch.float32 or not kernels.gemv_supported(w):
+            return None
+        return (KIND_FLOAT, w, None, None, m.bias, 0, 0, False)
+    if type(m) is GroupLinear:
+        b = m._buffers
+        if b["input_scale"] is not None or m.dtype != torch.float32 or not kernels.group_kernel_supported(b["qweight"]):
+            return None
+        tiled = m._tile(kernels.group_kernel_tiles())  # as the first kernel call would
+        if m.activations == "int8" and not kernels.group_q8act_supported():
+            return None  # the module's float twin of the int8 kernel is a torch expression
+        kind = KIND_GROUP_INT8_ACTS if m.activations == "int8" else KIND_GROUP
+        return (kind, b["qweight"], b["scale"], b["zero"], b["bias"], m.group, m.bits, tiled)
+    if type(m) is Int8Linear:
+        b = m._buffers
+        if m.dtype != torch.float32 or not kernels.int8_gemm_supported(b["qweight"]):
+            return None
+        tiled = m._tile(kernels.int8_kernel_tiles())
+        return (KIND_INT8_TILED if tiled else KIND_INT8, b["qweight"], b["scale"], None, b["bias"], 0, 0, tiled)
+    return None
+
+
+def build_decode_plan(model: torch.nn.Module) -> Any | None:
+    """A `brisk._C.DecodePlan` over all of `model.layers`, or None when any piece lacks a kernel."""
+    from brisk.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+
+    if not plan_supported():
+        return None
+    cfg = model.config
+    plan = kernels._C.DecodePlan(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                 cfg.intermediate_size, float(cfg.rms_norm_eps))
+    for layer in model.layers:
+        if not (type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
+                and type(layer.mlp) is LlamaMLP):
+            return None
+        attn, norms = layer.self_attn, (layer.input_layernorm, layer.post_attention_layernorm)
+        if (attn.num_heads, attn.num_kv_heads) != (cfg.num_attention_heads, cfg.num_key_value_heads):
+            return None
+        if not all(type(n) is RMSNorm and n.eps == cfg.rms_norm_eps and n.weight.dtype == torch.float32
+                   and n.weight.is_cpu for n in norms):
+            return None
+        ops = [linear_op(m) for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if any(op is None for op in ops):
+            return None
+        plan.add_layer(norms[0].weight, norms[1].weight, ops)
+    return plan
+
+
+def plan_applies(h: torch.Tensor, meta: object) -> bool:
+    """This step can run on a plan: few float32 CPU rows, all of them the paged kernel's."""
+    return (isinstance(meta, PagedAttention) and h.shape[0] <= PLAN_MAX_ROWS and h.dtype == torch.float32
+            and h.device.type == "cpu" and meta.num_kernel_tokens == h.shape[0] and meta.padded is None
+            and not meta.gather_spans)
+
+
+def run_plan(plan: Any, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+             meta: PagedAttention, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Layers start..end-1 through the plan; None when their caches are not all plain CPU float32
+    tensors here (the module path then runs)."""
+    caches: list[torch.Tensor] = []
+    for kv in meta.kv_caches[start:end]:
+        if kv is None:
+            return None
+        caches.extend(kv)
+    first = caches[0] if caches else None
+    if first is None or first.dtype != torch.float32 or not kernels.kv_store_supported(first):
+        return None
+    n = h.shape[0]
+    return plan.run(h, residual, cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous(), caches,
+                    meta.slot_blocks, meta.slot_offsets, meta.block_tables, meta.query_start, meta.kv_lens,
+                    meta.scale, start, end)
