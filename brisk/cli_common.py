@@ -43,6 +43,9 @@ def add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pack-weights", action="store_true",
                    help="do not keep oneDNN-packed weight copies (saves memory as large as the weights; "
                         "slower prefill and batched decode)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every step through the Python modules, without the C++ decode plan (same numbers, "
+                        "slower decode; for debugging)")
     p.add_argument("--max-decode-slowdown", type=float, default=None,
                    help="size prompt chunks so a step with running decodes takes at most this many times "
                         "a decode-only step (e.g. 1.5; learned from step times; default: token budget only)")
@@ -76,7 +79,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
             "enable_prefix_caching": not args.no_prefix_caching,
             "enable_chunked_prefill": not args.no_chunked_prefill,
             "max_decode_slowdown": args.max_decode_slowdown,
-            "pack_weights": not args.no_pack_weights, **quant_kwargs(args), **spec_kwargs(args),
+            "pack_weights": not args.no_pack_weights, "enforce_eager": args.enforce_eager, **quant_kwargs(args), **spec_kwargs(args),
             **parallel_kwargs(args)}
 
 

@@ -47,6 +47,8 @@ class LLM:
     most that many times a decode-only step; default None: the token budget alone),
     `pack_weights` (CPU: keep oneDNN-packed copies of the weights for batched rows, ~1.3-2x faster
     prefill and batched decode for as much memory again as the weights; default True),
+    `enforce_eager` (run decode steps through the Python modules instead of the C++ decode plan,
+    model/decode_plan.py: the same numbers, slower; default False),
     `quantization` ("int8", "int4", "w8a8", "ternary", "gguf": swap the Linears for quantized ones at
     load, see quant/)
     with `quantization_config` ({"group_size": 64, "calibration": "text.txt"} for int4; a dict or
@@ -66,7 +68,7 @@ class LLM:
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  max_decode_slowdown: float | None = None, pack_weights: bool = True,
-                 quantization: str | None = None,
+                 enforce_eager: bool = False, quantization: str | None = None,
                  quantization_config: dict[str, Any] | str | None = None,
                  speculative_config: dict[str, Any] | str | None = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
@@ -108,6 +110,9 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.source.name
         draft = None if spec is None or spec.method != "draft" else self._load_draft(spec, dtype, device)
+        for m in (self.model, draft):
+            if m is not None:
+                m.use_decode_plan = not enforce_eager
         self.engine = LLMEngine(loaded.model, loaded.tokenizer, cache, sched, seed, pack_weights, spec, draft,
                                 None if self._cluster is None else self._cluster.runner)
         if self._cluster is not None:
@@ -130,6 +135,8 @@ class LLM:
         e = self.engine
         draft = None if spec is None or spec.method != "draft" else \
             other._load_draft(spec, self.config.dtype, self.config.device)
+        if draft is not None:
+            draft.use_decode_plan = self.model.use_decode_plan
         other.engine = LLMEngine(self.model, self.tokenizer, e.cache_config, e.scheduler_config, self.config.seed,
                                  e.runner.packed_weight_bytes > 0, spec, draft)
         other._ids = itertools.count()

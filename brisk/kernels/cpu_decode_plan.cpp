@@ -1,4 +1,4 @@
-// A Llama decoder layer stack for decode-sized steps, run in C++ (model/llama.py DecodePlan).
+// A Llama decoder layer stack for decode-sized steps, run in C++ (model/decode_plan.py).
 //
 // The Python layer makes ~10 module calls and ~25 torch calls per layer, ~5 us each: about 3 ms of
 // a 9 ms int4 decode step on this CPU went to Python and dispatch, not to arithmetic. The plan

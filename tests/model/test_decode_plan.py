@@ -48,6 +48,12 @@ def test_models_without_kernels_keep_the_module_path(gguf_path: Path) -> None:
     assert llm.model._decode_plan is False  # W8A8 Linears have no single-kernel op in the plan
 
 
+def test_enforce_eager_keeps_the_module_path(gguf_path: Path) -> None:
+    llm = LLM("smollm2-135m", enforce_eager=True, max_model_len=256, num_kv_blocks=64)
+    llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert llm.model._decode_plan is None and not llm.model.use_decode_plan
+
+
 def test_changing_the_modules_drops_the_plan(gguf_path: Path) -> None:
     llm = LLM("smollm2-135m", quantization="int4", max_model_len=256, num_kv_blocks=64)
     before = _outputs(llm, True)
