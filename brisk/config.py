@@ -160,7 +160,7 @@ class SchedulerConfig:
 
 QUANT_METHODS = ("int8", "int4", "w8a8", "ternary", "gguf")  # quant/ registers one module per name (checked there too)
 QUANT_OPTIONS = ("group_size", "calibration", "calibration_tokens", "activations")
-ACTIVATION_MODES = ("float", "int8")  # what int4 / gguf weights multiply (quant/grouped.py ACT_MODES)
+ACTIVATION_MODES = ("float", "int8")  # what int4 / gguf weights multiply (GroupLinear.activations)
 
 
 @dataclass(frozen=True)
@@ -171,13 +171,14 @@ class QuantConfig:
     or SmoothQuant's outlier migration (w8a8); None: round-to-nearest. `activations` (int4, gguf):
     "float" multiplies the 4-bit weights by float32 activations; "int8" quantizes the activations
     per 32-column block and uses integer dot products as llama.cpp does (faster on AVX512-VNNI
-    CPUs; its quality cost is measured in BENCHMARKS.md)."""
+    CPUs; its quality cost is measured in BENCHMARKS.md); None: a saved checkpoint's choice, else
+    "float" (`act_mode`)."""
 
     method: str
     group_size: int = 64
     calibration: str | None = None
     calibration_tokens: int = 4096
-    activations: str = "float"
+    activations: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
@@ -189,9 +190,9 @@ class QuantConfig:
             raise ValueError(f"calibration_tokens must be an integer >= 16, got {self.calibration_tokens!r}")
         if self.calibration is not None and not isinstance(self.calibration, str):
             raise ValueError(f"calibration must be the path of a text file, got {self.calibration!r}")
-        if self.activations not in ACTIVATION_MODES:
+        if self.activations is not None and self.activations not in ACTIVATION_MODES:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, got {self.activations!r}")
-        if self.activations != "float" and self.method not in ("int4", "gguf"):
+        if self.act_mode != "float" and self.method not in ("int4", "gguf"):
             raise ValueError(f"activations {self.activations!r} applies to int4 and gguf weights, not {self.method}")
         if self.calibration is not None and self.method not in ("int4", "w8a8"):
             raise ValueError(f"calibration applies to int4 (GPTQ) and w8a8 (SmoothQuant), not {self.method}")
@@ -212,9 +213,14 @@ class QuantConfig:
             raise ValueError(f"unknown quantization option(s) {', '.join(unknown)}; known: {', '.join(QUANT_OPTIONS)}")
         return cls(method=method, **options)
 
+    @property
+    def act_mode(self) -> str:
+        """What the group-quantized weights multiply: `activations`, "float" when unset."""
+        return self.activations or "float"
+
     def describe(self) -> str:
         """One line for logs and JSON: the method and the options that matter for it."""
-        acts = " a8" if self.activations == "int8" else ""
+        acts = " a8" if self.act_mode == "int8" else ""
         if self.method == "int4":
             return f"int4 g{self.group_size} {'gptq' if self.calibration else 'rtn'}{acts}"
         if self.method == "gguf":

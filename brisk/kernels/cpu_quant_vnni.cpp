@@ -10,7 +10,8 @@
 // With w = q_w s + z (4-bit) or q_w s (8-bit) per group g of the weight row:
 //   y = sum_g ( s_g * sum_{b in g} a_b * D_b  +  z'_g * C_g )
 //   D_b = sum over the block of u_w q_x (int32, exact);  C_g = sum_{b in g} a_b * sum_b(q_x)
-//   4-bit: u_w = q_w, z' = z;   8-bit: u_w = q_w + 128 (vpdpbusd's unsigned operand), z' = -128 s.
+//   4-bit: u_w = q_w, z' = z;   8-bit: u_w = q_w + 128 (vpdpbusd's unsigned operand), z' = -128 s
+//   (the + 128 terms cancel in float32: a few ulps more rounding than a signed product would have).
 // Every (x row, weight row) pair is summed in the same order whatever the batch: batch invariant.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -227,8 +228,8 @@ void vnni_gemm(const GroupWeights& w, const Acts& x, float* y, int64_t m_rows) {
 
 }  // namespace
 
-// y[M, out] = quantize_act_blocks(x) @ W^T (+ bias): W as group_gemm's, x quantized to int8 per row
-// and 32-column block. Needs AVX512-VNNI (brisk.kernels checks have_vnni before choosing it).
+// y[M, out] = quantize_act_blocks(x) @ W^T (+ bias) up to float rounding (the sums run in another
+// order than a float GEMM's): W as group_gemm's, x quantized to int8 per row and 32-column block. Needs AVX512-VNNI (brisk.kernels checks have_vnni before choosing it).
 torch::Tensor group_gemm_q8act(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                                const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
                                const c10::optional<torch::Tensor>& bias, bool tiled) {

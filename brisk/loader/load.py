@@ -91,9 +91,9 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
         with torch.device(device):
             model = build_model(cfg, tdtype, max_positions=max_model_len or cfg.max_position_embeddings)
         load_quantized_state(model, source.path, saved)
-        if quant is not None and quant.activations != saved.activations:
+        if quant is not None and quant.activations is not None:
             saved = dataclasses.replace(saved, activations=quant.activations)
-        set_activations(model, saved.activations)
+        set_activations(model, saved.act_mode)
         if before_quant is not None:
             before_quant(model)
         return LoadedModel(model.eval(), tokenizer, cfg, source, saved)
@@ -110,7 +110,7 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
         before_quant(model)
     if quant is not None:
         _quantize(model, quant, source, cfg, tokenizer)
-        set_activations(model, quant.activations)
+        set_activations(model, quant.act_mode)
     return LoadedModel(model.eval(), tokenizer, cfg, source, quant)
 
 

@@ -4,9 +4,12 @@ A decode step on the CPU made ~270 nn.Module calls and ~4,300 Python function ca
 Python and dispatch were about a third of the step. `build_decode_plan` hands each layer's tensors
 to a C++ `DecodePlan` that calls the same kernels the modules would call, with the same arguments
 in the same order, so the numbers are identical (tested) and only the interpreter is gone. It is
-the CPU counterpart of capturing a CUDA graph: built once, after the first decode step has put the
-quantized weights in their kernel layouts, and dropped whenever the modules may change
-(`LlamaForCausalLM.drop_decode_plan`: `.to()`, new weights, another activation mode).
+the CPU counterpart of capturing a CUDA graph: built on the first step it can serve (putting the
+quantized weights in their kernel layouts first, as their first kernel call would), and dropped
+whenever the modules may change (`LlamaForCausalLM.drop_decode_plan`: `.to()`, `load_weights`,
+`load_state_dict`, `quant.apply`, `quant.set_activations`). Code that edits modules in place
+otherwise (assigning `GroupLinear.activations`, forward hooks, which the plan never calls) must
+drop the plan itself or run with `use_decode_plan = False` (`LLM(enforce_eager=True)`).
 
 A plan exists only when every piece has its C++ kernel: float32 activations on an AVX-512 CPU,
 float / int4 / gguf / int8 Linears (W8A8, ternary and tensor-parallel Linears keep the module
@@ -84,7 +87,13 @@ def build_decode_plan(model: torch.nn.Module) -> Any | None:
         if not all(type(n) is RMSNorm and n.eps == cfg.rms_norm_eps and n.weight.dtype == torch.float32
                    and n.weight.is_cpu for n in norms):
             return None
-        ops = [linear_op(m) for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        # the widths the C++ loop slices by: q | k | v and gate | up as the config says
+        widths = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, cfg.hidden_size,
+                  2 * cfg.intermediate_size, cfg.hidden_size)
+        if any(getattr(m, "out_features", None) != w for m, w in zip(linears, widths)):
+            return None
+        ops = [linear_op(m) for m in linears]
         if any(op is None for op in ops):
             return None
         plan.add_layer(norms[0].weight, norms[1].weight, ops)
@@ -111,6 +120,7 @@ def run_plan(plan: Any, h: torch.Tensor, residual: torch.Tensor | None, cos: tor
     if first is None or first.dtype != torch.float32 or not kernels.kv_store_supported(first):
         return None
     n = h.shape[0]
-    return plan.run(h, residual, cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous(), caches,
+    residual = None if residual is None else residual.contiguous()
+    return plan.run(h.contiguous(), residual, cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous(), caches,
                     meta.slot_blocks, meta.slot_offsets, meta.block_tables, meta.query_start, meta.kv_lens,
                     meta.scale, start, end)

@@ -157,6 +157,10 @@ class LlamaForCausalLM(nn.Module):
             self._decode_plan = build_decode_plan(self) or False
         return self._decode_plan or None
 
+    def load_state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.drop_decode_plan()  # the quantized modules replace their buffers (untiled, new values)
+        return super().load_state_dict(*args, **kwargs)
+
     def drop_decode_plan(self) -> None:
         """Forget the C++ decode plan: the modules it captured may change (rebuilt on next use)."""
         self._decode_plan = None

@@ -88,6 +88,7 @@ def apply(model: nn.Module, cfg: QuantConfig | str, calibration_ids: list[int] |
     if cfg.method not in METHODS:
         raise ValueError(f"{cfg.method} keeps a GGUF file's own blocks: load a .gguf model with it")
     make_linear, make_head = METHODS[cfg.method]
+    drop_plan(model)
     device = next(model.parameters()).device
     with torch.device(device):  # the Linears made here (tied head, scaled copies) go where the model is
         return _apply(model, cfg, calibration_ids, make_linear, make_head)
@@ -123,9 +124,14 @@ def set_activations(model: nn.Module, mode: str) -> None:
     for m in model.modules():
         if isinstance(m, GroupLinear):
             m.activations = mode
-    drop_plan = getattr(model, "drop_decode_plan", None)
-    if drop_plan is not None:
-        drop_plan()  # a compiled decode plan captured the old mode
+    drop_plan(model)  # a C++ decode plan captured the old mode
+
+
+def drop_plan(model: nn.Module) -> None:
+    """Forget `model`'s C++ decode plan (model/decode_plan.py): its modules are changing."""
+    drop = getattr(model, "drop_decode_plan", None)
+    if drop is not None:
+        drop()
 
 
 def tie_head(model: nn.Module, head: nn.Module) -> None:

@@ -61,8 +61,9 @@ def _group_linear(parts: list[Parts], output_sizes: tuple[int, ...], bias: torch
 def apply_gguf(model: nn.Module, raw: Iterable[tuple[str, int, torch.Tensor]]) -> dict[str, int]:
     """Swap in GroupLinears built from a GGUF file's native blocks ((HF name, type, rows) triples,
     q/k rows already in HF order). Returns how many Linears run native and how many stay float."""
-    from brisk.quant import quantizable, tie_head
+    from brisk.quant import drop_plan, quantizable, tie_head
 
+    drop_plan(model)
     found: dict[str, dict[int, Parts]] = {}
     tied_head: Parts | None = None
     for name, ggml_type, rows in raw:

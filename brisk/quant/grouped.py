@@ -39,9 +39,6 @@ CHUNK = 32  # columns per nibble run / GGUF block
 SCALE_MIN = 2.0**-24  # the smallest float16 (subnormal): an all-zero group still gets a usable scale
 
 
-ACT_MODES = ("float", "int8")  # what the group kernels multiply the weights by (GroupLinear.activations)
-
-
 def quantize_act_blocks(x: torch.Tensor) -> torch.Tensor:
     """x [M, in] float32 as the int8 kernel sees it: per row and block of 32 columns, the integers
     round-half-even(x / a), a = max |x| / 127, times a (brisk/kernels/cpu_quant_vnni.cpp)."""
@@ -233,7 +230,7 @@ class GroupLinear(TiledLinear):
             tiled = self.tiled or self._tile(group_kernel_tiles())  # may replace the buffers
             if int8 and group_q8act_supported():
                 y = group_gemm_q8act(flat, b["qweight"], b["scale"], b["zero"], self.group, self.bits, b["bias"], tiled)
-            else:  # the same arithmetic in floats where the CPU lacks VNNI
+            else:  # where the CPU lacks VNNI: the same quantized activations, multiplied in floats
                 flat = quantize_act_blocks(flat) if int8 else flat
                 y = group_gemm(flat, b["qweight"], b["scale"], b["zero"], self.group, self.bits, b["bias"], tiled)
         else:

@@ -91,6 +91,9 @@ def test_a_saved_checkpoint_keeps_its_activations_and_a_load_may_change_them(ggu
     saved = LLM(str(folder), num_kv_blocks=64, max_model_len=256)
     assert saved.quantization.activations == "int8"
     assert {m.activations for m in saved.model.modules() if isinstance(m, GroupLinear)} == {"int8"}
+    # naming the method without the option keeps the checkpoint's choice; naming it changes it
+    same = LLM(str(folder), quantization="int4", num_kv_blocks=64, max_model_len=256)
+    assert same.quantization.describe().endswith("a8")
     switched = LLM(str(folder), quantization="int4", quantization_config={"activations": "float"},
                    num_kv_blocks=64, max_model_len=256)
     assert {m.activations for m in switched.model.modules() if isinstance(m, GroupLinear)} == {"float"}
