@@ -11,25 +11,7 @@
 
 #include <vector>
 
-torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
-torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
-torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                        const c10::optional<torch::Tensor>& bias);
-torch::Tensor int8_gemm_tiled(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                              const c10::optional<torch::Tensor>& bias);
-torch::Tensor group_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                         const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
-                         const c10::optional<torch::Tensor>& bias, bool tiled);
-torch::Tensor group_gemm_q8act(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                               const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
-                               const c10::optional<torch::Tensor>& bias, bool tiled);
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
-torch::Tensor rotary(const torch::Tensor& qkv, int64_t heads, const torch::Tensor& cos, const torch::Tensor& sin);
-void kv_store(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& k, const torch::Tensor& v,
-              const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets);
-void paged_attention(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
-                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                     const torch::Tensor& query_start, const torch::Tensor& kv_lens, double scale);
+#include "kernels.h"
 
 namespace {
 

@@ -18,9 +18,8 @@
 
 #include <cstring>
 
+#include "kernels.h"
 #include "simd.h"
-
-bool have_vnni();  // cpu_int8mm.cpp
 
 namespace {
 
