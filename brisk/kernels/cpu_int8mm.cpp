@@ -78,13 +78,11 @@ __attribute__((target("avx512f"))) void quantize_row_avx512(const float* row, ui
   float amax = _mm512_reduce_max_ps(m);
   for (; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
   const float scale = amax > 0.f ? amax / 127.f : 1.f;
-  const __m512 s = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  const __m512 s = _mm512_set1_ps(scale);
   const __m512i off = _mm512_set1_epi32(offset);
   for (i = 0; i + 16 <= k; i += 16) {
-    __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(row + i), s),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
-    const __m512i v = _mm512_add_epi32(_mm512_cvtps_epi32(q), off);  // q is a whole number: exact
+    const __m512i q = brisk_simd::round_clamp127(_mm512_div_ps(_mm512_loadu_ps(row + i), s));
+    const __m512i v = _mm512_add_epi32(q, off);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(v));
   }
   for (; i < k; ++i) out[i] = quantize_value(row[i], scale, offset);

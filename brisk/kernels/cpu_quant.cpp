@@ -24,27 +24,12 @@
 
 #include <cmath>
 
+#include "group_weights.h"
 #include "simd.h"
 
 namespace {
 
-struct Weights {
-  const uint8_t* q;
-  const uint16_t* scale;  // float16 bits
-  const uint16_t* zero;   // float16 bits; null for 8-bit
-  int64_t out, in, group, groups;
-  int64_t chunk_bytes;  // bytes of one row's 32-column run: 16 (4-bit) or 32 (8-bit)
-  bool tiled;
-
-  // Index of row r's group g in scale and zero.
-  int64_t at(int64_t r, int64_t g) const { return tiled ? ((r >> 2) * groups + g) * 4 + (r & 3) : r * groups + g; }
-
-  // Where row r's run of columns [32 c, 32 c + 32) starts.
-  const uint8_t* chunk(int64_t r, int64_t c) const {
-    if (tiled) return q + (((r >> 2) * (in / 32) + c) * 4 + (r & 3)) * chunk_bytes;
-    return q + (r * (in / 32) + c) * chunk_bytes;
-  }
-};
+using brisk_group::GroupWeights;
 
 #ifdef BRISK_X86
 constexpr int64_t kChunk = 32;  // columns per 16-byte nibble run (and per Q8_0 block)
@@ -87,7 +72,7 @@ struct Unpack<8> {
 // R weight rows at once give the cores R * MB * 2 independent fma chains; with one chain the
 // 4-cycle fma latency, not memory, set the pace (measured: 18 GMAC/s -> see kernel notes).
 template <int Bits, int MB, int R>
-__attribute__((target("avx512f,f16c"))) inline void gemm_tile(const Weights& w, const float* x, float* y, int64_t m0,
+__attribute__((target("avx512f,f16c"))) inline void gemm_tile(const GroupWeights& w, const float* x, float* y, int64_t m0,
                                                          int64_t r) {
   const int64_t rb = Unpack<Bits>::row_bytes(w.in);
   // the tile after next comes from DRAM: ask for it now so the loads overlap this work (row-major:
@@ -104,7 +89,7 @@ __attribute__((target("avx512f,f16c"))) inline void gemm_tile(const Weights& w, 
     }
     for (int64_t i = g * w.group; i < (g + 1) * w.group; i += kChunk) {
       for (int j = 0; j < R; ++j) {
-        const uint8_t* p = w.chunk(r + j, i / kChunk);
+        const uint8_t* p = w.run(r + j, i / kChunk);
         _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
         __m512 lo, hi;
         Unpack<Bits>::load(p, lut[j], lo, hi);
@@ -122,14 +107,14 @@ __attribute__((target("avx512f,f16c"))) inline void gemm_tile(const Weights& w, 
 }
 
 template <int Bits, int MB, int R>
-void gemm_rows(const Weights& w, const float* x, float* y, int64_t m0, int64_t r0, int64_t r1) {
+void gemm_rows(const GroupWeights& w, const float* x, float* y, int64_t m0, int64_t r0, int64_t r1) {
   int64_t r = r0;
   for (; r + R <= r1; r += R) gemm_tile<Bits, MB, R>(w, x, y, m0, r);
   for (; r < r1; ++r) gemm_tile<Bits, MB, 1>(w, x, y, m0, r);
 }
 
 template <int Bits>
-void gemm(const Weights& w, const float* x, float* y, int64_t m_rows) {
+void gemm(const GroupWeights& w, const float* x, float* y, int64_t m_rows) {
   // tiled: whole row groups per thread, so every 4-row tile is one thread's
   const int64_t unit = w.tiled ? 4 : 1;
   at::parallel_for(0, w.out / unit, 16 / unit, [&](int64_t u0, int64_t u1) {
@@ -144,14 +129,14 @@ void gemm(const Weights& w, const float* x, float* y, int64_t m_rows) {
 }
 
 template <int Bits>
-__attribute__((target("avx512f,f16c"))) void dequant_rows(const Weights& w, float* out, int64_t r0, int64_t r1) {
+__attribute__((target("avx512f,f16c"))) void dequant_rows(const GroupWeights& w, float* out, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     float* o = out + r * w.in;
     for (int64_t g = 0; g < w.groups; ++g) {
       const __m512 lut = Unpack<Bits>::table(w.scale[w.at(r, g)], w.zero ? w.zero[w.at(r, g)] : 0);
       for (int64_t i = g * w.group; i < (g + 1) * w.group; i += kChunk) {
         __m512 lo, hi;
-        Unpack<Bits>::load(w.chunk(r, i / kChunk), lut, lo, hi);
+        Unpack<Bits>::load(w.run(r, i / kChunk), lut, lo, hi);
         _mm512_storeu_ps(o + i, lo);
         _mm512_storeu_ps(o + i + 16, hi);
       }
@@ -160,40 +145,13 @@ __attribute__((target("avx512f,f16c"))) void dequant_rows(const Weights& w, floa
 }
 #endif
 
-Weights check_weights(const torch::Tensor& q, const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero,
-                      int64_t group, int64_t bits, bool tiled) {
-#ifdef BRISK_X86
-  TORCH_CHECK(brisk_simd::cpu_has_avx512f(), "brisk group kernels: need AVX-512");
-#else
-  TORCH_CHECK(false, "brisk group kernels: need an x86-64 CPU with AVX-512");
-#endif
-  TORCH_CHECK(bits == 4 || bits == 8, "brisk group kernels: bits must be 4 or 8");
-  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.device().is_cpu() && scale.device().is_cpu(),
-              "brisk group kernels: q and scale must be contiguous CPU tensors");
-  TORCH_CHECK(bits == 4 ? q.scalar_type() == torch::kUInt8 : q.scalar_type() == torch::kInt8,
-              "brisk group kernels: 4-bit q is uint8, 8-bit q is int8");
-  const int64_t out = q.size(0), in = bits == 4 ? q.size(1) * 2 : q.size(1);
-  TORCH_CHECK(group > 0 && group % 32 == 0 && in % group == 0, "brisk group kernels: group ", group,
-              " must be a multiple of 32 dividing ", in);
-  const int64_t groups = in / group;
-  TORCH_CHECK(!tiled || out % 4 == 0, "brisk group kernels: a tiled weight needs out % 4 == 0, got ", out);
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat16 && scale.is_contiguous() && scale.numel() == out * groups,
-              "brisk group kernels: scale must be contiguous float16 [out, in / group]");
-  TORCH_CHECK(bits == 8 || (zero.has_value() && zero->scalar_type() == torch::kFloat16 && zero->is_contiguous() &&
-                            zero->numel() == out * groups),
-              "brisk group kernels: 4-bit needs a contiguous float16 zero [out, in / group]");
-  return Weights{static_cast<const uint8_t*>(q.data_ptr()), static_cast<const uint16_t*>(scale.data_ptr()),
-                 bits == 4 ? static_cast<const uint16_t*>(zero->data_ptr()) : nullptr, out, in, group, groups,
-                 bits == 4 ? 16 : 32, tiled};
-}
-
 }  // namespace
 
 // y[M, out] = x[M, in] @ W^T (+ bias), W group-quantized as above, accumulated in float32.
 torch::Tensor group_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                          const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
                          const c10::optional<torch::Tensor>& bias, bool tiled) {
-  const Weights w = check_weights(q, scale, zero, group, bits, tiled);
+  const GroupWeights w = brisk_group::check_group_weights(q, scale, zero, group, bits, tiled);
   TORCH_CHECK(x.device().is_cpu(), "brisk group_gemm: x must be on the CPU");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.in, "brisk group_gemm: x does not fit the weight");
   auto xf = x.to(torch::kFloat32).contiguous();
@@ -209,7 +167,7 @@ torch::Tensor group_gemm(const torch::Tensor& x, const torch::Tensor& q, const t
 // The float32 [out, in] weight the kernel computes with (for large batches and references).
 torch::Tensor group_dequantize(const torch::Tensor& q, const torch::Tensor& scale,
                                const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits, bool tiled) {
-  const Weights w = check_weights(q, scale, zero, group, bits, tiled);
+  const GroupWeights w = brisk_group::check_group_weights(q, scale, zero, group, bits, tiled);
   auto out = torch::empty({w.out, w.in}, scale.options().dtype(torch::kFloat32));
 #ifdef BRISK_X86
   float* o = out.data_ptr<float>();

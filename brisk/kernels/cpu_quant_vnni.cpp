@@ -18,6 +18,7 @@
 
 #include <cstring>
 
+#include "group_weights.h"
 #include "kernels.h"
 #include "simd.h"
 
@@ -25,21 +26,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // activation columns per int8 scale; also one weight run
 
-struct GroupWeights {
-  const uint8_t* q;
-  const uint16_t* scale;  // float16 bits [out, groups]
-  const uint16_t* zero;   // float16 bits [out, groups]; null for 8-bit
-  int64_t out, in, group, groups, run_bytes;  // run_bytes: one row's 32 columns (16 or 32)
-  bool tiled;
-
-  // index of row r's group g in scale and zero (tiled: 4 rows x 1 group, cpu_quant.cpp)
-  int64_t at(int64_t r, int64_t g) const { return tiled ? ((r >> 2) * groups + g) * 4 + (r & 3) : r * groups + g; }
-
-  const uint8_t* run(int64_t r, int64_t c) const {
-    if (tiled) return q + (((r >> 2) * (in / kBlock) + c) * 4 + (r & 3)) * run_bytes;
-    return q + (r * (in / kBlock) + c) * run_bytes;
-  }
-};
+using brisk_group::GroupWeights;
 
 struct Acts {
   const int8_t* q;  // [M, in]
@@ -49,12 +36,6 @@ struct Acts {
 };
 
 #ifdef BRISK_X86
-// round-half-even to an integer in [-127, 127]
-__attribute__((target("avx512f"))) inline __m512i round_clamp(__m512 v) {
-  const __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(r, _mm512_set1_ps(127.0f)), _mm512_set1_ps(-127.0f)));
-}
-
 // One row of activations -> int8 blocks, their scales and the per-group sums C_g.
 __attribute__((target("avx512f,avx512bw"))) void quantize_act_row(const float* x, const GroupWeights& w, int8_t* q,
                                                                   float* a, float* c) {
@@ -68,8 +49,8 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_act_row(const float* x
       __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
       if (ab > 0.0f) {
         const __m512 d = _mm512_set1_ps(ab);
-        q0 = round_clamp(_mm512_div_ps(v0, d));
-        q1 = round_clamp(_mm512_div_ps(v1, d));
+        q0 = brisk_simd::round_clamp127(_mm512_div_ps(v0, d));
+        q1 = brisk_simd::round_clamp127(_mm512_div_ps(v1, d));
       }
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
@@ -228,36 +209,21 @@ void vnni_gemm(const GroupWeights& w, const Acts& x, float* y, int64_t m_rows) {
 }  // namespace
 
 // y[M, out] = quantize_act_blocks(x) @ W^T (+ bias) up to float rounding (the sums run in another
-// order than a float GEMM's): W as group_gemm's, x quantized to int8 per row and 32-column block. Needs AVX512-VNNI (brisk.kernels checks have_vnni before choosing it).
+// order than a float GEMM's): W as group_gemm's, x quantized to int8 per row and 32-column block.
+// Needs AVX512-VNNI (brisk.kernels checks have_vnni before choosing it).
 torch::Tensor group_gemm_q8act(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                                const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
                                const c10::optional<torch::Tensor>& bias, bool tiled) {
   TORCH_CHECK(have_vnni(), "brisk group_gemm_q8act: needs AVX512-VNNI");
-  TORCH_CHECK(bits == 4 || bits == 8, "brisk group_gemm_q8act: bits must be 4 or 8");
-  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.device().is_cpu() && scale.is_contiguous() && scale.device().is_cpu(),
-              "brisk group_gemm_q8act: q and scale must be contiguous CPU tensors");
-  TORCH_CHECK(bits == 4 ? q.scalar_type() == torch::kUInt8 : q.scalar_type() == torch::kInt8,
-              "brisk group_gemm_q8act: 4-bit q is uint8, 8-bit q is int8");
-  const int64_t out = q.size(0), in = bits == 4 ? q.size(1) * 2 : q.size(1);
-  TORCH_CHECK(group > 0 && group % kBlock == 0 && in % group == 0, "brisk group_gemm_q8act: group ", group,
-              " must be a multiple of 32 dividing ", in);
-  const int64_t groups = in / group;
-  TORCH_CHECK(!tiled || out % 4 == 0, "brisk group_gemm_q8act: a tiled weight needs out % 4 == 0");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat16 && scale.numel() == out * groups,
-              "brisk group_gemm_q8act: scale must be float16 [out, in / group]");
-  TORCH_CHECK(bits == 8 || (zero.has_value() && zero->scalar_type() == torch::kFloat16 && zero->is_contiguous() &&
-                            zero->numel() == out * groups),
-              "brisk group_gemm_q8act: 4-bit needs a contiguous float16 zero [out, in / group]");
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == in, "brisk group_gemm_q8act: x does not fit the weight");
-  const GroupWeights w{static_cast<const uint8_t*>(q.data_ptr()), static_cast<const uint16_t*>(scale.data_ptr()),
-                       bits == 4 ? static_cast<const uint16_t*>(zero->data_ptr()) : nullptr, out, in, group, groups,
-                       bits == 4 ? 16 : 32, tiled};
+  const GroupWeights w = brisk_group::check_group_weights(q, scale, zero, group, bits, tiled);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == w.in, "brisk group_gemm_q8act: x does not fit the weight");
+  const int64_t in = w.in, groups = w.groups;
   const int64_t m = x.size(0);
   auto xf = x.to(torch::kFloat32).contiguous();
   auto xq = torch::empty({m, in}, x.options().dtype(torch::kInt8));
   auto a = torch::empty({m, in / kBlock}, x.options().dtype(torch::kFloat32));
   auto c = torch::empty({m, groups}, x.options().dtype(torch::kFloat32));
-  auto y = torch::empty({m, out}, x.options().dtype(torch::kFloat32));
+  auto y = torch::empty({m, w.out}, x.options().dtype(torch::kFloat32));
 #ifdef BRISK_X86
   for (int64_t i = 0; i < m; ++i)
     quantize_act_row(xf.data_ptr<float>() + i * in, w, xq.data_ptr<int8_t>() + i * in,

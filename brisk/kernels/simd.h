@@ -48,6 +48,12 @@ __attribute__((target("avx512f"))) inline __m512 exp512_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// Round half to even (as torch.round), clamp to [-127, 127], as int32: the int8 quantizers' step.
+__attribute__((target("avx512f"))) inline __m512i round_clamp127(__m512 v) {
+  const __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f)));
+}
+
 inline bool cpu_has_avx512f() {
   static const bool has = [] {
     __builtin_cpu_init();
