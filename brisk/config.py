@@ -160,7 +160,7 @@ class SchedulerConfig:
 
 QUANT_METHODS = ("int8", "int4", "w8a8", "ternary", "gguf")  # quant/ registers one module per name (checked there too)
 QUANT_OPTIONS = ("group_size", "calibration", "calibration_tokens", "activations")
-ACTIVATION_MODES = ("float", "int8")  # what int4 / gguf weights multiply (GroupLinear.activations)
+ACTIVATION_MODES = ("float", "int16", "int8")  # what int4 / gguf weights multiply (GroupLinear.activations)
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ class QuantConfig:
 
     def describe(self) -> str:
         """One line for logs and JSON: the method and the options that matter for it."""
-        acts = " a8" if self.act_mode == "int8" else ""
+        acts = {"float": "", "int8": " a8", "int16": " a16"}[self.act_mode]
         if self.method == "int4":
             return f"int4 g{self.group_size} {'gptq' if self.calibration else 'rtn'}{acts}"
         if self.method == "gguf":

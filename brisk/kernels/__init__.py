@@ -179,20 +179,25 @@ def group_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
         _C.group_gemm(x, qweight, scale, zero, group, bits, bias)
 
 
-def group_q8act_supported() -> bool:
-    """True when `group_gemm_q8act` runs here (extension built, AVX512-VNNI)."""
-    return _HAVE_Q8ACT
+ACT_KERNELS = {"int8": "group_gemm_q8act", "int16": "group_gemm_q16act"}  # quantized-activation modes
 
 
-def group_gemm_q8act(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                     group: int, bits: int, bias: torch.Tensor | None = None, tiled: bool = False) -> torch.Tensor:
-    """`group_gemm` of x quantized per row and 32-column block to int8 (quant/grouped.py
+def group_qact_supported(mode: str, bits: int) -> bool:
+    """True when `group_gemm_qact` runs here for activations `mode` ("int8", "int16") and weights of
+    `bits` (int16 activations meet 4-bit weights only): extension built, AVX512-VNNI."""
+    return _HAVE_VNNI and _built(ACT_KERNELS[mode]) and (mode == "int8" or bits == 4)
+
+
+def group_gemm_qact(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                    group: int, bits: int, mode: str, bias: torch.Tensor | None = None,
+                    tiled: bool = False) -> torch.Tensor:
+    """`group_gemm` of x quantized per row and 32-column block to int8 or int16 (`mode`; quant/grouped.py
     quantize_act_blocks): integer dot products with the weights' nibbles or bytes (VNNI)."""
     assert _C is not None
     in_features = qweight.shape[1] * (2 if bits == 4 else 1)
     if x.dim() != 2 or x.shape[1] != in_features:
-        raise ValueError(f"group_gemm_q8act: x {tuple(x.shape)} does not fit a weight of {in_features} input features")
-    return _C.group_gemm_q8act(x, qweight, scale, zero, group, bits, bias, tiled)
+        raise ValueError(f"group_gemm_qact: x {tuple(x.shape)} does not fit a weight of {in_features} input features")
+    return getattr(_C, ACT_KERNELS[mode])(x, qweight, scale, zero, group, bits, bias, tiled)
 
 
 def group_dequantize(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
@@ -215,13 +220,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _C.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
 
 
+def silu_mul_supported(gate_up: torch.Tensor) -> bool:
+    """True when `silu_mul` can serve this [n, 2 * inter] tensor (float32, CPU, AVX-512 build)."""
+    return (SMALL_GEMM_MAX_ROWS > 1 and _built("silu_mul") and gate_up.device.type == "cpu"
+            and gate_up.dtype == torch.float32 and gate_up.dim() == 2 and gate_up.is_contiguous())
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a stacked [gate | up] float32 projection, one pass per row."""
+    assert _C is not None
+    return _C.silu_mul(gate_up)
+
+
 def have_vnni() -> bool:
     """True when `int8_dot_u8s8` runs here: the extension is built and the CPU has AVX512-VNNI."""
     return _HAVE_VNNI
 
 
 _HAVE_VNNI = _built("quantize_rows") and bool(_C.have_vnni())  # decided once: W8A8 asks on every call
-_HAVE_Q8ACT = _HAVE_VNNI and _built("group_gemm_q8act")
 
 
 def quantize_rows(x: torch.Tensor, unsigned_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,9 +22,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "group_gemm with x quantized to int8 per 32-column block: VNNI integer dot products (AVX512-VNNI)",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("zero"), py::arg("group"), py::arg("bits"),
         py::arg("bias") = py::none(), py::arg("tiled") = false);
+  m.def("group_gemm_q16act", &group_gemm_q16act,
+        "4-bit group_gemm with x quantized to int16 per 32-column block: VNNI int16 dot products (AVX512-VNNI)",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("zero"), py::arg("group"), py::arg("bits"),
+        py::arg("bias") = py::none(), py::arg("tiled") = false);
   m.def("group_dequantize", &group_dequantize, "the float32 weight a group-quantized q stands for",
         py::arg("q"), py::arg("scale"), py::arg("zero"), py::arg("group"), py::arg("bits"), py::arg("tiled") = false);
   m.def("group_tile_rows", []() { return 4; }, "rows per tile of the group kernels' tiled layout (tiled=True)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up for float32 rows of [gate | up]", py::arg("gate_up"));
+  m.def("add_rms_norm", &add_rms_norm, "(h + res, rms_norm(h + res, w, eps)) for float32 rows", py::arg("h"),
+        py::arg("res"), py::arg("w"), py::arg("eps"));
   m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w for float32 rows", py::arg("x"), py::arg("w"),
         py::arg("eps"));
   m.def("quantize_rows", &quantize_rows, "per-row symmetric int8 of x (+ 128 as uint8 if unsigned_offset); scales",

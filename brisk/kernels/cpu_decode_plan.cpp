@@ -4,7 +4,8 @@
 // a 9 ms int4 decode step on this CPU went to Python and dispatch, not to arithmetic. The plan
 // holds each layer's tensors and calls the very kernels the modules call, in the same order with
 // the same arguments (gemv / small_gemm, the group and int8 kernels, rms_norm, rotary, kv_store,
-// paged_attention, ATen's add, silu and mul), so every float is the one the Python path computes.
+// paged_attention, silu_mul), so every float is the one the Python path computes; the residual add
+// is fused into the norm after it (add_rms_norm: the same two float operations).
 // Python builds a plan only for layers whose every piece has such a kernel; anything else (other
 // Linears, tensor parallelism, long prefill chunks) stays on the module path.
 #include <torch/extension.h>
@@ -17,7 +18,7 @@ namespace {
 
 // One Linear and the kernel its module would call for a few rows (see each module's forward).
 struct LinearOp {
-  enum Kind : int64_t { kFloat = 0, kGroup = 1, kGroupInt8Acts = 2, kInt8 = 3, kInt8Tiled = 4 };
+  enum Kind : int64_t { kFloat = 0, kGroup = 1, kGroupInt8Acts = 2, kInt8 = 3, kInt8Tiled = 4, kGroupInt16Acts = 5 };
   int64_t kind;
   torch::Tensor weight, scale;
   c10::optional<torch::Tensor> zero, bias;
@@ -30,6 +31,7 @@ struct LinearOp {
         return x.size(0) == 1 ? gemv(x, weight, bias) : small_gemm(x, weight, bias);
       case kGroup: return group_gemm(x, weight, scale, zero, group, bits, bias, tiled);
       case kGroupInt8Acts: return group_gemm_q8act(x, weight, scale, zero, group, bits, bias, tiled);
+      case kGroupInt16Acts: return group_gemm_q16act(x, weight, scale, zero, group, bits, bias, tiled);
       case kInt8: return int8_gemm(x, weight, scale, bias);
       case kInt8Tiled: return int8_gemm_tiled(x, weight, scale, bias);
       default: TORCH_CHECK(false, "brisk DecodePlan: unknown linear kind ", kind);
@@ -84,8 +86,10 @@ class DecodePlan {
     torch::Tensor res = residual.has_value() ? *residual : torch::Tensor();
     for (int64_t i = start; i < end; ++i) {
       const Layer& L = layers_[i];
-      res = res.defined() ? h + res : h;
-      const torch::Tensor qkv = L.qkv(rms_norm(res, L.input_norm, eps_));
+      torch::Tensor normed;
+      if (res.defined()) std::tie(res, normed) = add_rms_norm(h, res, L.input_norm, eps_);
+      else res = h, normed = rms_norm(h, L.input_norm, eps_);
+      const torch::Tensor qkv = L.qkv(normed);
       const torch::Tensor qk = rotary(qkv, rotated, cos, sin);  // [n, heads + kv_heads, head_dim]
       const torch::Tensor q = qk.narrow(1, 0, heads_), k = qk.narrow(1, heads_, kv_heads_);
       const torch::Tensor v = qkv.narrow(1, rotated * head_dim_, kv_heads_ * head_dim_).view({n, kv_heads_, head_dim_});
@@ -94,9 +98,8 @@ class DecodePlan {
       torch::Tensor attn = torch::empty({n, heads_, head_dim_}, qkv.options());
       paged_attention(attn, q.contiguous(), k_cache, v_cache, block_tables, query_start, kv_lens, scale);
       h = L.o(attn.view({n, heads_ * head_dim_}));
-      res = h + res;
-      const torch::Tensor gate_up = L.gate_up(rms_norm(res, L.post_norm, eps_));
-      h = L.down(torch::silu(gate_up.narrow(1, 0, intermediate_)) * gate_up.narrow(1, intermediate_, intermediate_));
+      std::tie(res, normed) = add_rms_norm(h, res, L.post_norm, eps_);
+      h = L.down(silu_mul(L.gate_up(normed)));
     }
     return {h, res};
   }

@@ -81,7 +81,7 @@ __attribute__((target("avx512f"))) void quantize_row_avx512(const float* row, ui
   const __m512 s = _mm512_set1_ps(scale);
   const __m512i off = _mm512_set1_epi32(offset);
   for (i = 0; i + 16 <= k; i += 16) {
-    const __m512i q = brisk_simd::round_clamp127(_mm512_div_ps(_mm512_loadu_ps(row + i), s));
+    const __m512i q = brisk_simd::round_clamp(_mm512_div_ps(_mm512_loadu_ps(row + i), s), 127);
     const __m512i v = _mm512_add_epi32(q, off);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(v));
   }

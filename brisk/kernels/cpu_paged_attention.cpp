@@ -68,22 +68,26 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// One query token x one KV head. q/out point at the token's [num_heads, head_dim] row.
+// One query token x query heads g0 .. g0 + gn - 1 of one KV head's group. q/out point at the
+// token's [num_heads, head_dim] row. Every head's arithmetic is the same whichever heads share the
+// call, so how work is split over threads never changes a result.
 // BS, HD > 0 fix the block size and head dim at compile time, so the per-block loops become whole
 // vectors with accumulators held in registers; 0 reads them from the shape (any size, slower).
 template <typename T, int BS, int HD>
 inline __attribute__((always_inline)) void attend_token(const T* __restrict q, T* __restrict out,
                                                         const T* __restrict k_cache, const T* __restrict v_cache,
                                                         const int32_t* block_table, int64_t ctx_len, int64_t kvh,
-                                                        const Shape& s) {
+                                                        int64_t g0, int64_t gn, const Shape& s) {
   const int64_t group = s.num_heads / s.num_kv_heads;
+  q += g0 * (HD > 0 ? HD : s.head_dim);
+  out += g0 * (HD > 0 ? HD : s.head_dim);
   const int64_t d = HD > 0 ? HD : s.head_dim;
   const int64_t bs = BS > 0 ? BS : s.block_size;
   alignas(64) float qf[kMaxGroup][kMaxHeadDim];
   alignas(64) float acc[kMaxGroup][kMaxHeadDim];
   alignas(64) float p[kMaxGroup][kMaxBlock];
   float m[kMaxGroup], l[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) {
+  for (int64_t g = 0; g < gn; ++g) {
     const T* qh = q + (kvh * group + g) * d;
     for (int64_t i = 0; i < d; ++i) { qf[g][i] = load(qh, i) * s.scale; acc[g][i] = 0.f; }
     m[g] = -std::numeric_limits<float>::infinity();
@@ -95,7 +99,7 @@ inline __attribute__((always_inline)) void attend_token(const T* __restrict q, T
     const int64_t base = (static_cast<int64_t>(block_table[j]) * s.num_kv_heads + kvh) * tile;
     const T* kt = k_cache + base;
     const T* vt = v_cache + base;
-    for (int64_t g = 0; g < group; ++g) {
+    for (int64_t g = 0; g < gn; ++g) {
       // scores of all block_size slots at once: p[r] = sum_i q[i] * K[i][r] (slots >= n ignored)
       float* __restrict pg = p[g];
       for (int64_t r = 0; r < bs; ++r) pg[r] = 0.f;
@@ -121,7 +125,7 @@ inline __attribute__((always_inline)) void attend_token(const T* __restrict q, T
       m[g] = new_m;
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
+  for (int64_t g = 0; g < gn; ++g) {
     T* oh = out + (kvh * group + g) * d;
     const float inv = 1.f / l[g];
     for (int64_t i = 0; i < d; ++i) oh[i] = static_cast<T>(acc[g][i] * inv);
@@ -136,19 +140,21 @@ inline __attribute__((always_inline)) void attend_token(const T* __restrict q, T
 
 #ifdef BRISK_X86
 // The common shape (block 16, head dim a multiple of 16) in AVX-512: a block's 16 scores are one
-// register; keys stream in as head_dim broadcast-FMAs, values as 16 x head_dim/16 FMAs.
-template <typename T, int HD>
-__attribute__((target("avx512f"))) void attend_token_avx512(const T* q, T* out, const T* k_cache, const T* v_cache,
+// register; keys stream in as head_dim broadcast-FMAs, values as 16 x head_dim/16 FMAs. G query
+// heads go through each block together: their independent FMA chains hide each other's latency
+// (one head alone waits on its chains most of the time), and K and V are read once for all G.
+template <typename T, int HD, int G>
+__attribute__((target("avx512f"))) void attend_heads_avx512(const T* q, T* out, const T* k_cache, const T* v_cache,
                                                            const int32_t* block_table, int64_t ctx_len, int64_t kvh,
-                                                           const Shape& s) {
+                                                           int64_t g0, const Shape& s) {
   using brisk_simd::load16;
   constexpr int kBs = 16, kNv = HD / 16;
   const int64_t group = s.num_heads / s.num_kv_heads;
-  alignas(64) float qf[kMaxGroup][HD];
-  __m512 acc[kMaxGroup][kNv];
-  float m[kMaxGroup], l[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) {
-    const T* qh = q + (kvh * group + g) * HD;
+  alignas(64) float qf[G][HD];
+  __m512 acc[G][kNv];
+  float m[G], l[G];
+  for (int g = 0; g < G; ++g) {
+    const T* qh = q + (kvh * group + g0 + g) * HD;
     for (int v = 0; v < kNv; ++v) {
       _mm512_store_ps(qf[g] + 16 * v, _mm512_mul_ps(load16(qh + 16 * v), _mm512_set1_ps(s.scale)));
       acc[g][v] = _mm512_setzero_ps();
@@ -174,63 +180,85 @@ __attribute__((target("avx512f"))) void attend_token_avx512(const T* q, T* out, 
         _mm_prefetch(vn + c, _MM_HINT_T1);
       }
     }
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-      for (int i = 0; i < HD; i += 2) {
-        s0 = _mm512_fmadd_ps(_mm512_set1_ps(qf[g][i]), load16(kt + i * kBs), s0);
-        s1 = _mm512_fmadd_ps(_mm512_set1_ps(qf[g][i + 1]), load16(kt + (i + 1) * kBs), s1);
+    __m512 s0[G], s1[G];
+    for (int g = 0; g < G; ++g) s0[g] = s1[g] = _mm512_setzero_ps();
+    for (int i = 0; i < HD; i += 2) {
+      const __m512 k0 = load16(kt + i * kBs), k1 = load16(kt + (i + 1) * kBs);
+      for (int g = 0; g < G; ++g) {
+        s0[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g][i]), k0, s0[g]);
+        s1[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g][i + 1]), k1, s1[g]);
       }
-      const __m512 scores = _mm512_mask_mov_ps(neg_inf, valid, _mm512_add_ps(s0, s1));
+    }
+    alignas(64) float pa[G][kBs];
+    for (int g = 0; g < G; ++g) {
+      const __m512 scores = _mm512_mask_mov_ps(neg_inf, valid, _mm512_add_ps(s0[g], s1[g]));
       const float new_m = std::max(m[g], _mm512_reduce_max_ps(scores));
       const float rescale = m[g] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[g] - new_m);
       const __m512 p = _mm512_maskz_mov_ps(valid, brisk_simd::exp512_nonpositive(
                                                       _mm512_sub_ps(scores, _mm512_set1_ps(new_m))));
       l[g] = l[g] * rescale + _mm512_reduce_add_ps(p);
-      alignas(64) float pa[kBs];
-      _mm512_store_ps(pa, p);
+      _mm512_store_ps(pa[g], p);
       const __m512 rs = _mm512_set1_ps(rescale);
       for (int v = 0; v < kNv; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], rs);
-      for (int64_t r = 0; r < n; ++r) {
-        const __m512 pr = _mm512_set1_ps(pa[r]);
-        for (int v = 0; v < kNv; ++v) acc[g][v] = _mm512_fmadd_ps(pr, load16(vt + r * HD + 16 * v), acc[g][v]);
-      }
       m[g] = new_m;
     }
+    for (int64_t r = 0; r < n; ++r) {
+      __m512 vr[kNv];
+      for (int v = 0; v < kNv; ++v) vr[v] = load16(vt + r * HD + 16 * v);
+      for (int g = 0; g < G; ++g) {
+        const __m512 pr = _mm512_set1_ps(pa[g][r]);
+        for (int v = 0; v < kNv; ++v) acc[g][v] = _mm512_fmadd_ps(pr, vr[v], acc[g][v]);
+      }
+    }
   }
-  for (int64_t g = 0; g < group; ++g) {
+  for (int g = 0; g < G; ++g) {
     alignas(64) float o[HD];
     const __m512 inv = _mm512_set1_ps(1.f / l[g]);
     for (int v = 0; v < kNv; ++v) _mm512_store_ps(o + 16 * v, _mm512_mul_ps(acc[g][v], inv));
-    T* oh = out + (kvh * group + g) * HD;
+    T* oh = out + (kvh * group + g0 + g) * HD;
     for (int i = 0; i < HD; ++i) oh[i] = static_cast<T>(o[i]);
+  }
+}
+
+// Heads g0 .. g0 + gn - 1 in passes of up to 4 (more would spill the accumulators at head dim 128).
+template <typename T, int HD>
+__attribute__((target("avx512f"))) void attend_token_avx512(const T* q, T* out, const T* k, const T* v,
+                                                           const int32_t* bt, int64_t ctx, int64_t kvh, int64_t g0,
+                                                           int64_t gn, const Shape& s) {
+  for (int64_t g = g0; g < g0 + gn;) {
+    const int64_t left = g0 + gn - g;
+    if (left >= 4) attend_heads_avx512<T, HD, 4>(q, out, k, v, bt, ctx, kvh, g, s), g += 4;
+    else if (left == 3) attend_heads_avx512<T, HD, 3>(q, out, k, v, bt, ctx, kvh, g, s), g += 3;
+    else if (left == 2) attend_heads_avx512<T, HD, 2>(q, out, k, v, bt, ctx, kvh, g, s), g += 2;
+    else attend_heads_avx512<T, HD, 1>(q, out, k, v, bt, ctx, kvh, g, s), g += 1;
   }
 }
 #endif
 
 template <typename T>
 inline __attribute__((always_inline)) void attend_token_any(const T* q, T* out, const T* k, const T* v,
-                                                            const int32_t* bt, int64_t ctx, int64_t kvh,
-                                                            const Shape& s) {
+                                                            const int32_t* bt, int64_t ctx, int64_t kvh, int64_t g0,
+                                                            int64_t gn, const Shape& s) {
 #ifdef BRISK_X86
   if (s.block_size == 16 && brisk_simd::cpu_has_avx512f()) {
-    if (s.head_dim == 64) return attend_token_avx512<T, 64>(q, out, k, v, bt, ctx, kvh, s);
-    if (s.head_dim == 128) return attend_token_avx512<T, 128>(q, out, k, v, bt, ctx, kvh, s);
+    if (s.head_dim == 64) return attend_token_avx512<T, 64>(q, out, k, v, bt, ctx, kvh, g0, gn, s);
+    if (s.head_dim == 128) return attend_token_avx512<T, 128>(q, out, k, v, bt, ctx, kvh, g0, gn, s);
   }
 #endif
-  if (s.block_size == 16 && s.head_dim == 64) return attend_token<T, 16, 64>(q, out, k, v, bt, ctx, kvh, s);
-  if (s.block_size == 16 && s.head_dim == 128) return attend_token<T, 16, 128>(q, out, k, v, bt, ctx, kvh, s);
-  return attend_token<T, 0, 0>(q, out, k, v, bt, ctx, kvh, s);
+  if (s.block_size == 16 && s.head_dim == 64) return attend_token<T, 16, 64>(q, out, k, v, bt, ctx, kvh, g0, gn, s);
+  if (s.block_size == 16 && s.head_dim == 128) return attend_token<T, 16, 128>(q, out, k, v, bt, ctx, kvh, g0, gn, s);
+  return attend_token<T, 0, 0>(q, out, k, v, bt, ctx, kvh, g0, gn, s);
 }
 
 BRISK_CLONES void attend_token_f32(const float* q, float* out, const float* k, const float* v, const int32_t* bt,
-                                   int64_t ctx, int64_t kvh, const Shape& s) {
-  attend_token_any(q, out, k, v, bt, ctx, kvh, s);
+                                   int64_t ctx, int64_t kvh, int64_t g0, int64_t gn, const Shape& s) {
+  attend_token_any(q, out, k, v, bt, ctx, kvh, g0, gn, s);
 }
 
 BRISK_CLONES void attend_token_bf16(const c10::BFloat16* q, c10::BFloat16* out, const c10::BFloat16* k,
-                                    const c10::BFloat16* v, const int32_t* bt, int64_t ctx, int64_t kvh,
-                                    const Shape& s) {
-  attend_token_any(q, out, k, v, bt, ctx, kvh, s);
+                                    const c10::BFloat16* v, const int32_t* bt, int64_t ctx, int64_t kvh, int64_t g0,
+                                    int64_t gn, const Shape& s) {
+  attend_token_any(q, out, k, v, bt, ctx, kvh, g0, gn, s);
 }
 
 }  // namespace
@@ -266,17 +294,26 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& q, const torch::Te
   }
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int64_t row = s.num_heads * s.head_dim;
-  at::parallel_for(0, num_tokens * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Work items: (token, KV head), all its query heads at once (K and V read once). With fewer
+  // items than twice the threads (a decode step of one or two sequences), each item is two, the
+  // halves of its query heads, so the threads share the work more evenly (3 KV heads on 2
+  // threads would leave one idle a third of the time); every head's result is the same either way.
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  const int64_t split = group > 1 && num_tokens * s.num_kv_heads < 2 * at::get_num_threads() ? 2 : 1;
+  const int64_t first_half = (group + 1) / 2;
+  at::parallel_for(0, num_tokens * s.num_kv_heads * split, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t t = w / s.num_kv_heads, kvh = w % s.num_kv_heads;
+      const int64_t item = w / split, t = item / s.num_kv_heads, kvh = item % s.num_kv_heads;
+      const int64_t g0 = split == 1 || w % 2 == 0 ? 0 : first_half;
+      const int64_t gn = split == 1 ? group : (w % 2 == 0 ? first_half : group - first_half);
       const int32_t* table = bt + seq_of[t] * s.max_blocks;
       if (q.scalar_type() == torch::kFloat32) {
         attend_token_f32(q.data_ptr<float>() + t * row, out.data_ptr<float>() + t * row,
-                         k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table, ctx_of[t], kvh, s);
+                         k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table, ctx_of[t], kvh, g0, gn, s);
       } else {
         attend_token_bf16(q.data_ptr<c10::BFloat16>() + t * row, out.data_ptr<c10::BFloat16>() + t * row,
                           k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), table,
-                          ctx_of[t], kvh, s);
+                          ctx_of[t], kvh, g0, gn, s);
       }
     }
   });

@@ -1,5 +1,6 @@
 // Group-quantized weights (cpu_quant.cpp's layout, row-major or tiled) times activations quantized
-// to int8 in blocks of 32 columns, as llama.cpp multiplies its Q4_1 weights by Q8_1 activations:
+// to int8 (or, for 4-bit weights, int16: a16_tile below) in blocks of 32 columns, as llama.cpp
+// multiplies its Q4_1 weights by Q8_1 activations:
 // the weight nibbles (or the int8 weights + 128) meet the int8 activations in AVX512-VNNI's
 // vpdpbusd, 64 multiply-adds an instruction with no per-weight conversion to float. The float
 // kernel spends ~6 vector instructions on every 32 weights (nibble -> table lookup -> fma); this
@@ -16,7 +17,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <cstring>
+#include <vector>
 
 #include "group_weights.h"
 #include "kernels.h"
@@ -27,17 +28,26 @@ namespace {
 constexpr int64_t kBlock = 32;  // activation columns per int8 scale; also one weight run
 
 using brisk_group::GroupWeights;
+using brisk_group::group_params;
+using brisk_group::kRowOfLane;
+using brisk_group::load_rows;
+using brisk_group::row_sums;
 
-struct Acts {
-  const int8_t* q;  // [M, in]
+template <typename T>
+struct ActsT {
+  const T* q;       // [M, in] (int16: permuted per block, see a16_tile)
   const float* a;   // [M, in / 32] block scales
   const float* c;   // [M, groups]  sum_{b in g} a_b * sum_b(q)
   int64_t in, blocks, groups;
 };
+using Acts = ActsT<int8_t>;
+using Acts16 = ActsT<int16_t>;
 
 #ifdef BRISK_X86
-// One row of activations -> int8 blocks, their scales and the per-group sums C_g.
-__attribute__((target("avx512f,avx512bw"))) void quantize_act_row(const float* x, const GroupWeights& w, int8_t* q,
+// One row of activations -> int8 (Levels 127) or int16 (32767) blocks, their scales and the
+// per-group sums C_g. int16 blocks are stored in a16_tile's permuted column order.
+template <typename T, int Levels>
+__attribute__((target("avx512f,avx512bw"))) void quantize_act_row(const float* x, const GroupWeights& w, T* q,
                                                                   float* a, float* c) {
   const int64_t per_group = w.group / kBlock;
   for (int64_t g = 0; g < w.groups; ++g) {
@@ -45,83 +55,30 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_act_row(const float* x
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
       const __m512 v0 = _mm512_loadu_ps(x + b * kBlock), v1 = _mm512_loadu_ps(x + b * kBlock + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-      const float ab = amax / 127.0f;
+      const float ab = amax / static_cast<float>(Levels);
       __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
       if (ab > 0.0f) {
         const __m512 d = _mm512_set1_ps(ab);
-        q0 = brisk_simd::round_clamp127(_mm512_div_ps(v0, d));
-        q1 = brisk_simd::round_clamp127(_mm512_div_ps(v1, d));
+        q0 = brisk_simd::round_clamp(_mm512_div_ps(v0, d), Levels);
+        q1 = brisk_simd::round_clamp(_mm512_div_ps(v1, d), Levels);
       }
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(q0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
+      T* qb = q + b * kBlock;
+      if constexpr (sizeof(T) == 1) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(q1));
+      } else {
+        alignas(64) int32_t v[kBlock];
+        _mm512_store_si512(v, q0);
+        _mm512_store_si512(v + 16, q1);
+        for (int e = 0; e < 4; ++e)
+          for (int m = 0; m < 8; ++m) qb[8 * e + m] = static_cast<T>(v[2 * m + e / 2 + 16 * (e % 2)]);
+      }
       a[b] = ab;
       cg += ab * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
     }
     c[g] = cg;
   }
 }
-
-// The bytes of 4 weight rows' run c, row j in the j-th quarter (4-bit: 16 bytes) or half of the
-// j/2-th vector (8-bit: 32 bytes). Tiled weights are one contiguous load; row-major ones and the
-// last rows of an odd-sized matrix are gathered (missing rows read as zeros and are not stored).
-template <int Bits>
-__attribute__((target("avx512f"))) inline void load_rows(const GroupWeights& w, int64_t r, int64_t c, int nrows,
-                                                        __m512i (&v)[Bits == 4 ? 1 : 2]) {
-  constexpr int kVecs = Bits == 4 ? 1 : 2;
-  if (w.tiled) {
-    const uint8_t* p = w.run(r, c);
-    for (int i = 0; i < kVecs; ++i) v[i] = _mm512_loadu_si512(p + 64 * i);
-    return;
-  }
-  alignas(64) uint8_t buf[64 * kVecs] = {};
-  for (int j = 0; j < nrows; ++j) std::memcpy(buf + j * w.run_bytes, w.run(r + j, c), w.run_bytes);
-  for (int i = 0; i < kVecs; ++i) v[i] = _mm512_load_si512(buf + 64 * i);
-}
-
-// The 4 rows' scales and offsets (z': 4-bit zero, 8-bit -128 scale) of group g as floats. Tiled:
-// one 8-byte load each; row-major: gathered in registers (scalar stores read back as one vector
-// would stall store forwarding).
-template <int Bits>
-__attribute__((target("avx512f,f16c"))) inline void group_params(const GroupWeights& w, int64_t r, int64_t g,
-                                                                int nrows, __m128& s4, __m128& z4) {
-  if (w.tiled) {
-    const int64_t at = w.at(r, g);
-    s4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.scale + at)));
-    z4 = Bits == 4 ? _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zero + at)))
-                   : _mm_mul_ps(s4, _mm_set1_ps(-128.0f));
-    return;
-  }
-  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int j = 0; j < nrows; ++j) {
-    s[j] = _cvtsh_ss(w.scale[w.at(r + j, g)]);
-    z[j] = Bits == 4 ? _cvtsh_ss(w.zero[w.at(r + j, g)]) : -128.0f * s[j];
-  }
-  s4 = _mm_setr_ps(s[0], s[1], s[2], s[3]);
-  z4 = _mm_setr_ps(z[0], z[1], z[2], z[3]);
-}
-
-// Each of the 4 rows' lanes summed: [row 0, row 1, row 2, row 3], in a fixed order.
-template <int Vecs>
-__attribute__((target("avx512f"))) inline __m128 row_sums(const __m512 (&acc)[Vecs]) {
-  __m128 r[4];
-  if constexpr (Vecs == 1) {  // 4 lanes a row: row j is 128-bit quarter j
-    for (int j = 0; j < 4; ++j) r[j] = _mm512_extractf32x4_ps(acc[0], j);
-  } else {  // 8 lanes a row: rows 2 i and 2 i + 1 are the halves of vector i
-    r[0] = _mm_add_ps(_mm512_extractf32x4_ps(acc[0], 0), _mm512_extractf32x4_ps(acc[0], 1));
-    r[1] = _mm_add_ps(_mm512_extractf32x4_ps(acc[0], 2), _mm512_extractf32x4_ps(acc[0], 3));
-    r[2] = _mm_add_ps(_mm512_extractf32x4_ps(acc[1], 0), _mm512_extractf32x4_ps(acc[1], 1));
-    r[3] = _mm_add_ps(_mm512_extractf32x4_ps(acc[1], 2), _mm512_extractf32x4_ps(acc[1], 3));
-  }
-  return _mm_hadd_ps(_mm_hadd_ps(r[0], r[1]), _mm_hadd_ps(r[2], r[3]));
-}
-
-// Which of a tile's 4 rows each int32 lane holds: 4 lanes a row (4-bit, one vector), 8 (8-bit, two).
-template <int Lanes>
-alignas(64) constexpr int32_t kRowOfLane[2][16] = {
-    {0 / Lanes, 1 / Lanes, 2 / Lanes, 3 / Lanes, 4 / Lanes, 5 / Lanes, 6 / Lanes, 7 / Lanes, 8 / Lanes, 9 / Lanes,
-     10 / Lanes, 11 / Lanes, 12 / Lanes, 13 / Lanes, 14 / Lanes, 15 / Lanes},
-    {16 / Lanes, 17 / Lanes, 18 / Lanes, 19 / Lanes, 20 / Lanes, 21 / Lanes, 22 / Lanes, 23 / Lanes, 24 / Lanes,
-     25 / Lanes, 26 / Lanes, 27 / Lanes, 28 / Lanes, 29 / Lanes, 30 / Lanes, 31 / Lanes}};
 
 // y rows [m0, m0 + MB) x weight rows [r, r + nrows), nrows <= 4. Per x row: `gacc` sums a group's
 // blocks (a_b * D_b as floats), `acc` the groups times their scale, `zacc` the offset terms.
@@ -204,34 +161,135 @@ void vnni_gemm(const GroupWeights& w, const Acts& x, float* y, int64_t m_rows) {
     }
   });
 }
+
+// ---- 4-bit weights x int16 activations ---------------------------------------------------------
+// Per row and 32-column block: a_b = max |x| / 32767, q = round-half-even(x / a_b), ~1e-5 of the
+// block's largest value: a rounding far below the weights' (quant/grouped.py quantize_act_blocks
+// with 16 bits). vpdpwssd multiplies 32 int16 pairs an instruction, so a 4-row tile's 128 weights
+// take ~15 vector instructions against the float kernel's ~24 (nibble -> table -> fma), which on
+// this CPU were the limit (~17 GB/s), not memory.
+//
+// A tile's 64 bytes as 32 int16 lanes: lane 8 j + m holds row j's bytes 2 m, 2 m + 1, so its
+// 4-bit field e (e = 0..3) is column 2 m + e / 2 + 16 (e % 2). Each int32 lane of vpdpwssd sums
+// two int16 lanes of one row. The activations are stored permuted to match: per block and e, the
+// 8 columns 2 m + e / 2 + 16 (e % 2), m = 0..7 (one 16-byte load broadcast to the 4 rows).
+
+constexpr int kAct16Levels = 32767;
+
+// 8 int16 activations in every 128-bit quarter: one row's columns for each of a tile's 4 rows.
+__attribute__((target("avx512f"))) inline __m512i bcast8(const int16_t* p) {
+  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// y rows [m0, m0 + MB) x weight rows [r, r + nrows), nrows <= 4, as vnni_tile.
+template <int MB>
+__attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void a16_tile(const GroupWeights& w, const Acts16& x,
+                                                                          float* y, int64_t m0, int64_t r, int nrows) {
+  const __m512i field = _mm512_set1_epi16(0x000F);
+  const int64_t per_group = w.group / kBlock;
+  const int64_t ahead = w.tiled ? 1024 : 0;
+  const __m512i row_of_lane = _mm512_loadu_si512(kRowOfLane<4>[0]);
+  __m512 acc[MB][1];
+  __m128 zacc[MB];
+  for (int k = 0; k < MB; ++k) acc[k][0] = _mm512_setzero_ps(), zacc[k] = _mm_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m512 gacc[MB];
+    for (int k = 0; k < MB; ++k) gacc[k] = _mm512_setzero_ps();
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w.run(r, b)) + ahead, _MM_HINT_T0);
+      __m512i v[1];
+      load_rows<4>(w, r, b, nrows, v);
+      const __m512i f0 = _mm512_and_si512(v[0], field);
+      const __m512i f1 = _mm512_and_si512(_mm512_srli_epi16(v[0], 4), field);
+      const __m512i f2 = _mm512_and_si512(_mm512_srli_epi16(v[0], 8), field);
+      const __m512i f3 = _mm512_srli_epi16(v[0], 12);
+      for (int k = 0; k < MB; ++k) {
+        const int16_t* xq = x.q + (m0 + k) * x.in + b * kBlock;
+        const __m512i d01 = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), f0, bcast8(xq)), f1,
+                                                bcast8(xq + 8));
+        const __m512i d23 = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), f2, bcast8(xq + 16)), f3,
+                                                bcast8(xq + 24));
+        gacc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d01, d23)),
+                                  _mm512_set1_ps(x.a[(m0 + k) * x.blocks + b]), gacc[k]);
+      }
+    }
+    __m128 s4, z4;
+    group_params<4>(w, r, g, nrows, s4, z4);
+    const __m512 svec = _mm512_permutexvar_ps(row_of_lane, _mm512_castps128_ps512(s4));
+    for (int k = 0; k < MB; ++k) {
+      acc[k][0] = _mm512_fmadd_ps(gacc[k], svec, acc[k][0]);
+      zacc[k] = _mm_fmadd_ps(z4, _mm_set1_ps(x.c[(m0 + k) * x.groups + g]), zacc[k]);
+    }
+  }
+  for (int k = 0; k < MB; ++k) {
+    alignas(16) float t[4];
+    _mm_store_ps(t, _mm_add_ps(row_sums<1>(acc[k]), zacc[k]));
+    for (int j = 0; j < nrows; ++j) y[(m0 + k) * w.out + r + j] = t[j];
+  }
+}
+
+void a16_gemm(const GroupWeights& w, const Acts16& x, float* y, int64_t m_rows) {
+  const int64_t tiles = (w.out + 3) / 4;
+  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = 4 * t;
+      const int nrows = static_cast<int>(std::min<int64_t>(4, w.out - r));
+      int64_t m0 = 0;
+      for (; m0 + 4 <= m_rows; m0 += 4) a16_tile<4>(w, x, y, m0, r, nrows);
+      for (; m0 + 2 <= m_rows; m0 += 2) a16_tile<2>(w, x, y, m0, r, nrows);
+      for (; m0 < m_rows; ++m0) a16_tile<1>(w, x, y, m0, r, nrows);
+    }
+  });
+}
+
+// Quantize x's rows (Levels 127: int8, 32767: int16) into scratch kept per calling thread (decode
+// calls these kernels ~120 times a token: three allocations each were measurable), then `gemm`.
+template <typename T, int Levels, typename Gemm>
+torch::Tensor qact_gemm(const char* name, const torch::Tensor& x, const GroupWeights& w,
+                        const c10::optional<torch::Tensor>& bias, Gemm gemm) {
+  TORCH_CHECK(have_vnni(), "brisk ", name, ": needs AVX512-VNNI");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == w.in, "brisk ", name, ": x does not fit the weight");
+  const int64_t in = w.in, groups = w.groups, m = x.size(0);
+  auto xf = x.to(torch::kFloat32).contiguous();
+  auto y = torch::empty({m, w.out}, x.options().dtype(torch::kFloat32));
+  thread_local std::vector<T> xq;
+  thread_local std::vector<float> a, c;
+  xq.resize(m * in), a.resize(m * (in / kBlock)), c.resize(m * groups);
+  for (int64_t i = 0; i < m; ++i)
+    quantize_act_row<T, Levels>(xf.data_ptr<float>() + i * in, w, xq.data() + i * in, a.data() + i * (in / kBlock),
+                                c.data() + i * groups);
+  gemm(w, ActsT<T>{xq.data(), a.data(), c.data(), in, in / kBlock, groups}, y.data_ptr<float>(), m);
+  if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
+  return y;
+}
 #endif
 
 }  // namespace
 
-// y[M, out] = quantize_act_blocks(x) @ W^T (+ bias) up to float rounding (the sums run in another
-// order than a float GEMM's): W as group_gemm's, x quantized to int8 per row and 32-column block.
-// Needs AVX512-VNNI (brisk.kernels checks have_vnni before choosing it).
+// y[M, out] = quantize_act_blocks(x) @ W^T (+ bias) up to float rounding: W as group_gemm's, x
+// quantized to int8 per row and 32-column block. Needs AVX512-VNNI (brisk.kernels checks have_vnni
+// before choosing it).
 torch::Tensor group_gemm_q8act(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                                const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
                                const c10::optional<torch::Tensor>& bias, bool tiled) {
-  TORCH_CHECK(have_vnni(), "brisk group_gemm_q8act: needs AVX512-VNNI");
   const GroupWeights w = brisk_group::check_group_weights(q, scale, zero, group, bits, tiled);
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == w.in, "brisk group_gemm_q8act: x does not fit the weight");
-  const int64_t in = w.in, groups = w.groups;
-  const int64_t m = x.size(0);
-  auto xf = x.to(torch::kFloat32).contiguous();
-  auto xq = torch::empty({m, in}, x.options().dtype(torch::kInt8));
-  auto a = torch::empty({m, in / kBlock}, x.options().dtype(torch::kFloat32));
-  auto c = torch::empty({m, groups}, x.options().dtype(torch::kFloat32));
-  auto y = torch::empty({m, w.out}, x.options().dtype(torch::kFloat32));
 #ifdef BRISK_X86
-  for (int64_t i = 0; i < m; ++i)
-    quantize_act_row(xf.data_ptr<float>() + i * in, w, xq.data_ptr<int8_t>() + i * in,
-                     a.data_ptr<float>() + i * (in / kBlock), c.data_ptr<float>() + i * groups);
-  const Acts acts{xq.data_ptr<int8_t>(), a.data_ptr<float>(), c.data_ptr<float>(), in, in / kBlock, groups};
-  if (bits == 4) vnni_gemm<4>(w, acts, y.data_ptr<float>(), m);
-  else vnni_gemm<8>(w, acts, y.data_ptr<float>(), m);
+  return qact_gemm<int8_t, 127>("group_gemm_q8act", x, w, bias, bits == 4 ? vnni_gemm<4> : vnni_gemm<8>);
+#else
+  TORCH_CHECK(false, "brisk group_gemm_q8act: needs an x86-64 CPU");
 #endif
-  if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
-  return y;
+}
+
+// y[M, out] = quantize_act_blocks(x, "int16") @ W^T (+ bias) up to float rounding: 4-bit W as
+// group_gemm's, x quantized to int16 per row and 32-column block. Needs AVX512-VNNI.
+torch::Tensor group_gemm_q16act(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                                const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
+                                const c10::optional<torch::Tensor>& bias, bool tiled) {
+  TORCH_CHECK(bits == 4, "brisk group_gemm_q16act: int16 activations are for 4-bit weights");
+  const GroupWeights w = brisk_group::check_group_weights(q, scale, zero, group, bits, tiled);
+#ifdef BRISK_X86
+  return qact_gemm<int16_t, kAct16Levels>("group_gemm_q16act", x, w, bias, a16_gemm);
+#else
+  TORCH_CHECK(false, "brisk group_gemm_q16act: needs an x86-64 CPU");
+#endif
 }

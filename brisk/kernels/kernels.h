@@ -20,9 +20,15 @@ torch::Tensor group_gemm(const torch::Tensor& x, const torch::Tensor& q, const t
 torch::Tensor group_gemm_q8act(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                                const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
                                const c10::optional<torch::Tensor>& bias, bool tiled);
+torch::Tensor group_gemm_q16act(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                               const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
+                               const c10::optional<torch::Tensor>& bias, bool tiled);
 torch::Tensor group_dequantize(const torch::Tensor& q, const torch::Tensor& scale,
                                const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits, bool tiled);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& h, const torch::Tensor& res,
+                                                      const torch::Tensor& w, double eps);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x, bool unsigned_offset);
 torch::Tensor int8_epilogue(const torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& s,
                             const c10::optional<torch::Tensor>& bias);

@@ -48,10 +48,12 @@ __attribute__((target("avx512f"))) inline __m512 exp512_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Round half to even (as torch.round), clamp to [-127, 127], as int32: the int8 quantizers' step.
-__attribute__((target("avx512f"))) inline __m512i round_clamp127(__m512 v) {
+// Round half to even (as torch.round), clamp to [-levels, levels], as int32: the activation
+// quantizers' step (127: int8, 32767: int16).
+__attribute__((target("avx512f"))) inline __m512i round_clamp(__m512 v, int levels) {
   const __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f)));
+  const float l = static_cast<float>(levels);
+  return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-l)), _mm512_set1_ps(l)));
 }
 
 inline bool cpu_has_avx512f() {

@@ -31,7 +31,8 @@ from brisk.quant.int8 import Int8Linear
 
 # float Linears take gemv (one row) or small_gemm (up to 8, model/layers.py linear) below this
 PLAN_MAX_ROWS = 8
-KIND_FLOAT, KIND_GROUP, KIND_GROUP_INT8_ACTS, KIND_INT8, KIND_INT8_TILED = range(5)
+KIND_FLOAT, KIND_GROUP, KIND_GROUP_INT8_ACTS, KIND_INT8, KIND_INT8_TILED, KIND_GROUP_INT16_ACTS = range(6)
+GROUP_KINDS = {"float": KIND_GROUP, "int8": KIND_GROUP_INT8_ACTS, "int16": KIND_GROUP_INT16_ACTS}
 
 LinearOp = tuple[int, torch.Tensor, Any, Any, Any, int, int, bool]
 
@@ -55,9 +56,10 @@ def linear_op(m: torch.nn.Module) -> LinearOp | None:
         if b["input_scale"] is not None or m.dtype != torch.float32 or not kernels.group_kernel_supported(b["qweight"]):
             return None
         tiled = m._tile(kernels.group_kernel_tiles())  # as the first kernel call would
-        if m.activations == "int8" and not kernels.group_q8act_supported():
-            return None  # the module's float twin of the int8 kernel is a torch expression
-        kind = KIND_GROUP_INT8_ACTS if m.activations == "int8" else KIND_GROUP
+        mode = m.act_mode
+        if mode != "float" and not kernels.group_qact_supported(mode, m.bits):
+            return None  # the module's float twin of the integer kernels is a torch expression
+        kind = GROUP_KINDS[mode]
         return (kind, b["qweight"], b["scale"], b["zero"], b["bias"], m.group, m.bits, tiled)
     if type(m) is Int8Linear:
         b = m._buffers

@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from brisk.kernels import (
     group_dequantize,
     group_gemm,
-    group_gemm_q8act,
+    group_gemm_qact,
     group_kernel_supported,
     group_kernel_tiles,
-    group_q8act_supported,
+    group_qact_supported,
 )
 from brisk.model.layers import Linear
 from brisk.quant.base import TiledLinear
@@ -39,12 +39,17 @@ CHUNK = 32  # columns per nibble run / GGUF block
 SCALE_MIN = 2.0**-24  # the smallest float16 (subnormal): an all-zero group still gets a usable scale
 
 
-def quantize_act_blocks(x: torch.Tensor) -> torch.Tensor:
-    """x [M, in] float32 as the int8 kernel sees it: per row and block of 32 columns, the integers
-    round-half-even(x / a), a = max |x| / 127, times a (brisk/kernels/cpu_quant_vnni.cpp)."""
+ACT_LEVELS = {"int8": 127, "int16": 32767}  # quantized activation modes: largest |integer|
+
+
+def quantize_act_blocks(x: torch.Tensor, mode: str = "int8") -> torch.Tensor:
+    """x [M, in] float32 as the int8 / int16 kernels see it (`mode`): per row and block of 32 columns,
+    the integers round-half-even(x / a), a = max |x| / L (L = 127 or 32767), times a
+    (brisk/kernels/cpu_quant_vnni.cpp)."""
+    levels = ACT_LEVELS[mode]
     blocks = x.float().reshape(x.shape[0], -1, CHUNK)
-    a = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    q = torch.round(blocks / torch.where(a > 0, a, torch.ones_like(a))).clamp_(-127, 127)
+    a = blocks.abs().amax(dim=-1, keepdim=True) / levels
+    q = torch.round(blocks / torch.where(a > 0, a, torch.ones_like(a))).clamp_(-levels, levels)
     return (q * a).reshape(x.shape)
 
 
@@ -174,6 +179,8 @@ class GroupLinear(TiledLinear):
         self.register_buffer("input_scale", None)  # [in] float32 in AWQ-scaled checkpoints
         # "int8": x is quantized to int8 per block of 32 columns and meets the weights in integer
         # dot products (llama.cpp's Q4 x Q8): faster on VNNI CPUs, a measured quality cost.
+        # "int16": the same with int16 (4-bit weights; 8-bit ones keep float32 x, their float
+        # kernel already reads at memory speed): as fast, a rounding ~1e-5 of each block's largest x.
         self.activations = "float"
 
     @classmethod
@@ -217,6 +224,12 @@ class GroupLinear(TiledLinear):
         rows = dequantize_reference(self.qweight_rows(ids), self.rows("scale", ids), zero, self.group, self.bits)
         return rows if self.input_scale is None else rows * self.input_scale
 
+    @property
+    def act_mode(self) -> str:
+        """What x is rounded to before it meets the weights: `activations`, but "float" for 8-bit
+        weights under "int16" (see __init__)."""
+        return "float" if self.activations == "int16" and self.bits == 8 else self.activations
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         # Buffers straight from the dict: nn.Module.__getattr__ costs ~0.7 us a buffer, and a decode
@@ -225,16 +238,17 @@ class GroupLinear(TiledLinear):
         if b["input_scale"] is not None:
             flat = flat.float() * b["input_scale"]
         # tiled: the weight is already on the CPU in the kernel's layout
-        int8 = self.activations == "int8"
+        mode = self.act_mode
         if flat.shape[0] <= KERNEL_MAX_ROWS and (flat.is_cpu if self.tiled else group_kernel_supported(b["qweight"], flat)):
             tiled = self.tiled or self._tile(group_kernel_tiles())  # may replace the buffers
-            if int8 and group_q8act_supported():
-                y = group_gemm_q8act(flat, b["qweight"], b["scale"], b["zero"], self.group, self.bits, b["bias"], tiled)
+            if mode != "float" and group_qact_supported(mode, self.bits):
+                y = group_gemm_qact(flat, b["qweight"], b["scale"], b["zero"], self.group, self.bits, mode, b["bias"],
+                                    tiled)
             else:  # where the CPU lacks VNNI: the same quantized activations, multiplied in floats
-                flat = quantize_act_blocks(flat) if int8 else flat
+                flat = flat if mode == "float" else quantize_act_blocks(flat, mode)
                 y = group_gemm(flat, b["qweight"], b["scale"], b["zero"], self.group, self.bits, b["bias"], tiled)
         else:
-            flat = quantize_act_blocks(flat) if int8 else flat.float()
+            flat = flat.float() if mode == "float" else quantize_act_blocks(flat, mode)
             y = F.linear(flat, self.dequantize(), b["bias"])
         return self._shaped(y, x)
 

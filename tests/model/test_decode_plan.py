@@ -31,7 +31,7 @@ def _outputs(llm: LLM, use_plan: bool) -> list[tuple[list[int], list[tuple[float
 
 
 @pytest.mark.parametrize("quantization,config", [(None, None), ("int4", None), ("int4", {"activations": "int8"}),
-                                                 ("int8", None), ("gguf", None)])
+                                                 ("int4", {"activations": "int16"}), ("int8", None), ("gguf", None)])
 def test_plan_gives_the_module_path_numbers_bit_for_bit(quantization: str | None, config: dict | None,
                                                         gguf_path: Path) -> None:
     llm = LLM("smollm2-135m", quantization=quantization, quantization_config=config, max_model_len=256,

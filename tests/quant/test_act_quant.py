@@ -1,6 +1,6 @@
-"""int8 activations for group-quantized weights (`activations: "int8"`): the VNNI kernel computes
-exactly the product of the block-quantized activations with the dequantized weight, row by row
-whatever the batch, and the option is checked, saved and reloaded."""
+"""int8 and int16 activations for group-quantized weights (`activations: "int8" | "int16"`): the
+VNNI kernels compute exactly the product of the block-quantized activations with the dequantized
+weight, row by row whatever the batch, and the option is checked, saved and reloaded."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from brisk.model.layers import Linear
 from brisk.quant.base import tile_rows
 from brisk.quant.grouped import KERNEL_MAX_ROWS, GroupLinear, quantize_act_blocks
 
-needs_vnni = pytest.mark.skipif(not kernels.group_q8act_supported(), reason="needs the AVX512-VNNI kernels")
+needs_vnni = pytest.mark.skipif(not kernels.group_qact_supported("int16", 4), reason="needs the AVX512-VNNI kernels")
 
 
 def test_block_quantization_is_round_half_even_of_x_over_max_by_127() -> None:
@@ -31,25 +31,28 @@ def test_block_quantization_is_round_half_even_of_x_over_max_by_127() -> None:
     assert torch.allclose(q[0, 6:8], torch.tensor([2 * a, 2 * a]))
     assert torch.equal(q[1], torch.zeros(64)) and torch.equal(q[0, 32:], torch.zeros(32))  # zero blocks stay zero
     assert ((q[0, :32] - x[0, :32]).abs() <= a / 2 + 1e-7).all()
+    q16 = quantize_act_blocks(x, "int16")  # the same with 32767 levels: a rounding ~1e-5 of the block's max
+    assert ((q16[0, :32] - x[0, :32]).abs() <= 1.27 / 32767 / 2 + 1e-7).all() and q16[0, 5] == x[0, 5]
 
 
-def _layer(bits: int, group: int, out: int, in_features: int) -> GroupLinear:
+def _layer(bits: int, group: int, out: int, in_features: int, mode: str = "int8") -> GroupLinear:
     torch.manual_seed(bits + group + out)
     lin = Linear(in_features, (out,), bias=True)
     lin.weight.data.normal_(0, 0.1)
     lin.bias.data.normal_(0, 0.1)
     q = GroupLinear.from_linear(lin, group, bits)
-    q.activations = "int8"
+    q.activations = mode
     return q
 
 
 @needs_vnni
-@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64)])
+@pytest.mark.parametrize("mode,bits,group", [("int8", 4, 32), ("int8", 4, 64), ("int8", 4, 128), ("int8", 8, 32),
+                                             ("int8", 8, 64), ("int16", 4, 32), ("int16", 4, 64), ("int16", 4, 128)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
 @pytest.mark.parametrize("tiled", [True, False])
-def test_vnni_kernel_equals_quantized_activations_times_the_weight(bits: int, group: int, rows: int,
+def test_vnni_kernel_equals_quantized_activations_times_the_weight(mode: str, bits: int, group: int, rows: int,
                                                                     tiled: bool) -> None:
-    q = _layer(bits, group, 40 if tiled else 37, 256)  # 37 rows: the last tile is partial (row-major only)
+    q = _layer(bits, group, 40 if tiled else 37, 256, mode)  # 37 rows: the last tile is partial (row-major only)
     x = torch.randn(rows, 256) * 3
     x[0, 40:72] *= 50  # an outlier block gets its own scale
     w = q.dequantize()
@@ -57,29 +60,39 @@ def test_vnni_kernel_equals_quantized_activations_times_the_weight(bits: int, gr
     if tiled:
         qw, scale = tile_rows(qw, q.tile_width), tile_rows(scale, 1)
         zero = None if zero is None else tile_rows(zero, 1)
-    y = kernels.group_gemm_q8act(x, qw, scale, zero, group, bits, q.bias, tiled)
-    expected = F.linear(quantize_act_blocks(x).double(), w.double(), q.bias.double()).float()
+    y = kernels.group_gemm_qact(x, qw, scale, zero, group, bits, mode, q.bias, tiled)
+    expected = F.linear(quantize_act_blocks(x, mode).double(), w.double(), q.bias.double()).float()
     torch.testing.assert_close(y, expected, atol=2e-4, rtol=1e-5)
     # each row alone gives its batch result bit for bit
-    assert all(torch.equal(y[i:i + 1], kernels.group_gemm_q8act(x[i:i + 1], qw, scale, zero, group, bits, q.bias,
-                                                                 tiled)) for i in range(rows))
+    assert all(torch.equal(y[i:i + 1], kernels.group_gemm_qact(x[i:i + 1], qw, scale, zero, group, bits, mode,
+                                                                q.bias, tiled)) for i in range(rows))
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_int8_activations_through_the_module_on_every_path(bits: int) -> None:
-    q = _layer(bits, 64 if bits == 4 else 32, 48, 128)
+@pytest.mark.parametrize("mode,bits", [("int8", 4), ("int8", 8), ("int16", 4)])
+def test_quantized_activations_through_the_module_on_every_path(mode: str, bits: int) -> None:
+    q = _layer(bits, 64 if bits == 4 else 32, 48, 128, mode)
     x = torch.randn(KERNEL_MAX_ROWS + 7, 128)
-    expected = F.linear(quantize_act_blocks(x), q.dequantize(), q.bias)
+    expected = F.linear(quantize_act_blocks(x, mode), q.dequantize(), q.bias)
     torch.testing.assert_close(q(x[:5]), expected[:5], atol=2e-4, rtol=1e-5)  # the kernel (or its float twin)
     torch.testing.assert_close(q(x), expected, atol=2e-4, rtol=1e-5)  # past the kernel's rows: a float GEMM
     q.activations = "float"
-    assert not torch.allclose(q(x[:5]), expected[:5], atol=1e-6, rtol=0)  # the option does change the input
+    assert not torch.equal(q(x[:5]), expected[:5])  # the option does change the input
+
+
+def test_int16_activations_leave_8_bit_weights_on_float_activations() -> None:
+    q = _layer(8, 32, 48, 128, "int16")
+    assert q.act_mode == "float"
+    x = torch.randn(3, 128)
+    y = q(x)
+    q.activations = "float"
+    assert torch.equal(y, q(x))
 
 
 def test_activation_option_is_checked() -> None:
     assert QuantConfig.parse("int4", {"activations": "int8"}).describe() == "int4 g64 rtn a8"
     assert QuantConfig.parse("gguf", '{"activations": "int8"}').describe() == "gguf a8"
-    with pytest.raises(ValueError, match="activations must be one of float, int8"):
+    assert QuantConfig.parse("int4", {"activations": "int16"}).describe() == "int4 g64 rtn a16"
+    with pytest.raises(ValueError, match="activations must be one of float, int16, int8"):
         QuantConfig.parse("int4", {"activations": "int4"})
     with pytest.raises(ValueError, match="applies to int4 and gguf"):
         QuantConfig.parse("int8", {"activations": "int8"})
