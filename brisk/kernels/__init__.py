@@ -208,6 +208,14 @@ def group_dequantize(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
         _C.group_dequantize(qweight, scale, zero, group, bits)
 
 
+def group_dequantize_rows(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
+                          bits: int, tiled: bool, ids: torch.Tensor) -> torch.Tensor | None:
+    """Rows `ids` of `group_dequantize`'s weight, float32 [len(ids), in]; None where the extension lacks it."""
+    if not _built("group_dequantize_rows"):
+        return None
+    return _C.group_dequantize_rows(qweight, scale, zero, group, bits, tiled, ids)
+
+
 def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when `rms_norm` can serve these float32 CPU tensors (AVX-512 build)."""
     return (SMALL_GEMM_MAX_ROWS > 1 and _built("rms_norm") and x.device.type == "cpu" and x.dtype == torch.float32

@@ -28,6 +28,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias") = py::none(), py::arg("tiled") = false);
   m.def("group_dequantize", &group_dequantize, "the float32 weight a group-quantized q stands for",
         py::arg("q"), py::arg("scale"), py::arg("zero"), py::arg("group"), py::arg("bits"), py::arg("tiled") = false);
+  m.def("group_dequantize_rows", &group_dequantize_rows, "rows ids of the float32 weight a group-quantized q stands for",
+        py::arg("q"), py::arg("scale"), py::arg("zero"), py::arg("group"), py::arg("bits"), py::arg("tiled"),
+        py::arg("ids"));
   m.def("group_tile_rows", []() { return 4; }, "rows per tile of the group kernels' tiled layout (tiled=True)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for float32 rows of [gate | up]", py::arg("gate_up"));
   m.def("add_rms_norm", &add_rms_norm, "(h + res, rms_norm(h + res, w, eps)) for float32 rows", py::arg("h"),

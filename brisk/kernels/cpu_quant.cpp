@@ -128,18 +128,16 @@ void gemm(const GroupWeights& w, const float* x, float* y, int64_t m_rows) {
   });
 }
 
+// Weight row r as floats into o [in].
 template <int Bits>
-__attribute__((target("avx512f,f16c"))) void dequant_rows(const GroupWeights& w, float* out, int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) {
-    float* o = out + r * w.in;
-    for (int64_t g = 0; g < w.groups; ++g) {
-      const __m512 lut = Unpack<Bits>::table(w.scale[w.at(r, g)], w.zero ? w.zero[w.at(r, g)] : 0);
-      for (int64_t i = g * w.group; i < (g + 1) * w.group; i += kChunk) {
-        __m512 lo, hi;
-        Unpack<Bits>::load(w.run(r, i / kChunk), lut, lo, hi);
-        _mm512_storeu_ps(o + i, lo);
-        _mm512_storeu_ps(o + i + 16, hi);
-      }
+__attribute__((target("avx512f,f16c"))) void dequant_row(const GroupWeights& w, int64_t r, float* o) {
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const __m512 lut = Unpack<Bits>::table(w.scale[w.at(r, g)], w.zero ? w.zero[w.at(r, g)] : 0);
+    for (int64_t i = g * w.group; i < (g + 1) * w.group; i += kChunk) {
+      __m512 lo, hi;
+      Unpack<Bits>::load(w.run(r, i / kChunk), lut, lo, hi);
+      _mm512_storeu_ps(o + i, lo);
+      _mm512_storeu_ps(o + i + 16, hi);
     }
   }
 }
@@ -164,6 +162,30 @@ torch::Tensor group_gemm(const torch::Tensor& x, const torch::Tensor& q, const t
   return y;
 }
 
+// Rows `ids` of the float32 weight (embedding lookups of a quantized tied head): each row as
+// `group_dequantize` gives it, without the dozen small torch ops of the Python gather.
+torch::Tensor group_dequantize_rows(const torch::Tensor& q, const torch::Tensor& scale,
+                                    const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits, bool tiled,
+                                    const torch::Tensor& ids) {
+  const GroupWeights w = brisk_group::check_group_weights(q, scale, zero, group, bits, tiled);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong && ids.device().is_cpu(),
+              "brisk group_dequantize_rows: ids must be a 1-D int64 CPU tensor");
+  const auto idx = ids.contiguous();
+  const int64_t n = idx.numel();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < w.out, "brisk group_dequantize_rows: row ", ip[i], " is outside 0..", w.out - 1);
+  auto out = torch::empty({n, w.in}, scale.options().dtype(torch::kFloat32));
+#ifdef BRISK_X86
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    if (bits == 4) dequant_row<4>(w, ip[i], o + i * w.in);
+    else dequant_row<8>(w, ip[i], o + i * w.in);
+  }
+#endif
+  return out;
+}
+
 // The float32 [out, in] weight the kernel computes with (for large batches and references).
 torch::Tensor group_dequantize(const torch::Tensor& q, const torch::Tensor& scale,
                                const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits, bool tiled) {
@@ -172,8 +194,10 @@ torch::Tensor group_dequantize(const torch::Tensor& q, const torch::Tensor& scal
 #ifdef BRISK_X86
   float* o = out.data_ptr<float>();
   at::parallel_for(0, w.out, 64, [&](int64_t r0, int64_t r1) {
-    if (bits == 4) dequant_rows<4>(w, o, r0, r1);
-    else dequant_rows<8>(w, o, r0, r1);
+    for (int64_t r = r0; r < r1; ++r) {
+      if (bits == 4) dequant_row<4>(w, r, o + r * w.in);
+      else dequant_row<8>(w, r, o + r * w.in);
+    }
   });
 #endif
   return out;

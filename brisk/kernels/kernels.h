@@ -25,6 +25,9 @@ torch::Tensor group_gemm_q16act(const torch::Tensor& x, const torch::Tensor& q, 
                                const c10::optional<torch::Tensor>& bias, bool tiled);
 torch::Tensor group_dequantize(const torch::Tensor& q, const torch::Tensor& scale,
                                const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits, bool tiled);
+torch::Tensor group_dequantize_rows(const torch::Tensor& q, const torch::Tensor& scale,
+                                    const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits, bool tiled,
+                                    const torch::Tensor& ids);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& h, const torch::Tensor& res,
                                                       const torch::Tensor& w, double eps);

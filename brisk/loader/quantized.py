@@ -52,7 +52,7 @@ def save_quantized(model: LlamaForCausalLM, quant: QuantConfig, out: Path, dtype
 def _options(quant: QuantConfig) -> dict[str, object]:
     if quant.method not in ("int4", "w8a8"):
         return {}
-    acts = {} if quant.act_mode == "float" else {"activations": quant.act_mode}  # "float" stays readable by older brisk
+    acts = {"activations": quant.act_mode} if quant.method == "int4" else {}  # explicit: the default changed once
     return {"group_size": quant.group_size, "calibration": quant.calibration,
             "calibration_tokens": quant.calibration_tokens, **acts}
 

@@ -120,7 +120,7 @@ def _apply(model: nn.Module, cfg: QuantConfig, calibration_ids: list[int] | None
 
 def set_activations(model: nn.Module, mode: str) -> None:
     """What every group-quantized Linear (int4, gguf, the 8-bit heads) multiplies its weights by:
-    "float" activations or "int8" ones in integer dot products (QuantConfig.activations)."""
+    "float" activations or "int16" / "int8" ones in integer dot products (QuantConfig.activations)."""
     for m in model.modules():
         if isinstance(m, GroupLinear):
             m.activations = mode

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from brisk.kernels import (
     group_dequantize,
+    group_dequantize_rows,
     group_gemm,
     group_gemm_qact,
     group_kernel_supported,
@@ -220,8 +221,14 @@ class GroupLinear(TiledLinear):
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), in]: rows of the effective weight (embedding lookups of a tied head)."""
-        zero = None if self.zero is None else self.rows("zero", ids)
-        rows = dequantize_reference(self.qweight_rows(ids), self.rows("scale", ids), zero, self.group, self.bits)
+        b = self._buffers
+        rows = None
+        if group_kernel_supported(b["qweight"], ids):  # one C++ call, the same floats (a decode token's lookup)
+            rows = group_dequantize_rows(b["qweight"], b["scale"], b["zero"], self.group, self.bits, self.tiled,
+                                         ids.reshape(-1).long())
+        if rows is None:
+            zero = None if self.zero is None else self.rows("zero", ids)
+            rows = dequantize_reference(self.qweight_rows(ids), self.rows("scale", ids), zero, self.group, self.bits)
         return rows if self.input_scale is None else rows * self.input_scale
 
     @property

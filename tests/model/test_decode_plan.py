@@ -58,7 +58,7 @@ def test_changing_the_modules_drops_the_plan(gguf_path: Path) -> None:
     llm = LLM("smollm2-135m", quantization="int4", max_model_len=256, num_kv_blocks=64)
     before = _outputs(llm, True)
     assert llm.model._decode_plan
-    set_activations(llm.model, "int8")  # the plan had captured float activations
+    set_activations(llm.model, "int8")  # the plan had captured int16 activations (the default)
     assert llm.model._decode_plan is None
     after = _outputs(llm, True)
     assert llm.model._decode_plan and after != before

@@ -190,6 +190,9 @@ def test_tiled_group_weights_give_the_row_major_numbers_and_hide_their_layout(bi
     q = GroupLinear.from_linear(lin, 64 if bits == 4 else 32, bits)
     row_major, state = q.qweight.clone(), {k: v.clone() for k, v in q.state_dict().items()}
     dequantized, ids = q.dequantize(), torch.tensor([0, 63, 7, 12])
+    assert torch.equal(q.dequantize_rows(ids), dequantized[ids])  # row-major (before the first kernel call)
+    with pytest.raises(RuntimeError, match="outside"):
+        q.dequantize_rows(torch.tensor([64]))
     x = torch.randn(rows, 128)
     expected = kernels.group_gemm(x, row_major, q.scale, q.zero, q.group, bits, q.bias)
     assert torch.equal(q(x), expected) and q.tiled and not torch.equal(q.qweight, row_major)
