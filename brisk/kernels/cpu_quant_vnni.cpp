@@ -146,20 +146,34 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void vnni_tile(c
 }
 
 // Each thread takes whole 4-row tiles and runs every block of x rows over a tile while it is in
-// L1, so the weights are read from memory once whatever the batch.
-template <int Bits>
-void vnni_gemm(const GroupWeights& w, const Acts& x, float* y, int64_t m_rows) {
+// L1, so the weights are read from memory once whatever the batch. `Kernel::tile<MB>` is one
+// tile's kernel for MB rows of x (vnni_tile, a16_tile).
+template <typename Kernel, typename A>
+void tile_gemm(const GroupWeights& w, const A& x, float* y, int64_t m_rows) {
   const int64_t tiles = (w.out + 3) / 4;
   at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r = 4 * t;
       const int nrows = static_cast<int>(std::min<int64_t>(4, w.out - r));
       int64_t m0 = 0;
-      for (; m0 + 4 <= m_rows; m0 += 4) vnni_tile<Bits, 4>(w, x, y, m0, r, nrows);
-      for (; m0 + 2 <= m_rows; m0 += 2) vnni_tile<Bits, 2>(w, x, y, m0, r, nrows);
-      for (; m0 < m_rows; ++m0) vnni_tile<Bits, 1>(w, x, y, m0, r, nrows);
+      for (; m0 + 4 <= m_rows; m0 += 4) Kernel::template tile<4>(w, x, y, m0, r, nrows);
+      for (; m0 + 2 <= m_rows; m0 += 2) Kernel::template tile<2>(w, x, y, m0, r, nrows);
+      for (; m0 < m_rows; ++m0) Kernel::template tile<1>(w, x, y, m0, r, nrows);
     }
   });
+}
+
+template <int Bits>
+struct VnniKernel {
+  template <int MB>
+  static void tile(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64_t r, int nrows) {
+    vnni_tile<Bits, MB>(w, x, y, m0, r, nrows);
+  }
+};
+
+template <int Bits>
+void vnni_gemm(const GroupWeights& w, const Acts& x, float* y, int64_t m_rows) {
+  tile_gemm<VnniKernel<Bits>>(w, x, y, m_rows);
 }
 
 // ---- 4-bit weights x int16 activations ---------------------------------------------------------
@@ -228,18 +242,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void a16_tile(co
   }
 }
 
+struct A16Kernel {
+  template <int MB>
+  static void tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
+    a16_tile<MB>(w, x, y, m0, r, nrows);
+  }
+};
+
 void a16_gemm(const GroupWeights& w, const Acts16& x, float* y, int64_t m_rows) {
-  const int64_t tiles = (w.out + 3) / 4;
-  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = 4 * t;
-      const int nrows = static_cast<int>(std::min<int64_t>(4, w.out - r));
-      int64_t m0 = 0;
-      for (; m0 + 4 <= m_rows; m0 += 4) a16_tile<4>(w, x, y, m0, r, nrows);
-      for (; m0 + 2 <= m_rows; m0 += 2) a16_tile<2>(w, x, y, m0, r, nrows);
-      for (; m0 < m_rows; ++m0) a16_tile<1>(w, x, y, m0, r, nrows);
-    }
-  });
+  tile_gemm<A16Kernel>(w, x, y, m_rows);
 }
 
 // Quantize x's rows (Levels 127: int8, 32767: int16) into scratch kept per calling thread (decode
