@@ -4,7 +4,6 @@ clear errors."""
 from __future__ import annotations
 
 import dataclasses
-
 import json
 from pathlib import Path
 
