@@ -79,10 +79,10 @@ inline __attribute__((always_inline)) void attend_token(const T* __restrict q, T
                                                         const int32_t* block_table, int64_t ctx_len, int64_t kvh,
                                                         int64_t g0, int64_t gn, const Shape& s) {
   const int64_t group = s.num_heads / s.num_kv_heads;
-  q += g0 * (HD > 0 ? HD : s.head_dim);
-  out += g0 * (HD > 0 ? HD : s.head_dim);
   const int64_t d = HD > 0 ? HD : s.head_dim;
   const int64_t bs = BS > 0 ? BS : s.block_size;
+  q += g0 * d;  // heads g0.. are this call's heads 0..
+  out += g0 * d;
   alignas(64) float qf[kMaxGroup][kMaxHeadDim];
   alignas(64) float acc[kMaxGroup][kMaxHeadDim];
   alignas(64) float p[kMaxGroup][kMaxBlock];

@@ -5,8 +5,6 @@
 
 #include <torch/extension.h>
 
-#include <cstring>
-
 #include "simd.h"
 
 namespace brisk_group {
@@ -56,72 +54,5 @@ inline GroupWeights check_group_weights(const torch::Tensor& q, const torch::Ten
                       bits == 4 ? static_cast<const uint16_t*>(zero->data_ptr()) : nullptr, out, in, group, groups,
                       bits == 4 ? 16 : 32, tiled};
 }
-
-#ifdef BRISK_X86
-// Helpers of the kernels that hold 4 weight rows in one vector (4-bit: one row a 128-bit quarter).
-
-// The bytes of 4 weight rows' run c, row j in the j-th quarter (4-bit: 16 bytes) or half of the
-// j/2-th vector (8-bit: 32 bytes). Tiled weights are one contiguous load; row-major ones and the
-// last rows of an odd-sized matrix are gathered (missing rows read as zeros and are not stored).
-template <int Bits>
-__attribute__((target("avx512f"))) inline void load_rows(const GroupWeights& w, int64_t r, int64_t c, int nrows,
-                                                        __m512i (&v)[Bits == 4 ? 1 : 2]) {
-  constexpr int kVecs = Bits == 4 ? 1 : 2;
-  if (w.tiled) {
-    const uint8_t* p = w.run(r, c);
-    for (int i = 0; i < kVecs; ++i) v[i] = _mm512_loadu_si512(p + 64 * i);
-    return;
-  }
-  alignas(64) uint8_t buf[64 * kVecs] = {};
-  for (int j = 0; j < nrows; ++j) std::memcpy(buf + j * w.run_bytes, w.run(r + j, c), w.run_bytes);
-  for (int i = 0; i < kVecs; ++i) v[i] = _mm512_load_si512(buf + 64 * i);
-}
-
-// The 4 rows' scales and offsets (z': 4-bit zero, 8-bit -128 scale) of group g as floats. Tiled:
-// one 8-byte load each; row-major: gathered in registers (scalar stores read back as one vector
-// would stall store forwarding).
-template <int Bits>
-__attribute__((target("avx512f,f16c"))) inline void group_params(const GroupWeights& w, int64_t r, int64_t g,
-                                                                int nrows, __m128& s4, __m128& z4) {
-  if (w.tiled) {
-    const int64_t at = w.at(r, g);
-    s4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.scale + at)));
-    z4 = Bits == 4 ? _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zero + at)))
-                   : _mm_mul_ps(s4, _mm_set1_ps(-128.0f));
-    return;
-  }
-  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int j = 0; j < nrows; ++j) {
-    s[j] = _cvtsh_ss(w.scale[w.at(r + j, g)]);
-    z[j] = Bits == 4 ? _cvtsh_ss(w.zero[w.at(r + j, g)]) : -128.0f * s[j];
-  }
-  s4 = _mm_setr_ps(s[0], s[1], s[2], s[3]);
-  z4 = _mm_setr_ps(z[0], z[1], z[2], z[3]);
-}
-
-// Each of the 4 rows' lanes summed: [row 0, row 1, row 2, row 3], in a fixed order.
-template <int Vecs>
-__attribute__((target("avx512f"))) inline __m128 row_sums(const __m512 (&acc)[Vecs]) {
-  __m128 r[4];
-  if constexpr (Vecs == 1) {  // 4 lanes a row: row j is 128-bit quarter j
-    for (int j = 0; j < 4; ++j) r[j] = _mm512_extractf32x4_ps(acc[0], j);
-  } else {  // 8 lanes a row: rows 2 i and 2 i + 1 are the halves of vector i
-    r[0] = _mm_add_ps(_mm512_extractf32x4_ps(acc[0], 0), _mm512_extractf32x4_ps(acc[0], 1));
-    r[1] = _mm_add_ps(_mm512_extractf32x4_ps(acc[0], 2), _mm512_extractf32x4_ps(acc[0], 3));
-    r[2] = _mm_add_ps(_mm512_extractf32x4_ps(acc[1], 0), _mm512_extractf32x4_ps(acc[1], 1));
-    r[3] = _mm_add_ps(_mm512_extractf32x4_ps(acc[1], 2), _mm512_extractf32x4_ps(acc[1], 3));
-  }
-  return _mm_hadd_ps(_mm_hadd_ps(r[0], r[1]), _mm_hadd_ps(r[2], r[3]));
-}
-
-// Which of a tile's 4 rows each int32 lane holds: 4 lanes a row (4-bit, one vector), 8 (8-bit, two).
-template <int Lanes>
-alignas(64) constexpr int32_t kRowOfLane[2][16] = {
-    {0 / Lanes, 1 / Lanes, 2 / Lanes, 3 / Lanes, 4 / Lanes, 5 / Lanes, 6 / Lanes, 7 / Lanes, 8 / Lanes, 9 / Lanes,
-     10 / Lanes, 11 / Lanes, 12 / Lanes, 13 / Lanes, 14 / Lanes, 15 / Lanes},
-    {16 / Lanes, 17 / Lanes, 18 / Lanes, 19 / Lanes, 20 / Lanes, 21 / Lanes, 22 / Lanes, 23 / Lanes, 24 / Lanes,
-     25 / Lanes, 26 / Lanes, 27 / Lanes, 28 / Lanes, 29 / Lanes, 30 / Lanes, 31 / Lanes}};
-
-#endif
 
 }  // namespace brisk_group
