@@ -2,47 +2,170 @@
 //
 // The Python layer makes ~10 module calls and ~25 torch calls per layer, ~5 us each: about 3 ms of
 // a 9 ms int4 decode step on this CPU went to Python and dispatch, not to arithmetic. The plan
-// holds each layer's tensors and calls the very kernels the modules call, in the same order with
-// the same arguments (gemv / small_gemm, the group and int8 kernels, rms_norm, rotary, kv_store,
-// paged_attention, silu_mul), so every float is the one the Python path computes; the residual add
+// holds each layer's weights and runs the very kernels the modules call (gemv / small_gemm, the
+// group and int8 kernels, rms_norm, rotary, kv_store, paged_attention, silu_mul) on the same
+// rows, so every float is the one the Python path computes (tested bit for bit); the residual add
 // is fused into the norm after it (add_rms_norm: the same two float operations).
+//
+// A whole step is one OpenMP parallel region. Calling each kernel's tensor entry point forked and
+// joined the thread pool ~150 times a token (~2 us each) and allocated every intermediate; the
+// waiting thread sat idle through all the serial glue. Here the threads split each Linear's rows
+// and attention's items (kernels.h brisk_range: the units the entry points split), meet at a spin
+// barrier wherever a step reads what both wrote, and each computes the small row-wise glue (norm,
+// silu, activation quantization) for itself. int4 decode went from 4.5 to 2.9 ms of layers a token.
 // Python builds a plan only for layers whose every piece has such a kernel; anything else (other
 // Linears, tensor parallelism, long prefill chunks) stays on the module path.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
 
+#include <algorithm>
+#include <atomic>
+#include <thread>
 #include <vector>
 
 #include "kernels.h"
+#include "simd.h"
 
 namespace {
 
-// One Linear and the kernel its module would call for a few rows (see each module's forward).
-struct LinearOp {
-  enum Kind : int64_t { kFloat = 0, kGroup = 1, kGroupInt8Acts = 2, kInt8 = 3, kInt8Tiled = 4, kGroupInt16Acts = 5 };
-  int64_t kind;
-  torch::Tensor weight, scale;
-  c10::optional<torch::Tensor> zero, bias;
-  int64_t group, bits;
-  bool tiled;
+using brisk_group::GroupWeights;
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    switch (kind) {
-      case kFloat:  // model/layers.py linear(): one row through gemv, a few through small_gemm
-        return x.size(0) == 1 ? gemv(x, weight, bias) : small_gemm(x, weight, bias);
-      case kGroup: return group_gemm(x, weight, scale, zero, group, bits, bias, tiled);
-      case kGroupInt8Acts: return group_gemm_q8act(x, weight, scale, zero, group, bits, bias, tiled);
-      case kGroupInt16Acts: return group_gemm_q16act(x, weight, scale, zero, group, bits, bias, tiled);
-      case kInt8: return int8_gemm(x, weight, scale, bias);
-      case kInt8Tiled: return int8_gemm_tiled(x, weight, scale, bias);
-      default: TORCH_CHECK(false, "brisk DecodePlan: unknown linear kind ", kind);
+// Threads of the plan's one parallel region meet here between the steps that need each other's
+// rows. A spin on one cache line: the ~2 us it saves over a fork/join is the point. After a few
+// thousand spins a waiter yields, so an oversubscribed machine still makes progress.
+class SpinBarrier {
+ public:
+  void reset(int n) { n_ = n, arrived_.store(0), generation_.store(0); }
+  void wait() {
+    if (n_ == 1) return;
+    const int gen = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.store(gen + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; generation_.load(std::memory_order_acquire) == gen; ++spins) {
+#ifdef BRISK_X86
+      if (spins < 4096) {
+        _mm_pause();
+        continue;
+      }
+#endif
+      std::this_thread::yield();
     }
   }
+
+ private:
+  int n_ = 1;
+  alignas(64) std::atomic<int> arrived_{0};
+  alignas(64) std::atomic<int> generation_{0};
 };
+
+// One Linear and the kernel its module would call for a few rows (see each module's forward), as
+// raw pointers into the tensors it keeps alive.
+struct LinearOp {
+  enum Kind : int64_t { kFloat = 0, kGroup = 1, kGroupInt8Acts = 2, kInt8 = 3, kInt8Tiled = 4, kGroupInt16Acts = 5 };
+  int64_t kind = 0, out = 0, in = 0;
+  torch::Tensor weight, scale, zero, bias;  // bias: float32 [out] or undefined
+  GroupWeights group{};                     // the group kinds
+
+  // Rows of y [m, out] that thread `tid` of `team` computes: whole 4-row units, split evenly.
+  std::pair<int64_t, int64_t> slice(int tid, int team) const {
+    const int64_t units = (out + brisk_range::kRowUnit - 1) / brisk_range::kRowUnit;
+    return {brisk_range::kRowUnit * (units * tid / team),
+            std::min(out, brisk_range::kRowUnit * (units * (tid + 1) / team))};
+  }
+
+  // y's rows [r0, r1) = x [m, in] through this Linear; `acts` is the calling thread's scratch.
+  void rows(const float* x, int64_t m, float* y, int64_t r0, int64_t r1, brisk_range::QuantizedActs& acts) const {
+    if (r0 >= r1) return;
+    switch (kind) {
+      case kFloat: brisk_range::float_rows(weight.data_ptr<float>(), x, y, m, out, in, r0, r1); break;
+      case kGroup: brisk_range::group_rows(group, x, y, m, r0, r1); break;
+      case kGroupInt8Acts:
+      case kGroupInt16Acts:
+        brisk_range::quantize_acts(kind == kGroupInt8Acts ? 127 : 32767, group, x, m, acts);
+        brisk_range::group_qact_rows(group, acts, y, m, r0, r1);
+        break;
+      case kInt8: brisk_range::int8_rows(weight.data_ptr<int8_t>(), x, y, m, out, in, r0, r1); break;
+      case kInt8Tiled: brisk_range::int8_tiled_rows(weight.data_ptr<int8_t>(), x, y, m, out, in, r0, r1); break;
+      default: break;  // add_layer admits only the kinds above
+    }
+    // the modules' epilogues (y.mul_(scale), y.add_(bias)): one rounding each, as torch's
+    const bool scaled = kind == kInt8 || kind == kInt8Tiled;
+    if (!scaled && !bias.defined()) return;
+    const float* s = scaled ? scale.data_ptr<float>() : nullptr;
+    const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    for (int64_t k = 0; k < m; ++k)
+      for (int64_t r = r0; r < r1; ++r) {
+        float& v = y[k * out + r];
+        if (s) v *= s[r];
+        if (b) v += b[r];
+      }
+  }
+};
+
+LinearOp parse_linear(const py::tuple& t) {
+  TORCH_CHECK(t.size() == 8, "brisk DecodePlan: a linear op is (kind, weight, scale, zero, bias, group, bits, tiled)");
+  const auto tensor = [](const py::handle& h) { return h.is_none() ? torch::Tensor() : h.cast<torch::Tensor>(); };
+  LinearOp op;
+  op.kind = t[0].cast<int64_t>();
+  op.weight = tensor(t[1]), op.scale = tensor(t[2]), op.zero = tensor(t[3]);
+  const torch::Tensor bias = tensor(t[4]);
+  const int64_t group = t[5].cast<int64_t>(), bits = t[6].cast<int64_t>();
+  const bool tiled = t[7].cast<bool>();
+  TORCH_CHECK(op.weight.defined() && op.weight.dim() == 2 && op.weight.is_contiguous() && op.weight.device().is_cpu(),
+              "brisk DecodePlan: a linear op needs a contiguous CPU weight");
+  switch (op.kind) {
+    case LinearOp::kFloat:
+      TORCH_CHECK(op.weight.scalar_type() == torch::kFloat32, "brisk DecodePlan: float weights must be float32");
+      op.out = op.weight.size(0), op.in = op.weight.size(1);
+      break;
+    case LinearOp::kGroup:
+    case LinearOp::kGroupInt8Acts:
+    case LinearOp::kGroupInt16Acts:
+      op.group = brisk_group::check_group_weights(op.weight, op.scale, op.zero.defined() ? c10::optional<torch::Tensor>(op.zero)
+                                                                                    : c10::nullopt, group, bits, tiled);
+      TORCH_CHECK(op.kind == LinearOp::kGroup || have_vnni(), "brisk DecodePlan: integer activations need AVX512-VNNI");
+      TORCH_CHECK(op.kind != LinearOp::kGroupInt16Acts || bits == 4, "brisk DecodePlan: int16 activations are for 4-bit weights");
+      op.out = op.group.out, op.in = op.group.in;
+      break;
+    case LinearOp::kInt8:
+    case LinearOp::kInt8Tiled:
+      TORCH_CHECK(op.weight.scalar_type() == torch::kInt8, "brisk DecodePlan: int8 weights must be int8");
+      op.out = op.weight.size(0), op.in = op.weight.size(1);
+      TORCH_CHECK(op.scale.defined() && op.scale.scalar_type() == torch::kFloat32 && op.scale.is_contiguous() &&
+                      op.scale.numel() == op.out, "brisk DecodePlan: int8 scale must be contiguous float32 [out]");
+      TORCH_CHECK(op.kind == LinearOp::kInt8 || (op.out % 4 == 0 && op.in % 64 == 0),
+                  "brisk DecodePlan: a tiled int8 weight needs out % 4 == 0 and in % 64 == 0");
+      break;
+    default: TORCH_CHECK(false, "brisk DecodePlan: unknown linear kind ", op.kind);
+  }
+  if (bias.defined()) {
+    TORCH_CHECK(bias.numel() == op.out, "brisk DecodePlan: bias must have ", op.out, " elements");
+    op.bias = bias.to(torch::kFloat32).contiguous();
+  }
+  return op;
+}
 
 struct Layer {
   torch::Tensor input_norm, post_norm;
   LinearOp qkv, o, gate_up, down;
 };
+
+// Rows private to one thread: the residual stream and what feeds the next Linear. Each thread
+// computes them whole (576 floats a token: cheaper than a barrier), the same floats on every thread.
+struct ThreadRows {
+  std::vector<float> res, normed, act;
+  brisk_range::QuantizedActs acts;
+};
+
+void check_float_rows(const torch::Tensor& t, int64_t n, int64_t width, const char* what) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu() && t.dim() == 2 &&
+                  t.size(0) == n && t.size(1) == width,
+              "brisk DecodePlan: ", what, " must be a contiguous float32 CPU [", n, ", ", width, "]");
+}
 
 }  // namespace
 
@@ -54,17 +177,18 @@ class DecodePlan {
   // ops: qkv, o, gate_up, down as (kind, weight, scale, zero, bias, group, bits, tiled)
   void add_layer(const torch::Tensor& input_norm, const torch::Tensor& post_norm, const std::vector<py::tuple>& ops) {
     TORCH_CHECK(ops.size() == 4, "brisk DecodePlan: a layer needs 4 linear ops (qkv, o, gate_up, down)");
-    std::vector<LinearOp> parsed;
-    for (const auto& t : ops) {
-      TORCH_CHECK(t.size() == 8, "brisk DecodePlan: a linear op is (kind, weight, scale, zero, bias, group, bits, tiled)");
-      const auto opt = [](const py::handle& h) {
-        return h.is_none() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(h.cast<torch::Tensor>());
-      };
-      const auto tensor = [](const py::handle& h) { return h.is_none() ? torch::Tensor() : h.cast<torch::Tensor>(); };
-      parsed.push_back(LinearOp{t[0].cast<int64_t>(), tensor(t[1]), tensor(t[2]), opt(t[3]), opt(t[4]),
-                                t[5].cast<int64_t>(), t[6].cast<int64_t>(), t[7].cast<bool>()});
-    }
-    layers_.push_back(Layer{input_norm, post_norm, parsed[0], parsed[1], parsed[2], parsed[3]});
+    Layer L{input_norm.contiguous(), post_norm.contiguous(), parse_linear(ops[0]), parse_linear(ops[1]),
+            parse_linear(ops[2]), parse_linear(ops[3])};
+    const int64_t hidden = L.o.out, qkv_width = (heads_ + 2 * kv_heads_) * head_dim_;
+    TORCH_CHECK(L.qkv.out == qkv_width && L.qkv.in == hidden && L.o.in == heads_ * head_dim_ &&
+                    L.gate_up.out == 2 * intermediate_ && L.gate_up.in == hidden && L.down.in == intermediate_ &&
+                    L.down.out == hidden && (layers_.empty() || hidden == hidden_),
+                "brisk DecodePlan: the layer's Linears do not fit the plan's shapes");
+    for (const auto& w : {L.input_norm, L.post_norm})
+      TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.numel() == hidden && w.device().is_cpu(),
+                  "brisk DecodePlan: norm weights must be float32 [", hidden, "]");
+    hidden_ = hidden;
+    layers_.push_back(std::move(L));
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -81,31 +205,137 @@ class DecodePlan {
     TORCH_CHECK(0 <= start && start <= end && end <= num_layers(), "brisk DecodePlan: layers ", start, "..", end,
                 " are not in the plan's ", num_layers());
     TORCH_CHECK(static_cast<int64_t>(caches.size()) == 2 * (end - start), "brisk DecodePlan: two caches a layer");
-    py::gil_scoped_release no_gil;  // pure C++ from here: let other Python threads (the server) run
-    const int64_t n = h.size(0), rotated = heads_ + kv_heads_;
-    torch::Tensor res = residual.has_value() ? *residual : torch::Tensor();
-    for (int64_t i = start; i < end; ++i) {
-      const Layer& L = layers_[i];
-      torch::Tensor normed;
-      if (res.defined()) std::tie(res, normed) = add_rms_norm(h, res, L.input_norm, eps_);
-      else res = h, normed = rms_norm(h, L.input_norm, eps_);
-      const torch::Tensor qkv = L.qkv(normed);
-      const torch::Tensor qk = rotary(qkv, rotated, cos, sin);  // [n, heads + kv_heads, head_dim]
-      const torch::Tensor q = qk.narrow(1, 0, heads_), k = qk.narrow(1, heads_, kv_heads_);
-      const torch::Tensor v = qkv.narrow(1, rotated * head_dim_, kv_heads_ * head_dim_).view({n, kv_heads_, head_dim_});
-      torch::Tensor k_cache = caches[2 * (i - start)], v_cache = caches[2 * (i - start) + 1];
-      kv_store(k_cache, v_cache, k, v, slot_blocks, slot_offsets);
-      torch::Tensor attn = torch::empty({n, heads_, head_dim_}, qkv.options());
-      paged_attention(attn, q.contiguous(), k_cache, v_cache, block_tables, query_start, kv_lens, scale);
-      h = L.o(attn.view({n, heads_ * head_dim_}));
-      std::tie(res, normed) = add_rms_norm(h, res, L.post_norm, eps_);
-      h = L.down(silu_mul(L.gate_up(normed)));
+    if (start == end) return {h, residual.has_value() ? *residual : torch::Tensor()};
+    const int64_t n = h.size(0);
+    check_float_rows(h, n, hidden_, "h");
+    if (residual.has_value()) check_float_rows(*residual, n, hidden_, "residual");
+    check_float_rows(cos, n, head_dim_, "cos");
+    check_float_rows(sin, n, head_dim_, "sin");
+    // k caches [blocks, kv_heads, head_dim, block_size], v caches [blocks, kv_heads, block_size, head_dim]
+    const int64_t block_size = caches[0].dim() == 4 ? caches[0].size(3) : 0;
+    const std::vector<int64_t> k_shape{caches[0].size(0), kv_heads_, head_dim_, block_size},
+        v_shape{caches[0].size(0), kv_heads_, block_size, head_dim_};
+    for (size_t c = 0; c < caches.size(); ++c)
+      TORCH_CHECK(caches[c].scalar_type() == torch::kFloat32 && caches[c].is_contiguous() && caches[c].device().is_cpu() &&
+                      caches[c].sizes() == (c % 2 ? v_shape : k_shape),
+                  "brisk DecodePlan: k and v caches must be contiguous float32 CPU ", at::IntArrayRef(k_shape), " and ",
+                  at::IntArrayRef(v_shape));
+    TORCH_CHECK(slot_blocks.scalar_type() == torch::kLong && slot_offsets.scalar_type() == torch::kLong &&
+                    slot_blocks.is_contiguous() && slot_offsets.is_contiguous() && slot_blocks.numel() == n &&
+                    slot_offsets.numel() == n, "brisk DecodePlan: slot_blocks and slot_offsets must be int64 [n]");
+    const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
+    const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
+    for (int64_t t = 0; t < n; ++t)
+      TORCH_CHECK(blocks[t] >= 0 && blocks[t] < caches[0].size(0) && offsets[t] >= 0 && offsets[t] < block_size,
+                  "brisk DecodePlan: slot (", blocks[t], ", ", offsets[t], ") is outside the cache");
+    const int threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
+    const brisk_range::AttentionStep attn_step = brisk_range::attention_step(
+        heads_, kv_heads_, head_dim_, block_size, block_tables, query_start, kv_lens, scale, n, threads);
+
+    Step step{n, h.data_ptr<float>(), residual.has_value() ? residual->data_ptr<float>() : nullptr,
+              cos.data_ptr<float>(), sin.data_ptr<float>(), &caches, blocks, offsets, &attn_step, start, end};
+    step.shared(hidden_, heads_, kv_heads_, head_dim_, intermediate_);
+    std::vector<ThreadRows> rows(threads);
+    {
+      py::gil_scoped_release no_gil;  // pure C++ from here: let other Python threads (the server) run
+      if (threads == 1) {
+        layers(step, rows[0], 0, 1);
+      } else {
+#pragma omp parallel num_threads(threads)
+        {
+          const int team = omp_get_num_threads(), tid = omp_get_thread_num();
+#pragma omp single
+          step.barrier.reset(team);  // the implicit barrier after `single` publishes it
+          layers(step, rows[tid], tid, team);
+        }
+      }
     }
-    return {h, res};
+    auto h_out = torch::empty({n, hidden_}, h.options()), res_out = torch::empty({n, hidden_}, h.options());
+    std::copy(step.h.begin(), step.h.end(), h_out.data_ptr<float>());
+    std::copy(rows[0].res.begin(), rows[0].res.end(), res_out.data_ptr<float>());
+    return {h_out, res_out};
   }
 
  private:
-  int64_t heads_, kv_heads_, head_dim_, intermediate_;
+  // One step's inputs and the rows the threads share (each Linear's output, written by slices).
+  struct Step {
+    int64_t n;
+    const float *h_in, *res_in, *cos, *sin;
+    const std::vector<torch::Tensor>* caches;
+    const int64_t *slot_blocks, *slot_offsets;
+    const brisk_range::AttentionStep* attn;
+    int64_t start, end;
+    std::vector<float> h, qkv, q, k, attn_out, gate_up;
+    SpinBarrier barrier;  // per step: two threads stepping one plan at once stay apart
+    void shared(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter) {
+      h.assign(h_in, h_in + n * hidden);
+      qkv.resize(n * (heads + 2 * kv_heads) * head_dim), q.resize(n * heads * head_dim);
+      k.resize(n * kv_heads * head_dim), attn_out.resize(n * heads * head_dim), gate_up.resize(n * 2 * inter);
+    }
+  };
+
+  // res = h + res (or h, on the first layer without a residual), normed = rms_norm(res, w): the
+  // floats of add_rms_norm / rms_norm.
+  void add_norm(const float* h, ThreadRows& me, const torch::Tensor& w, int64_t n, bool add) const {
+    const int64_t total = n * hidden_;
+    for (int64_t i = 0; i < total; ++i) me.res[i] = add ? h[i] + me.res[i] : h[i];
+    for (int64_t r = 0; r < n; ++r)
+      brisk_range::rms_norm_row(me.res.data() + r * hidden_, w.data_ptr<float>(), me.normed.data() + r * hidden_,
+                                hidden_, static_cast<float>(eps_));
+  }
+
+  void linear(const LinearOp& op, const float* x, int64_t n, float* y, ThreadRows& me, int tid, int team) const {
+    const auto [r0, r1] = op.slice(tid, team);
+    op.rows(x, n, y, r0, r1, me.acts);
+  }
+
+  // The layer loop as every thread of the team runs it: the Linears' rows and attention's items
+  // split between the threads, the small row-wise steps done by each thread for itself (or by
+  // thread 0 where they write shared memory), a barrier wherever a step reads what all wrote.
+  void layers(Step& s, ThreadRows& me, int tid, int team) {
+    const int64_t n = s.n, rotated = heads_ + kv_heads_, qkv_width = (rotated + kv_heads_) * head_dim_;
+    me.res.resize(n * hidden_), me.normed.resize(n * hidden_), me.act.resize(n * intermediate_);
+    if (s.res_in) std::copy(s.res_in, s.res_in + n * hidden_, me.res.begin());
+    bool add = s.res_in != nullptr;
+    const int64_t items = s.attn->items, w0 = items * tid / team, w1 = items * (tid + 1) / team;
+    for (int64_t i = s.start; i < s.end; ++i) {
+      const Layer& L = layers_[i];
+      float* k_cache = (*s.caches)[2 * (i - s.start)].data_ptr<float>();
+      float* v_cache = (*s.caches)[2 * (i - s.start) + 1].data_ptr<float>();
+      add_norm(s.h.data(), me, L.input_norm, n, add);
+      add = true;
+      linear(L.qkv, me.normed.data(), n, s.qkv.data(), me, tid, team);
+      s.barrier.wait();
+      if (tid == 0) {  // rotary (rotary()'s floats) and the new keys and values into their slots
+        const int64_t block_size = s.attn->block_size;
+        for (int64_t t = 0; t < n; ++t) {
+          const float* row = s.qkv.data() + t * qkv_width;
+          const float *c = s.cos + t * head_dim_, *sn = s.sin + t * head_dim_;
+          brisk_range::rotate_heads(row, c, sn, s.q.data() + t * heads_ * head_dim_, heads_, head_dim_);
+          float* k = s.k.data() + t * kv_heads_ * head_dim_;
+          brisk_range::rotate_heads(row + heads_ * head_dim_, c, sn, k, kv_heads_, head_dim_);
+          brisk_range::kv_store_row(k_cache, v_cache, kv_heads_, head_dim_, block_size, k, row + rotated * head_dim_,
+                                    s.slot_blocks[t], s.slot_offsets[t]);
+        }
+      }
+      s.barrier.wait();
+      brisk_range::attention_items(*s.attn, s.q.data(), s.attn_out.data(), k_cache, v_cache, w0, w1);
+      s.barrier.wait();
+      linear(L.o, s.attn_out.data(), n, s.h.data(), me, tid, team);
+      s.barrier.wait();
+      add_norm(s.h.data(), me, L.post_norm, n, true);
+      linear(L.gate_up, me.normed.data(), n, s.gate_up.data(), me, tid, team);
+      s.barrier.wait();
+      for (int64_t r = 0; r < n; ++r) {
+        const float* gu = s.gate_up.data() + r * 2 * intermediate_;
+        brisk_range::silu_mul_row(gu, gu + intermediate_, me.act.data() + r * intermediate_, intermediate_);
+      }
+      linear(L.down, me.act.data(), n, s.h.data(), me, tid, team);
+      s.barrier.wait();
+    }
+  }
+
+  int64_t heads_, kv_heads_, head_dim_, intermediate_, hidden_ = 0;
   double eps_;
   std::vector<Layer> layers_;
 };

@@ -13,6 +13,7 @@
 
 #include <cmath>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -353,3 +354,27 @@ torch::Tensor int8_gemm_tiled(const torch::Tensor& x, const torch::Tensor& q, co
   if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
   return y;
 }
+
+namespace brisk_range {
+
+void float_rows(const float* w, const float* x, float* y, int64_t m, int64_t out, int64_t in, int64_t r0, int64_t r1) {
+#ifdef BRISK_X86
+  if (m == 1) return rows(w, x, y, r0, r1, in);  // gemv
+  small_gemm_avx512(w, x, y, m, out, r0, r1, in);
+#endif
+}
+
+void int8_rows(const int8_t* q, const float* x, float* y, int64_t m, int64_t out, int64_t in, int64_t r0, int64_t r1) {
+#ifdef BRISK_X86
+  small_gemm_avx512(q, x, y, m, out, r0, r1, in);
+#endif
+}
+
+void int8_tiled_rows(const int8_t* q, const float* x, float* y, int64_t m, int64_t out, int64_t in, int64_t r0,
+                     int64_t r1) {
+#ifdef BRISK_X86
+  tiled_rows(q, x, y, m, out, r0 / kRows, r1 / kRows, in);
+#endif
+}
+
+}  // namespace brisk_range

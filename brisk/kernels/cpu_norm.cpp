@@ -7,6 +7,7 @@
 
 #include <cmath>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -115,3 +116,19 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 #endif
   return y;
 }
+
+namespace brisk_range {
+
+void rms_norm_row(const float* x, const float* w, float* y, int64_t h, float eps) {
+#ifdef BRISK_X86
+  norm_row(x, w, y, h, eps);
+#endif
+}
+
+void silu_mul_row(const float* g, const float* u, float* y, int64_t n) {
+#ifdef BRISK_X86
+  ::silu_mul_row(g, u, y, n);
+#endif
+}
+
+}  // namespace brisk_range

@@ -26,8 +26,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -263,6 +265,73 @@ BRISK_CLONES void attend_token_bf16(const c10::BFloat16* q, c10::BFloat16* out, 
 
 }  // namespace
 
+namespace brisk_range {
+
+AttentionStep attention_step(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                             const torch::Tensor& block_tables, const torch::Tensor& query_start,
+                             const torch::Tensor& kv_lens, double scale, int64_t num_tokens, int64_t threads) {
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && query_start.scalar_type() == torch::kInt32 &&
+                  kv_lens.scalar_type() == torch::kInt32 && block_tables.is_contiguous() &&
+                  query_start.is_contiguous() && kv_lens.is_contiguous(),
+              "paged_attention: index tensors must be contiguous int32");
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= kMaxGroup && head_dim <= kMaxHeadDim &&
+                  block_size <= kMaxBlock, "paged_attention: unsupported shape");
+  AttentionStep a;
+  a.num_heads = num_heads, a.num_kv_heads = num_kv_heads, a.head_dim = head_dim, a.block_size = block_size;
+  a.max_blocks = block_tables.size(1), a.scale = static_cast<float>(scale), a.num_tokens = num_tokens;
+  a.block_tables = block_tables.data_ptr<int32_t>();
+  const int64_t num_seqs = kv_lens.size(0);
+  TORCH_CHECK(query_start.numel() == num_seqs + 1, "paged_attention: query_start needs one entry per sequence + 1");
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  const int32_t* lens = kv_lens.data_ptr<int32_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[num_seqs] == num_tokens, "paged_attention: query_start does not span the ", num_tokens,
+              " tokens");
+  // token -> (sequence, its causal context length), so work items are flat and independent
+  a.seq_of.resize(num_tokens), a.ctx_of.resize(num_tokens);
+  for (int64_t sq = 0; sq < num_seqs; ++sq) {
+    const int64_t n = qs[sq + 1] - qs[sq];
+    TORCH_CHECK(n >= 0 && lens[sq] >= n && (lens[sq] + block_size - 1) / block_size <= a.max_blocks,
+                "paged_attention: kv length does not fit the block table");
+    for (int64_t i = 0; i < n; ++i) {
+      a.seq_of[qs[sq] + i] = sq;
+      a.ctx_of[qs[sq] + i] = lens[sq] - n + i + 1;
+    }
+  }
+  // Work items: (token, KV head), all its query heads at once (K and V read once). With fewer
+  // items than twice the threads (a decode step of one or two sequences), each item is two, the
+  // halves of its query heads, so the threads share the work more evenly (3 KV heads on 2
+  // threads would leave one idle a third of the time); every head's result is the same either way.
+  const int64_t group = num_heads / num_kv_heads;
+  a.split = group > 1 && num_tokens * num_kv_heads < 2 * threads ? 2 : 1;
+  a.items = num_tokens * num_kv_heads * a.split;
+  return a;
+}
+
+template <typename T>
+void attention_items_t(const AttentionStep& a, const T* q, T* out, const T* k_cache, const T* v_cache, int64_t w0,
+                       int64_t w1) {
+  const Shape s{a.num_heads, a.num_kv_heads, a.head_dim, a.block_size, a.max_blocks, a.scale};
+  const int64_t row = s.num_heads * s.head_dim, group = s.num_heads / s.num_kv_heads, first_half = (group + 1) / 2;
+  for (int64_t w = w0; w < w1; ++w) {
+    const int64_t item = w / a.split, t = item / s.num_kv_heads, kvh = item % s.num_kv_heads;
+    const int64_t g0 = a.split == 1 || w % 2 == 0 ? 0 : first_half;
+    const int64_t gn = a.split == 1 ? group : (w % 2 == 0 ? first_half : group - first_half);
+    const int32_t* table = a.block_tables + a.seq_of[t] * s.max_blocks;
+    if constexpr (std::is_same_v<T, float>) {
+      attend_token_f32(q + t * row, out + t * row, k_cache, v_cache, table, a.ctx_of[t], kvh, g0, gn, s);
+    } else {
+      attend_token_bf16(q + t * row, out + t * row, k_cache, v_cache, table, a.ctx_of[t], kvh, g0, gn, s);
+    }
+  }
+}
+
+void attention_items(const AttentionStep& a, const float* q, float* out, const float* k_cache, const float* v_cache,
+                     int64_t w0, int64_t w1) {
+  attention_items_t(a, q, out, k_cache, v_cache, w0, w1);
+}
+
+}  // namespace brisk_range
+
 // out[T, H, D] = attention of q[T, H, D] over the paged cache; sequences are the spans
 // query_start[s] .. query_start[s+1] of the flat token batch, each with kv_lens[s] keys.
 void paged_attention(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
@@ -270,51 +339,23 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& q, const torch::Te
                      const torch::Tensor& query_start, const torch::Tensor& kv_lens, double scale) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention: tensors must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && query_start.scalar_type() == torch::kInt32 &&
-                  kv_lens.scalar_type() == torch::kInt32, "paged_attention: index tensors must be int32");
-  const Shape s{q.size(1), v_cache.size(1), q.size(2), v_cache.size(2), block_tables.size(1),
-                static_cast<float>(scale)};
-  TORCH_CHECK(k_cache.size(2) == s.head_dim && k_cache.size(3) == s.block_size,
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+                  q.scalar_type() == out.scalar_type() &&
+                  (q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16),
+              "paged_attention: q, out and the caches must all be float32 or all bfloat16");
+  TORCH_CHECK(k_cache.size(2) == v_cache.size(3) && k_cache.size(3) == v_cache.size(2),
               "paged_attention: k_cache must be [blocks, kv_heads, head_dim, block_size]");
-  TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && s.num_heads / s.num_kv_heads <= kMaxGroup &&
-                  s.head_dim <= kMaxHeadDim && s.block_size <= kMaxBlock, "paged_attention: unsupported shape");
-  const int64_t num_seqs = kv_lens.size(0), num_tokens = q.size(0);
-  const int32_t* qs = query_start.data_ptr<int32_t>();
-  const int32_t* lens = kv_lens.data_ptr<int32_t>();
-  // token -> (sequence, its causal context length), so work items are flat and independent
-  std::vector<int64_t> seq_of(num_tokens), ctx_of(num_tokens);
-  for (int64_t sq = 0; sq < num_seqs; ++sq) {
-    const int64_t n = qs[sq + 1] - qs[sq];
-    TORCH_CHECK(lens[sq] >= n && (lens[sq] + s.block_size - 1) / s.block_size <= s.max_blocks,
-                "paged_attention: kv length does not fit the block table");
-    for (int64_t i = 0; i < n; ++i) {
-      seq_of[qs[sq] + i] = sq;
-      ctx_of[qs[sq] + i] = lens[sq] - n + i + 1;
-    }
-  }
-  const int32_t* bt = block_tables.data_ptr<int32_t>();
-  const int64_t row = s.num_heads * s.head_dim;
-  // Work items: (token, KV head), all its query heads at once (K and V read once). With fewer
-  // items than twice the threads (a decode step of one or two sequences), each item is two, the
-  // halves of its query heads, so the threads share the work more evenly (3 KV heads on 2
-  // threads would leave one idle a third of the time); every head's result is the same either way.
-  const int64_t group = s.num_heads / s.num_kv_heads;
-  const int64_t split = group > 1 && num_tokens * s.num_kv_heads < 2 * at::get_num_threads() ? 2 : 1;
-  const int64_t first_half = (group + 1) / 2;
-  at::parallel_for(0, num_tokens * s.num_kv_heads * split, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t item = w / split, t = item / s.num_kv_heads, kvh = item % s.num_kv_heads;
-      const int64_t g0 = split == 1 || w % 2 == 0 ? 0 : first_half;
-      const int64_t gn = split == 1 ? group : (w % 2 == 0 ? first_half : group - first_half);
-      const int32_t* table = bt + seq_of[t] * s.max_blocks;
-      if (q.scalar_type() == torch::kFloat32) {
-        attend_token_f32(q.data_ptr<float>() + t * row, out.data_ptr<float>() + t * row,
-                         k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table, ctx_of[t], kvh, g0, gn, s);
-      } else {
-        attend_token_bf16(q.data_ptr<c10::BFloat16>() + t * row, out.data_ptr<c10::BFloat16>() + t * row,
-                          k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), table,
-                          ctx_of[t], kvh, g0, gn, s);
-      }
+  const brisk_range::AttentionStep a =
+      brisk_range::attention_step(q.size(1), v_cache.size(1), v_cache.size(3), v_cache.size(2), block_tables,
+                                  query_start, kv_lens, scale, q.size(0), at::get_num_threads());
+  TORCH_CHECK(q.size(2) == a.head_dim, "paged_attention: q's head dim differs from the cache's");
+  at::parallel_for(0, a.items, 1, [&](int64_t begin, int64_t end) {
+    if (q.scalar_type() == torch::kFloat32) {
+      brisk_range::attention_items_t(a, q.data_ptr<float>(), out.data_ptr<float>(), k_cache.data_ptr<float>(),
+                                     v_cache.data_ptr<float>(), begin, end);
+    } else {
+      brisk_range::attention_items_t(a, q.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(),
+                                     k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), begin, end);
     }
   });
 }

@@ -25,6 +25,7 @@
 #include <cmath>
 
 #include "group_weights.h"
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -113,19 +114,23 @@ void gemm_rows(const GroupWeights& w, const float* x, float* y, int64_t m0, int6
   for (; r < r1; ++r) gemm_tile<Bits, MB, 1>(w, x, y, m0, r);
 }
 
+// Weight rows [r0, r1) for all rows of x: blocks of 8, 4, 2, 1 x rows, weight rows per tile so
+// that 16 accumulators are live.
+template <int Bits>
+void gemm_range(const GroupWeights& w, const float* x, float* y, int64_t m_rows, int64_t r0, int64_t r1) {
+  int64_t m0 = 0;
+  for (; m0 + 8 <= m_rows; m0 += 8) gemm_rows<Bits, 8, 1>(w, x, y, m0, r0, r1);
+  for (; m0 + 4 <= m_rows; m0 += 4) gemm_rows<Bits, 4, 2>(w, x, y, m0, r0, r1);
+  for (; m0 + 2 <= m_rows; m0 += 2) gemm_rows<Bits, 2, 4>(w, x, y, m0, r0, r1);
+  for (; m0 < m_rows; ++m0) gemm_rows<Bits, 1, 4>(w, x, y, m0, r0, r1);
+}
+
 template <int Bits>
 void gemm(const GroupWeights& w, const float* x, float* y, int64_t m_rows) {
   // tiled: whole row groups per thread, so every 4-row tile is one thread's
   const int64_t unit = w.tiled ? 4 : 1;
-  at::parallel_for(0, w.out / unit, 16 / unit, [&](int64_t u0, int64_t u1) {
-    const int64_t r0 = u0 * unit, r1 = u1 * unit;
-    // rows of x in blocks of 8, 4, 2, 1; weight rows per tile so that 16 accumulators are live
-    int64_t m0 = 0;
-    for (; m0 + 8 <= m_rows; m0 += 8) gemm_rows<Bits, 8, 1>(w, x, y, m0, r0, r1);
-    for (; m0 + 4 <= m_rows; m0 += 4) gemm_rows<Bits, 4, 2>(w, x, y, m0, r0, r1);
-    for (; m0 + 2 <= m_rows; m0 += 2) gemm_rows<Bits, 2, 4>(w, x, y, m0, r0, r1);
-    for (; m0 < m_rows; ++m0) gemm_rows<Bits, 1, 4>(w, x, y, m0, r0, r1);
-  });
+  at::parallel_for(0, w.out / unit, 16 / unit,
+                   [&](int64_t u0, int64_t u1) { gemm_range<Bits>(w, x, y, m_rows, u0 * unit, u1 * unit); });
 }
 
 // Weight row r as floats into o [in].
@@ -202,3 +207,14 @@ torch::Tensor group_dequantize(const torch::Tensor& q, const torch::Tensor& scal
 #endif
   return out;
 }
+
+namespace brisk_range {
+
+void group_rows(const GroupWeights& w, const float* x, float* y, int64_t m, int64_t r0, int64_t r1) {
+#ifdef BRISK_X86
+  if (w.run_bytes == 16) gemm_range<4>(w, x, y, m, r0, r1);
+  else gemm_range<8>(w, x, y, m, r0, r1);
+#endif
+}
+
+}  // namespace brisk_range

@@ -204,22 +204,19 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void vnni_tile(c
   }
 }
 
-// Each thread takes whole 4-row tiles and runs every block of x rows over a tile while it is in
-// L1, so the weights are read from memory once whatever the batch. `Kernel::tile<MB>` is one
+// Tiles [t0, t1) of 4 weight rows: every block of x rows runs over a tile while it is in L1, so
+// the weights are read from memory once whatever the batch. `Kernel::tile<MB>` is one
 // tile's kernel for MB rows of x (vnni_tile, a16_tile).
 template <typename Kernel, typename A>
-void tile_gemm(const GroupWeights& w, const A& x, float* y, int64_t m_rows) {
-  const int64_t tiles = (w.out + 3) / 4;
-  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = 4 * t;
-      const int nrows = static_cast<int>(std::min<int64_t>(4, w.out - r));
-      int64_t m0 = 0;
-      for (; m0 + 4 <= m_rows; m0 += 4) Kernel::template tile<4>(w, x, y, m0, r, nrows);
-      for (; m0 + 2 <= m_rows; m0 += 2) Kernel::template tile<2>(w, x, y, m0, r, nrows);
-      for (; m0 < m_rows; ++m0) Kernel::template tile<1>(w, x, y, m0, r, nrows);
-    }
-  });
+void tile_range(const GroupWeights& w, const A& x, float* y, int64_t m_rows, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t r = 4 * t;
+    const int nrows = static_cast<int>(std::min<int64_t>(4, w.out - r));
+    int64_t m0 = 0;
+    for (; m0 + 4 <= m_rows; m0 += 4) Kernel::template tile<4>(w, x, y, m0, r, nrows);
+    for (; m0 + 2 <= m_rows; m0 += 2) Kernel::template tile<2>(w, x, y, m0, r, nrows);
+    for (; m0 < m_rows; ++m0) Kernel::template tile<1>(w, x, y, m0, r, nrows);
+  }
 }
 
 template <int Bits>
@@ -229,11 +226,6 @@ struct VnniKernel {
     vnni_tile<Bits, MB>(w, x, y, m0, r, nrows);
   }
 };
-
-template <int Bits>
-void vnni_gemm(const GroupWeights& w, const Acts& x, float* y, int64_t m_rows) {
-  tile_gemm<VnniKernel<Bits>>(w, x, y, m_rows);
-}
 
 // ---- 4-bit weights x int16 activations ---------------------------------------------------------
 // Per row and 32-column block: a_b = max |x| / 32767, q = round-half-even(x / a_b), ~1e-5 of the
@@ -308,27 +300,42 @@ struct A16Kernel {
   }
 };
 
-void a16_gemm(const GroupWeights& w, const Acts16& x, float* y, int64_t m_rows) {
-  tile_gemm<A16Kernel>(w, x, y, m_rows);
+template <typename T, int Levels>
+void quantize_rows_into(const GroupWeights& w, const float* x, int64_t m, std::vector<T>& q,
+                        brisk_range::QuantizedActs& out) {
+  const int64_t in = w.in, groups = w.groups;
+  out.levels = Levels;
+  q.resize(m * in), out.a.resize(m * (in / kBlock)), out.c.resize(m * groups);
+  for (int64_t i = 0; i < m; ++i)
+    quantize_act_row<T, Levels>(x + i * in, w, q.data() + i * in, out.a.data() + i * (in / kBlock),
+                                out.c.data() + i * groups);
 }
 
-// Quantize x's rows (Levels 127: int8, 32767: int16) into scratch kept per calling thread (decode
-// calls these kernels ~120 times a token: three allocations each were measurable), then `gemm`.
-template <typename T, int Levels, typename Gemm>
-torch::Tensor qact_gemm(const char* name, const torch::Tensor& x, const GroupWeights& w,
-                        const c10::optional<torch::Tensor>& bias, Gemm gemm) {
+// The acts of x's rows quantized for `w` (levels 127: int8, 32767: int16).
+template <typename T>
+ActsT<T> acts_of(const GroupWeights& w, const brisk_range::QuantizedActs& x) {
+  const T* q;
+  if constexpr (sizeof(T) == 1) q = x.q8.data();
+  else q = x.q16.data();
+  return ActsT<T>{q, x.a.data(), x.c.data(), w.in, w.in / kBlock, w.groups};
+}
+
+// Quantize x's rows into scratch kept per calling thread (decode calls these kernels ~120 times a
+// token: three allocations each were measurable), then multiply.
+torch::Tensor qact_gemm(const char* name, int levels, const torch::Tensor& x, const GroupWeights& w,
+                        const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(have_vnni(), "brisk ", name, ": needs AVX512-VNNI");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == w.in, "brisk ", name, ": x does not fit the weight");
-  const int64_t in = w.in, groups = w.groups, m = x.size(0);
+  const int64_t m = x.size(0);
   auto xf = x.to(torch::kFloat32).contiguous();
   auto y = torch::empty({m, w.out}, x.options().dtype(torch::kFloat32));
-  thread_local std::vector<T> xq;
-  thread_local std::vector<float> a, c;
-  xq.resize(m * in), a.resize(m * (in / kBlock)), c.resize(m * groups);
-  for (int64_t i = 0; i < m; ++i)
-    quantize_act_row<T, Levels>(xf.data_ptr<float>() + i * in, w, xq.data() + i * in, a.data() + i * (in / kBlock),
-                                c.data() + i * groups);
-  gemm(w, ActsT<T>{xq.data(), a.data(), c.data(), in, in / kBlock, groups}, y.data_ptr<float>(), m);
+  thread_local brisk_range::QuantizedActs scratch;
+  brisk_range::QuantizedActs& acts = scratch;  // the pool's threads read the caller's (a lambda naming
+                                              // a thread_local would find each thread's own)
+  brisk_range::quantize_acts(levels, w, xf.data_ptr<float>(), m, acts);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (w.out + 3) / 4, 4,
+                   [&](int64_t t0, int64_t t1) { brisk_range::group_qact_rows(w, acts, yp, m, 4 * t0, 4 * t1); });
   if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
   return y;
 }
@@ -344,7 +351,7 @@ torch::Tensor group_gemm_q8act(const torch::Tensor& x, const torch::Tensor& q, c
                                const c10::optional<torch::Tensor>& bias, bool tiled) {
   const GroupWeights w = brisk_group::check_group_weights(q, scale, zero, group, bits, tiled);
 #ifdef BRISK_X86
-  return qact_gemm<int8_t, 127>("group_gemm_q8act", x, w, bias, bits == 4 ? vnni_gemm<4> : vnni_gemm<8>);
+  return qact_gemm("group_gemm_q8act", 127, x, w, bias);
 #else
   TORCH_CHECK(false, "brisk group_gemm_q8act: needs an x86-64 CPU");
 #endif
@@ -358,8 +365,29 @@ torch::Tensor group_gemm_q16act(const torch::Tensor& x, const torch::Tensor& q, 
   TORCH_CHECK(bits == 4, "brisk group_gemm_q16act: int16 activations are for 4-bit weights");
   const GroupWeights w = brisk_group::check_group_weights(q, scale, zero, group, bits, tiled);
 #ifdef BRISK_X86
-  return qact_gemm<int16_t, kAct16Levels>("group_gemm_q16act", x, w, bias, a16_gemm);
+  return qact_gemm("group_gemm_q16act", kAct16Levels, x, w, bias);
 #else
   TORCH_CHECK(false, "brisk group_gemm_q16act: needs an x86-64 CPU");
 #endif
 }
+
+namespace brisk_range {
+
+void quantize_acts(int levels, const GroupWeights& w, const float* x, int64_t m, QuantizedActs& out) {
+#ifdef BRISK_X86
+  if (levels == kAct16Levels) quantize_rows_into<int16_t, kAct16Levels>(w, x, m, out.q16, out);
+  else quantize_rows_into<int8_t, 127>(w, x, m, out.q8, out);
+#endif
+}
+
+// Weight rows [r0, r1) (r0 a multiple of 4) of the VNNI group kernels on x quantized by quantize_acts.
+void group_qact_rows(const GroupWeights& w, const QuantizedActs& x, float* y, int64_t m, int64_t r0, int64_t r1) {
+#ifdef BRISK_X86
+  const int64_t t0 = r0 / 4, t1 = (std::min(r1, w.out) + 3) / 4;
+  if (x.levels == kAct16Levels) tile_range<A16Kernel>(w, acts_of<int16_t>(w, x), y, m, t0, t1);
+  else if (w.run_bytes == 16) tile_range<VnniKernel<4>>(w, acts_of<int8_t>(w, x), y, m, t0, t1);
+  else tile_range<VnniKernel<8>>(w, acts_of<int8_t>(w, x), y, m, t0, t1);
+#endif
+}
+
+}  // namespace brisk_range

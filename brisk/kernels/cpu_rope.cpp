@@ -13,6 +13,8 @@
 
 #include <cstring>
 
+#include "kernels.h"
+
 namespace {
 
 // `optimize` keeps GCC from fusing the products into the sum (C++ mode contracts by default),
@@ -33,6 +35,19 @@ __attribute__((optimize("fp-contract=off"))) void rotate_row(const float* x, con
       const float b = xh[i - half] * s[i];
       oh[i] = a + b;
     }
+  }
+}
+
+// One token's keys and values (head h at k + h * k_head_stride) into slot `offset` of `block`.
+template <typename T>
+void store_token(T* kc, T* vc, int64_t n_kv, int64_t head_dim, int64_t block_size, const T* k, int64_t k_head_stride,
+                 const T* v, int64_t v_head_stride, int64_t block, int64_t offset) {
+  for (int64_t h = 0; h < n_kv; ++h) {
+    const T* ks = k + h * k_head_stride;
+    T* kd = kc + ((block * n_kv + h) * head_dim) * block_size + offset;  // column `offset` of a [hd, bs] tile
+    T* vd = vc + ((block * n_kv + h) * block_size + offset) * head_dim;  // row `offset` of a [bs, hd] tile
+    for (int64_t d = 0; d < head_dim; ++d) kd[d * block_size] = ks[d];
+    std::memcpy(vd, v + h * v_head_stride, head_dim * sizeof(T));
   }
 }
 
@@ -87,19 +102,22 @@ void kv_store(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
     TORCH_CHECK(bp[t] >= 0 && bp[t] < num_blocks && op[t] >= 0 && op[t] < block_size,
                 "brisk kv_store: slot (", bp[t], ", ", op[t], ") is outside the cache");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "brisk_kv_store", [&] {
-    scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    scalar_t* vc = v_cache.data_ptr<scalar_t>();
-    const scalar_t* kp = k.data_ptr<scalar_t>();
-    const scalar_t* vp = v.data_ptr<scalar_t>();
-    for (int64_t t = 0; t < n; ++t) {
-      for (int64_t h = 0; h < n_kv; ++h) {
-        const scalar_t* ks = kp + t * k.stride(0) + h * k.stride(1);
-        const scalar_t* vs = vp + t * v.stride(0) + h * v.stride(1);
-        scalar_t* kd = kc + ((bp[t] * n_kv + h) * head_dim) * block_size + op[t];  // column op[t] of a [hd, bs] tile
-        scalar_t* vd = vc + ((bp[t] * n_kv + h) * block_size + op[t]) * head_dim;  // row op[t] of a [bs, hd] tile
-        for (int64_t d = 0; d < head_dim; ++d) kd[d * block_size] = ks[d];
-        std::memcpy(vd, vs, head_dim * sizeof(scalar_t));
-      }
-    }
+    for (int64_t t = 0; t < n; ++t)
+      store_token(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), n_kv, head_dim, block_size,
+                  k.data_ptr<scalar_t>() + t * k.stride(0), k.stride(1), v.data_ptr<scalar_t>() + t * v.stride(0),
+                  v.stride(1), bp[t], op[t]);
   });
 }
+
+namespace brisk_range {
+
+void rotate_heads(const float* x, const float* cos, const float* sin, float* out, int64_t heads, int64_t head_dim) {
+  rotate_row(x, cos, sin, out, heads, head_dim);
+}
+
+void kv_store_row(float* k_cache, float* v_cache, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                  const float* k, const float* v, int64_t block, int64_t offset) {
+  store_token(k_cache, v_cache, kv_heads, head_dim, block_size, k, head_dim, v, head_dim, block, offset);
+}
+
+}  // namespace brisk_range

@@ -45,3 +45,63 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& q, const torch::Te
 torch::Tensor rotary(const torch::Tensor& qkv, int64_t heads, const torch::Tensor& cos, const torch::Tensor& sin);
 void kv_store(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& k, const torch::Tensor& v,
               const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets);
+
+// ---- Range entry points: the decode plan's threads (cpu_decode_plan.cpp) ----------------------
+// The plan runs a whole decode step inside one parallel region, so it cannot call the entry points
+// above (each forks and joins the thread pool, ~2 us, 150 times a token). These compute a slice
+// of the same work from raw pointers: output rows [r0, r1) of a Linear (r0, r1 multiples of
+// `kRowUnit`), work items [w0, w1) of attention. The entry points above split exactly these units
+// over at::parallel_for, and every row or item is computed the same way whoever computes it, so
+// the plan's floats are theirs.
+#include <vector>
+
+#include "group_weights.h"
+
+namespace brisk_range {
+
+constexpr int64_t kRowUnit = 4;  // rows of a 4-row block or tile: every Linear kernel's unit
+
+// y[m, out] rows [r0, r1) of x[m, in] @ w^T: gemv's loop for one row of x, small_gemm's for more.
+void float_rows(const float* w, const float* x, float* y, int64_t m, int64_t out, int64_t in, int64_t r0, int64_t r1);
+// int8_gemm (q row-major) and int8_gemm_tiled without their epilogue (scale, bias).
+void int8_rows(const int8_t* q, const float* x, float* y, int64_t m, int64_t out, int64_t in, int64_t r0, int64_t r1);
+void int8_tiled_rows(const int8_t* q, const float* x, float* y, int64_t m, int64_t out, int64_t in, int64_t r0,
+                     int64_t r1);
+// group_gemm without bias: group weights x float activations.
+void group_rows(const brisk_group::GroupWeights& w, const float* x, float* y, int64_t m, int64_t r0, int64_t r1);
+
+// Activations quantized in 32-column blocks for the VNNI group kernels (levels 127: int8, 32767:
+// int16; group_gemm_q8act / group_gemm_q16act), held by the thread that quantized them.
+struct QuantizedActs {
+  int levels = 0;
+  std::vector<int8_t> q8;
+  std::vector<int16_t> q16;
+  std::vector<float> a, c;
+};
+void quantize_acts(int levels, const brisk_group::GroupWeights& w, const float* x, int64_t m, QuantizedActs& out);
+void group_qact_rows(const brisk_group::GroupWeights& w, const QuantizedActs& x, float* y, int64_t m, int64_t r0,
+                     int64_t r1);
+
+// Attention of one step: the token -> (sequence, context) map every layer shares, and the items
+// paged_attention splits over threads ((token, KV head), or halves of its query heads).
+struct AttentionStep {
+  int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0, block_size = 0, max_blocks = 0, num_tokens = 0;
+  float scale = 0.0f;
+  const int32_t* block_tables = nullptr;
+  std::vector<int64_t> seq_of, ctx_of;
+  int64_t split = 1, items = 0;
+};
+AttentionStep attention_step(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                             const torch::Tensor& block_tables, const torch::Tensor& query_start,
+                             const torch::Tensor& kv_lens, double scale, int64_t num_tokens, int64_t threads);
+void attention_items(const AttentionStep& a, const float* q, float* out, const float* k_cache, const float* v_cache,
+                     int64_t w0, int64_t w1);
+
+// One row's pieces of the layer glue (cpu_norm.cpp, cpu_rope.cpp).
+void rms_norm_row(const float* x, const float* w, float* y, int64_t h, float eps);
+void silu_mul_row(const float* g, const float* u, float* y, int64_t n);
+void rotate_heads(const float* x, const float* cos, const float* sin, float* out, int64_t heads, int64_t head_dim);
+void kv_store_row(float* k_cache, float* v_cache, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                  const float* k, const float* v, int64_t block, int64_t offset);
+
+}  // namespace brisk_range
