@@ -2,8 +2,10 @@
 
 A decode step on the CPU made ~270 nn.Module calls and ~4,300 Python function calls a token; on int4
 Python and dispatch were about a third of the step. `build_decode_plan` hands each layer's tensors
-to a C++ `DecodePlan` that calls the same kernels the modules would call, with the same arguments
-in the same order, so the numbers are identical (tested) and only the interpreter is gone. It is
+to a C++ `DecodePlan` that runs the kernels the modules would call on the same rows, so the numbers
+are identical (tested) and only the interpreter is gone; it runs a whole step in one OpenMP
+parallel region (the threads split each Linear's rows and meet at spin barriers), so the thread
+pool is not forked and joined around every kernel either. It is
 the CPU counterpart of capturing a CUDA graph: built on the first step it can serve (putting the
 quantized weights in their kernel layouts first, as their first kernel call would), and dropped
 whenever the modules may change (`LlamaForCausalLM.drop_decode_plan`: `.to()`, `load_weights`,
