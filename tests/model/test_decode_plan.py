@@ -64,3 +64,53 @@ def test_changing_the_modules_drops_the_plan(gguf_path: Path) -> None:
     assert llm.model._decode_plan and after != before
     llm.model.to(torch.float32)  # .to() may move or retype the weights: the plan goes
     assert llm.model._decode_plan is None
+
+
+def test_plan_numbers_do_not_depend_on_the_thread_count(gguf_path: Path) -> None:
+    """A step is one parallel region whose threads split every Linear's rows and attention's items;
+    with one thread the same loop runs alone. Every row is computed the same way by whichever
+    thread owns it, so one and two threads give the module path's numbers alike."""
+    llm = LLM("smollm2-135m", quantization="int4", max_model_len=256, num_kv_blocks=64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _outputs(llm, True)
+        torch.set_num_threads(2)
+        two = _outputs(llm, True)
+    finally:
+        torch.set_num_threads(threads)
+    assert one == two == _outputs(llm, False)
+
+
+def test_plan_rejects_bad_inputs_with_clear_errors(gguf_path: Path) -> None:
+    llm = LLM("smollm2-135m", max_model_len=256, num_kv_blocks=64)
+    llm.generate("Hello", SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    plan = llm.model._decode_plan
+    assert plan
+    cfg = llm.model.config
+    h = torch.zeros(1, cfg.hidden_size)
+    cos = sin = torch.zeros(1, cfg.head_dim)
+    k = torch.zeros(4, cfg.num_key_value_heads, cfg.head_dim, 16)
+    v = torch.zeros(4, cfg.num_key_value_heads, 16, cfg.head_dim)
+    tables, starts, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), \
+        torch.ones(1, dtype=torch.int32)
+    slot = torch.zeros(1, dtype=torch.long)
+
+    def run(**over: object) -> object:
+        args = dict(h=h, residual=None, cos=cos, sin=sin, caches=[k, v], slot_blocks=slot, slot_offsets=slot,
+                    block_tables=tables, query_start=starts, kv_lens=lens, scale=0.125, start=0, end=1)
+        args.update(over)
+        return plan.run(**args)
+
+    out, res = run()  # the well-formed call works
+    assert out.shape == res.shape == h.shape and torch.isfinite(out).all()
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        run(slot_blocks=torch.tensor([9]))
+    with pytest.raises(RuntimeError, match="caches must be contiguous float32"):
+        run(caches=[v, k])
+    with pytest.raises(RuntimeError, match="kv length does not fit the block table"):
+        run(kv_lens=torch.tensor([40], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="are not in the plan"):
+        run(start=0, end=cfg.num_hidden_layers + 1)
+    with pytest.raises(RuntimeError, match="h must be a contiguous float32"):
+        run(h=torch.zeros(1, cfg.hidden_size + 1))
