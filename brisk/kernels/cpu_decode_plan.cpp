@@ -78,7 +78,8 @@ struct LinearOp {
   }
 
   // y's rows [r0, r1) = x [m, in] through this Linear; `acts` is the calling thread's scratch.
-  void rows(const float* x, int64_t m, float* y, int64_t r0, int64_t r1, brisk_range::QuantizedActs& acts) const {
+  // No contraction: the epilogue's multiply and add round separately, as torch's two ops do.
+  __attribute__((optimize("fp-contract=off"))) void rows(const float* x, int64_t m, float* y, int64_t r0, int64_t r1, brisk_range::QuantizedActs& acts) const {
     if (r0 >= r1) return;
     switch (kind) {
       case kFloat: brisk_range::float_rows(weight.data_ptr<float>(), x, y, m, out, in, r0, r1); break;
@@ -142,8 +143,9 @@ LinearOp parse_linear(const py::tuple& t) {
       break;
     default: TORCH_CHECK(false, "brisk DecodePlan: unknown linear kind ", op.kind);
   }
+  TORCH_CHECK(!op.zero.defined() || op.zero.device().is_cpu(), "brisk DecodePlan: zero must be a CPU tensor");
   if (bias.defined()) {
-    TORCH_CHECK(bias.numel() == op.out, "brisk DecodePlan: bias must have ", op.out, " elements");
+    TORCH_CHECK(bias.device().is_cpu() && bias.numel() == op.out, "brisk DecodePlan: bias must be a CPU tensor of ", op.out, " elements");
     op.bias = bias.to(torch::kFloat32).contiguous();
   }
   return op;
@@ -171,8 +173,18 @@ void check_float_rows(const torch::Tensor& t, int64_t n, int64_t width, const ch
 
 class DecodePlan {
  public:
+  static constexpr int64_t kMaxRows = 8;  // model/decode_plan.py PLAN_MAX_ROWS
+
   DecodePlan(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate), eps_(eps) {}
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate), eps_(eps) {
+#ifdef BRISK_X86
+    TORCH_CHECK(brisk_simd::cpu_has_avx512f(), "brisk DecodePlan: needs AVX-512 (its kernels have no other path)");
+#else
+    TORCH_CHECK(false, "brisk DecodePlan: needs an x86-64 CPU with AVX-512");
+#endif
+    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0 &&
+                    intermediate > 0, "brisk DecodePlan: heads must be a multiple of kv_heads and head_dim even");
+  }
 
   // ops: qkv, o, gate_up, down as (kind, weight, scale, zero, bias, group, bits, tiled)
   void add_layer(const torch::Tensor& input_norm, const torch::Tensor& post_norm, const std::vector<py::tuple>& ops) {
@@ -207,6 +219,8 @@ class DecodePlan {
     TORCH_CHECK(static_cast<int64_t>(caches.size()) == 2 * (end - start), "brisk DecodePlan: two caches a layer");
     if (start == end) return {h, residual.has_value() ? *residual : torch::Tensor()};
     const int64_t n = h.size(0);
+    TORCH_CHECK(n >= 1 && n <= kMaxRows, "brisk DecodePlan: a step of ", n, " tokens; the plan serves 1 to ", kMaxRows,
+                " (longer steps take the module path, whose kernels differ)");
     check_float_rows(h, n, hidden_, "h");
     if (residual.has_value()) check_float_rows(*residual, n, hidden_, "residual");
     check_float_rows(cos, n, head_dim_, "cos");

@@ -114,3 +114,5 @@ def test_plan_rejects_bad_inputs_with_clear_errors(gguf_path: Path) -> None:
         run(start=0, end=cfg.num_hidden_layers + 1)
     with pytest.raises(RuntimeError, match="h must be a contiguous float32"):
         run(h=torch.zeros(1, cfg.hidden_size + 1))
+    with pytest.raises(RuntimeError, match="the plan serves 1 to 8"):
+        run(h=torch.zeros(9, cfg.hidden_size))
