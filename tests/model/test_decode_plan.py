@@ -97,8 +97,9 @@ def test_plan_rejects_bad_inputs_with_clear_errors(gguf_path: Path) -> None:
     slot = torch.zeros(1, dtype=torch.long)
 
     def run(**over: object) -> object:
-        args = dict(h=h, residual=None, cos=cos, sin=sin, caches=[k, v], slot_blocks=slot, slot_offsets=slot,
-                    block_tables=tables, query_start=starts, kv_lens=lens, scale=0.125, start=0, end=1)
+        args = {"h": h, "residual": None, "cos": cos, "sin": sin, "caches": [k, v], "slot_blocks": slot,
+                "slot_offsets": slot, "block_tables": tables, "query_start": starts, "kv_lens": lens,
+                "scale": 0.125, "start": 0, "end": 1}
         args.update(over)
         return plan.run(**args)
 
