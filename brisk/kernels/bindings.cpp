@@ -33,8 +33,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ids"));
   m.def("group_tile_rows", []() { return 4; }, "rows per tile of the group kernels' tiled layout (tiled=True)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for float32 rows of [gate | up]", py::arg("gate_up"));
-  m.def("add_rms_norm", &add_rms_norm, "(h + res, rms_norm(h + res, w, eps)) for float32 rows", py::arg("h"),
-        py::arg("res"), py::arg("w"), py::arg("eps"));
   m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w for float32 rows", py::arg("x"), py::arg("w"),
         py::arg("eps"));
   m.def("quantize_rows", &quantize_rows, "per-row symmetric int8 of x (+ 128 as uint8 if unsigned_offset); scales",

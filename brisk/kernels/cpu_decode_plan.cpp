@@ -5,7 +5,7 @@
 // holds each layer's weights and runs the very kernels the modules call (gemv / small_gemm, the
 // group and int8 kernels, rms_norm, rotary, kv_store, paged_attention, silu_mul) on the same
 // rows, so every float is the one the Python path computes (tested bit for bit); the residual add
-// is fused into the norm after it (add_rms_norm: the same two float operations).
+// is fused into the norm after it (the same two float operations).
 //
 // A whole step is one OpenMP parallel region. Calling each kernel's tensor entry point forked and
 // joined the thread pool ~150 times a token (~2 us each) and allocated every intermediate; the
@@ -234,14 +234,9 @@ class DecodePlan {
                       caches[c].sizes() == (c % 2 ? v_shape : k_shape),
                   "brisk DecodePlan: k and v caches must be contiguous float32 CPU ", at::IntArrayRef(k_shape), " and ",
                   at::IntArrayRef(v_shape));
-    TORCH_CHECK(slot_blocks.scalar_type() == torch::kLong && slot_offsets.scalar_type() == torch::kLong &&
-                    slot_blocks.is_contiguous() && slot_offsets.is_contiguous() && slot_blocks.numel() == n &&
-                    slot_offsets.numel() == n, "brisk DecodePlan: slot_blocks and slot_offsets must be int64 [n]");
+    brisk_range::check_slots(slot_blocks, slot_offsets, n, caches[0].size(0), block_size, "DecodePlan");
     const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
     const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
-    for (int64_t t = 0; t < n; ++t)
-      TORCH_CHECK(blocks[t] >= 0 && blocks[t] < caches[0].size(0) && offsets[t] >= 0 && offsets[t] < block_size,
-                  "brisk DecodePlan: slot (", blocks[t], ", ", offsets[t], ") is outside the cache");
     const int threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
     const brisk_range::AttentionStep attn_step = brisk_range::attention_step(
         heads_, kv_heads_, head_dim_, block_size, block_tables, query_start, kv_lens, scale, n, threads);
@@ -289,7 +284,7 @@ class DecodePlan {
   };
 
   // res = h + res (or h, on the first layer without a residual), normed = rms_norm(res, w): the
-  // floats of add_rms_norm / rms_norm.
+  // floats of the module path's residual add (torch's add) and rms_norm.
   void add_norm(const float* h, ThreadRows& me, const torch::Tensor& w, int64_t n, bool add) const {
     const int64_t total = n * hidden_;
     for (int64_t i = 0; i < total; ++i) me.res[i] = add ? h[i] + me.res[i] : h[i];

@@ -1,7 +1,7 @@
 // RMSNorm and SwiGLU's silu(gate) * up for float32 rows on CPU. torch 2.13's F.rms_norm on CPU is
 // a chain of small ops (pow, mean, add, rsqrt, two muls): ~28 us for one 576-wide decode row, 61
 // times per token, 1.7 ms of a 12 ms int4 decode step. One pass over the row does the same in
-// about a microsecond; the decode plan also fuses the residual add into it (`add_rms_norm`).
+// about a microsecond. The decode plan calls the row functions (brisk_range) directly.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -59,25 +59,6 @@ void check_rows(const torch::Tensor& x, const char* what) {
 }
 
 }  // namespace
-
-// res = h + res (as torch's add), then (res, rms_norm(res, w, eps)): the decoder layer's residual
-// add and the norm after it in one pass for a few rows, the floats of the two separate calls.
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& h, const torch::Tensor& res,
-                                                      const torch::Tensor& w, double eps) {
-  check_rows(h, "add_rms_norm");
-  TORCH_CHECK(res.sizes() == h.sizes() && res.is_contiguous() && res.scalar_type() == torch::kFloat32 &&
-                  w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == h.size(1),
-              "brisk add_rms_norm: res must be float32 like h and w float32 [h]");
-  auto sum = torch::empty_like(h), y = torch::empty_like(h);
-#ifdef BRISK_X86
-  const int64_t n = h.size(0), width = h.size(1);
-  const float *hp = h.data_ptr<float>(), *rp = res.data_ptr<float>();
-  float *sp = sum.data_ptr<float>(), *yp = y.data_ptr<float>();
-  for (int64_t i = 0; i < n * width; ++i) sp[i] = hp[i] + rp[i];
-  for (int64_t r = 0; r < n; ++r) norm_row(sp + r * width, w.data_ptr<float>(), yp + r * width, width, static_cast<float>(eps));
-#endif
-  return {sum, y};
-}
 
 // silu(gate_up[:, :inter]) * gate_up[:, inter:] for float32 rows (model/layers.py silu_and_mul).
 torch::Tensor silu_mul(const torch::Tensor& gate_up) {

@@ -91,16 +91,9 @@ void kv_store(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
               "brisk kv_store: k and v must be [n, ", n_kv, ", ", head_dim, "] with unit stride along head_dim");
   TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
               "brisk kv_store: k and v must have the caches' dtype");
-  TORCH_CHECK(slot_blocks.scalar_type() == torch::kLong && slot_offsets.scalar_type() == torch::kLong &&
-                  slot_blocks.numel() == n && slot_offsets.numel() == n && slot_blocks.is_contiguous() &&
-                  slot_offsets.is_contiguous(),
-              "brisk kv_store: slot_blocks and slot_offsets must be contiguous int64 [n]");
+  brisk_range::check_slots(slot_blocks, slot_offsets, n, k_cache.size(0), block_size, "kv_store");
   const int64_t* bp = slot_blocks.data_ptr<int64_t>();
   const int64_t* op = slot_offsets.data_ptr<int64_t>();
-  const int64_t num_blocks = k_cache.size(0);
-  for (int64_t t = 0; t < n; ++t)
-    TORCH_CHECK(bp[t] >= 0 && bp[t] < num_blocks && op[t] >= 0 && op[t] < block_size,
-                "brisk kv_store: slot (", bp[t], ", ", op[t], ") is outside the cache");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "brisk_kv_store", [&] {
     for (int64_t t = 0; t < n; ++t)
       store_token(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), n_kv, head_dim, block_size,
@@ -110,6 +103,19 @@ void kv_store(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
 }
 
 namespace brisk_range {
+
+void check_slots(const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets, int64_t n, int64_t num_blocks,
+                 int64_t block_size, const char* who) {
+  TORCH_CHECK(slot_blocks.scalar_type() == torch::kLong && slot_offsets.scalar_type() == torch::kLong &&
+                  slot_blocks.numel() == n && slot_offsets.numel() == n && slot_blocks.is_contiguous() &&
+                  slot_offsets.is_contiguous() && slot_blocks.device().is_cpu() && slot_offsets.device().is_cpu(),
+              "brisk ", who, ": slot_blocks and slot_offsets must be contiguous int64 CPU [n]");
+  const int64_t* bp = slot_blocks.data_ptr<int64_t>();
+  const int64_t* op = slot_offsets.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(bp[t] >= 0 && bp[t] < num_blocks && op[t] >= 0 && op[t] < block_size, "brisk ", who, ": slot (",
+                bp[t], ", ", op[t], ") is outside the cache");
+}
 
 void rotate_heads(const float* x, const float* cos, const float* sin, float* out, int64_t heads, int64_t head_dim) {
   rotate_row(x, cos, sin, out, heads, head_dim);

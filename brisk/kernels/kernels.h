@@ -29,8 +29,6 @@ torch::Tensor group_dequantize_rows(const torch::Tensor& q, const torch::Tensor&
                                     const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits, bool tiled,
                                     const torch::Tensor& ids);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& h, const torch::Tensor& res,
-                                                      const torch::Tensor& w, double eps);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x, bool unsigned_offset);
 torch::Tensor int8_epilogue(const torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& s,
@@ -101,6 +99,10 @@ void attention_items(const AttentionStep& a, const float* q, float* out, const f
 void rms_norm_row(const float* x, const float* w, float* y, int64_t h, float eps);
 void silu_mul_row(const float* g, const float* u, float* y, int64_t n);
 void rotate_heads(const float* x, const float* cos, const float* sin, float* out, int64_t heads, int64_t head_dim);
+// slot_blocks, slot_offsets: contiguous int64 [n], every slot inside a cache of `num_blocks` blocks
+// of `block_size` (kv_store and the decode plan check their slots here; `who` names the caller).
+void check_slots(const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets, int64_t n, int64_t num_blocks,
+                 int64_t block_size, const char* who);
 void kv_store_row(float* k_cache, float* v_cache, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                   const float* k, const float* v, int64_t block, int64_t offset);
 
