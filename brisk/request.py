@@ -7,6 +7,16 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 
+class InvalidRequest(ValueError):
+    """Bad input from a user: the message says what was wrong and what to do; `param` names the
+    request field (a server answers 400 with it). A plain ValueError elsewhere is still a user
+    error to the offline API, but only this type carries the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # an EOS token, a stop token id or a stop string
     LENGTH = "length"  # max_tokens reached, or the context window is full
@@ -48,22 +58,27 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be 0 (off), -1 (off) or a positive integer, got {self.top_k!r}"),
-            (self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+            (self._is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            (self._in_range(self.temperature, 0, float("inf")), "temperature",
+             f"temperature must be a number >= 0, got {self.temperature!r}"),
+            (self._in_range(self.top_p, 0, 1) and self.top_p > 0, "top_p", f"top_p must be in (0, 1], got {self.top_p!r}"),
+            # top_k above the vocabulary keeps every token (the sampler clamps it); no upper bound needed
+            (self._is_int(self.top_k) and self.top_k >= 0, "top_k",
+             f"top_k must be 0 (off), -1 (off) or a positive integer, got {self.top_k!r}"),
+            (self.seed is None or (self._is_int(self.seed) and 0 <= self.seed < 2**63), "seed",
              f"seed must be an integer in [0, 2**63), got {self.seed!r}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers"),
-            (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "stop must be a non-empty string or a list of them"),
+            (all(self._is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "stop_token_ids must be non-negative integers"),
+            (self._is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens!r}"),
         ]
-        for ok, message in checks + self._extra_checks():
+        for ok, param, message in checks + self._extra_checks():
             if not ok:
-                raise ValueError(message)
+                raise InvalidRequest(message, param)
 
-    def _extra_checks(self) -> list[tuple[bool, str]]:
+    def _extra_checks(self) -> list[tuple[bool, str, str]]:
         """Checks for the penalty / bias / logprob / fan-out fields (safe on values of the wrong type)."""
         if isinstance(self.logit_bias, dict):  # JSON object keys arrive as strings: accept "123"
             self.logit_bias = {int(k) if isinstance(k, str) and k.strip().isdigit() else k: v
@@ -72,29 +87,32 @@ class SamplingParams:
         bad_keys = [k for k in bias if not self._is_int(k) or k < 0]
         bad_values = [(k, v) for k, v in bias.items() if not self._in_range(v, -100, 100)]
         return [
-            (self._in_range(self.min_p, 0, 1), f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}"),
+            (self._in_range(self.min_p, 0, 1), "min_p", f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}"),
             (self._in_range(self.repetition_penalty, 0, float("inf")) and 0 < self.repetition_penalty < float("inf"),
-             f"repetition_penalty must be > 0 (1.0 = off, > 1 discourages repeats), got {self.repetition_penalty!r}"),
-            (self._in_range(self.presence_penalty, -2, 2), f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
+             "repetition_penalty", f"repetition_penalty must be > 0 (1.0 = off, > 1 discourages repeats), got {self.repetition_penalty!r}"),
+            (self._in_range(self.presence_penalty, -2, 2), "presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
             (self._in_range(self.frequency_penalty, -2, 2),
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
+             "frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
             (self.logit_bias is None or isinstance(self.logit_bias, dict),
-             f"logit_bias must be a mapping of token id to bias, got {type(self.logit_bias).__name__}"),
-            (not bad_keys, f"logit_bias keys must be non-negative integer token ids, got {(bad_keys or [None])[0]!r}"),
-            (not bad_values, "logit_bias values must be in [-100, 100], got "
+             "logit_bias", f"logit_bias must be a mapping of token id to bias, got {type(self.logit_bias).__name__}"),
+            (not bad_keys, "logit_bias", f"logit_bias keys must be non-negative integer token ids, got {(bad_keys or [None])[0]!r}"),
+            (not bad_values, "logit_bias", "logit_bias values must be in [-100, 100], got "
              + ", ".join(f"{v!r} for token {k}" for k, v in bad_values[:1])),
             (self.logprobs is None or (self._is_int(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS),
-             f"logprobs must be None (off) or an integer in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}"),
+             "logprobs", f"logprobs must be None (off) or an integer in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}"),
             (self.prompt_logprobs is None or (self._is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS),
-             f"prompt_logprobs must be None (off) or an integer in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs!r}"),
-            (self._is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
+             "prompt_logprobs", f"prompt_logprobs must be None (off) or an integer in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs!r}"),
+            (self._is_int(self.n) and self.n >= 1, "n", f"n must be an integer >= 1, got {self.n!r}"),
         ]
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise ValueError if a token id this request names lies outside a vocabulary of `vocab_size`."""
-        for token in self.logit_bias or {}:
-            if token >= vocab_size:
-                raise ValueError(f"logit_bias names token id {token}, outside the vocabulary (0..{vocab_size - 1})")
+        """Raise InvalidRequest if a token id this request names lies outside a vocabulary of `vocab_size`
+        (such an id would otherwise reach a tensor in the middle of a batch step)."""
+        for field_name, tokens in (("logit_bias", self.logit_bias or {}), ("stop_token_ids", self.stop_token_ids)):
+            for token in tokens:
+                if token >= vocab_size:
+                    raise InvalidRequest(f"{field_name} names token id {token}, outside the vocabulary "
+                                         f"(0..{vocab_size - 1})", field_name)
 
     @property
     def greedy(self) -> bool:

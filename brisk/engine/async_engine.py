@@ -173,6 +173,8 @@ class AsyncEngine:
             return
         for out in outs:
             self._deliver(out.request_id, out)
+        for rid, error in self.engine.take_failures().items():  # ended alone; the step's others went on
+            self._deliver(rid, RuntimeError(f"generation failed: {error}"))
 
     def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
         target = self._sinks.get(rid)

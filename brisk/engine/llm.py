@@ -122,6 +122,7 @@ class LLM:
         self._ids = itertools.count()
         # Outputs of open streams, kept when another call (a generate) runs the steps that make them.
         self._stream_buffers: dict[str, list[RequestOutput]] = {}
+        self._failures: dict[str, Exception] = {}  # request id -> the error that ended it alone
 
     def with_speculation(self, speculative_config: dict[str, Any] | str | None) -> LLM:
         """The same loaded model and tokenizer behind a fresh engine with other speculative
@@ -141,6 +142,7 @@ class LLM:
                                  e.runner.packed_weight_bytes > 0, spec, draft)
         other._ids = itertools.count()
         other._stream_buffers = {}
+        other._failures = {}
         return other
 
     def close(self) -> None:
@@ -167,15 +169,25 @@ class LLM:
         return draft.model
 
     def _step(self) -> list[RequestOutput]:
-        """One engine step; outputs of open streams go to their buffers, the rest are returned."""
+        """One engine step; outputs of open streams go to their buffers, the rest are returned.
+        Requests the step ended with an error of their own wait in `_failures` for their caller."""
         outs = []
-        for out in self.engine.step():
+        step_outputs = self.engine.step()
+        self._failures.update(self.engine.take_failures())
+        for out in step_outputs:
             buffer = self._stream_buffers.get(out.request_id)
             if buffer is not None:
                 buffer.append(out)
             else:
                 outs.append(out)
         return outs
+
+    def _raise_failure(self, request_ids: list[str]) -> None:
+        """Raise the error that ended one of `request_ids` (the others in its steps went on)."""
+        for rid in request_ids:
+            error = self._failures.pop(rid, None)
+            if error is not None:
+                raise RuntimeError(f"generation failed: {error}") from error
 
     def get_tokenizer(self):  # noqa: ANN201 - the Tokenizer type lives in loader/
         return self.tokenizer
@@ -237,6 +249,7 @@ class LLM:
                     yield out
                     if out.finished:
                         return
+                self._raise_failure([rid])
                 if rid not in self.engine.unfinished_request_ids():
                     return  # ended without a final output (aborted by a failed step)
                 self._step()
@@ -259,6 +272,7 @@ class LLM:
                     if out.finished and out.request_id in mine:
                         results[out.request_id] = out
                         bar.update(1)
+                self._raise_failure(ids)
         finally:
             bar.close()
             for rid in ids:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -27,10 +29,12 @@ from brisk.engine.speculative import build_speculator
 from brisk.loader.tokenizer import Tokenizer
 from brisk.model.llama import LlamaForCausalLM
 from brisk.request import FinishReason, Request, RequestStatus, SamplingParams
-from brisk.runtime.paged_runner import PagedModelRunner, kv_block_bytes
+from brisk.runtime.paged_runner import PagedModelRunner, StepLogits, kv_block_bytes
 from brisk.runtime.parallel_runner import ParallelRunner
 from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs
 from brisk.sample.sampler import SamplingBatch, sample
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -94,6 +98,8 @@ class LLMEngine:
         self._seqs: dict[str, _Seq] = {}
         self._groups: dict[str, _Group] = {}
         self.peak_kv_usage = 0.0
+        self._failed: dict[str, Exception] = {}  # sequence id -> the error its row raised this step
+        self.failures: dict[str, Exception] = {}  # request id -> the error that ended it (take_failures)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -176,11 +182,13 @@ class LLMEngine:
         try:
             sampled = self._compute(sched)
         except BaseException as e:
+            self._failed.clear()
             self._abort_failed_step(sched)
             if getattr(e, "fatal", False):  # a parallel worker is gone: nothing can run any more
                 for group in list(self._groups):
                     self.abort_request(group)
             raise
+        self._end_failed()
         self.scheduler.observe_step(sched, time.perf_counter() - started)
         touched: set[str] = set()
         for req in self.scheduler.update_from_output(sched, sampled):
@@ -210,13 +218,13 @@ class LLMEngine:
         plain = [rid for rid in out.sample_ids if rid not in drafts]
         sampled: dict[str, list[int]] = {}
         if plain:
-            result = sample(out.last_rows(plain), self._sampling_batch(plain))
-            for sid, tok, lp in zip(plain, result.token_ids, result.logprobs):
+            for sid, (tok, lp) in self._isolating(lambda ids: self._sample(out, ids), plain).items():
                 sampled[sid] = [tok]
                 if lp is not None:
                     self._seqs[sid].logprobs.append(lp)
         if self.spec is not None:
-            verified = self.spec.verify(out, drafts, requests, generators) if drafts else {}
+            verified = self._isolating(lambda ids: self.spec.verify(out, {i: drafts[i] for i in ids}, requests,
+                                                                    generators), list(drafts)) if drafts else {}
             self.spec.observe_hidden(out, verified)
             for sid, res in verified.items():
                 sampled[sid] = res.token_ids
@@ -226,6 +234,44 @@ class LLMEngine:
                 if res.logprobs is not None:
                     seq.logprobs.extend(res.logprobs)
         return sampled
+
+    def _sample(self, out: StepLogits, seq_ids: list[str]) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        result = sample(out.last_rows(seq_ids), self._sampling_batch(seq_ids))
+        return dict(zip(seq_ids, zip(result.token_ids, result.logprobs)))
+
+    def _isolating(self, run: Callable[[list[str]], dict[str, _T]], seq_ids: list[str]) -> dict[str, _T]:
+        """`run` over the step's rows at once; if it raises, over one row at a time, so a request whose
+        parameters break the batch fails alone (kept in `_failed`, ended after the step) and its
+        neighbours keep their tokens. Each row depends only on its own logits and generator, so the
+        retried rows get what the batch would have given them."""
+        try:
+            return run(seq_ids)
+        except Exception as e:  # noqa: BLE001 - the culprit is found below; a fatal error is not retried
+            if getattr(e, "fatal", False):
+                raise
+        results: dict[str, _T] = {}
+        for sid in seq_ids:
+            try:
+                results.update(run([sid]))
+            except Exception as e:  # noqa: BLE001 - this row's own failure, reported to its request only
+                if getattr(e, "fatal", False):
+                    raise
+                self._failed[sid] = e
+        return results
+
+    def _end_failed(self) -> None:
+        """End the requests whose rows failed this step; their errors wait in `failures`."""
+        for sid, error in self._failed.items():
+            seq = self._seqs.get(sid)
+            if seq is not None and self.abort_request(seq.group):
+                self.failures[seq.group] = error
+        self._failed.clear()
+
+    def take_failures(self) -> dict[str, Exception]:
+        """Requests ended by an error of their own since the last call (request id -> the error);
+        every other request of those steps went on."""
+        failures, self.failures = self.failures, {}
+        return failures
 
     def _requests(self) -> dict[str, Request]:
         return {sid: seq.request for sid, seq in self._seqs.items()}

@@ -91,8 +91,8 @@ def _sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if rows == 0:
         return SamplerOutput([], [])
     for p in batch.params:
-        if p.logit_bias:
-            p.check_vocab(vocab)  # the engine should check at admission; this keeps a bad id from crashing a step
+        if p.logit_bias or p.stop_token_ids:
+            p.check_vocab(vocab)  # the engine checks at admission; this keeps a bad id from reaching a tensor
     penalised = penalise(logits, batch)  # [B, V]; `logits` itself when no row needs any of it
     greedy = [p.greedy for p in batch.params]
     if all(greedy):
@@ -163,8 +163,8 @@ def probabilities(penalised: torch.Tensor, params: list[SamplingParams]) -> torc
     if any(p.min_p > 0.0 for p in params):
         logits = P.apply_min_p(logits, col([p.min_p for p in params]))
     if any(p.top_k > 0 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
-        logits = P.apply_top_k(logits, top_k, max(p.top_k for p in params))
+        ks = [min(p.top_k, logits.shape[-1]) for p in params]  # a top_k past the vocabulary keeps all (and fits int64)
+        logits = P.apply_top_k(logits, torch.tensor(ks, dtype=torch.int64, device=device), max(ks))
     if any(p.top_p < 1.0 for p in params):
         logits = P.apply_top_p(logits, col([p.top_p for p in params]))
     return logits.softmax(dim=-1)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from brisk.request import SamplingParams
+from brisk.request import InvalidRequest, SamplingParams
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -68,3 +68,41 @@ def test_check_vocab_names_the_bad_id() -> None:
 def test_stop_accepts_a_single_string() -> None:
     assert SamplingParams(stop="END").stop == ["END"]
     assert math.isclose(SamplingParams(top_k=-1).top_k, 0)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": -1.0}, "temperature"),
+    ({"temperature": True}, "temperature"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"seed": 2**64}, "seed"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"logit_bias": {5: 500}}, "logit_bias"),
+    ({"n": 0}, "n"),
+])
+def test_errors_name_their_field(kwargs: dict, param: str) -> None:
+    """The server answers 400 with `param` taken from the error: each check names its field."""
+    with pytest.raises(InvalidRequest) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+
+
+def test_check_vocab_covers_stop_token_ids_of_any_size() -> None:
+    p = SamplingParams(stop_token_ids=[2, 2**64])
+    with pytest.raises(InvalidRequest, match=r"stop_token_ids names token id 18446744073709551616") as info:
+        p.check_vocab(49152)
+    assert info.value.param == "stop_token_ids"
+
+
+def test_top_k_past_the_vocabulary_keeps_every_token() -> None:
+    """top_k is unbounded (vLLM's contract); the sampler clamps it to the vocabulary, so 2**64
+    neither overflows a tensor nor changes the distribution."""
+    import torch
+
+    from brisk.sample.sampler import SamplingBatch, sample
+
+    logits = torch.randn(2, 50)
+    params = [SamplingParams(temperature=1.0, top_k=2**64, seed=1), SamplingParams(temperature=1.0, seed=1)]
+    gens = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)]
+    out = sample(torch.stack([logits[0], logits[0]]), SamplingBatch(params, gens))
+    assert out.token_ids[0] == out.token_ids[1]
