@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set BRISK_API_KEY)")
     srv.add_argument("--max-waiting", type=int, default=256,
                      help="requests allowed to wait for a slot; beyond it new ones get 503 + Retry-After")
+    srv.add_argument("--max-connections", type=int, default=1024,
+                     help="open HTTP connections; one more is answered 503 and closed (default 1024)")
+    srv.add_argument("--request-timeout", type=float, default=30.0,
+                     help="seconds a client has to send a request's head, and again its body (408 after; default 30)")
 
     qz = sub.add_parser("quantize", help="write a quantized copy of a model that loads without re-quantizing")
     qz.add_argument("model", help="built-in name, .gguf file or HF directory")
@@ -200,11 +204,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from brisk.engine.llm import LLM
     from brisk.server import serve
 
+    from brisk.server.edge import EdgeLimits
+
     if not 0 < args.port < 65536 or args.max_waiting < 1:
         raise ValueError("--port must be in 1..65535 and --max-waiting >= 1")
+    if args.max_connections < 1 or not args.request_timeout > 0:
+        raise ValueError("--max-connections must be >= 1 and --request-timeout > 0")
+    limits = EdgeLimits(body_timeout_s=args.request_timeout, head_timeout_s=args.request_timeout,
+                        max_connections=args.max_connections)
     llm = LLM(args.model, dtype=args.dtype, **engine_kwargs(args))  # type: ignore[arg-type]
     print(f"brisk: serving {llm.model_name} on http://{args.host}:{args.port} (OpenAI API under /v1)", file=sys.stderr)
-    serve(llm, args.host, args.port, args.api_key, args.max_waiting)
+    serve(llm, args.host, args.port, args.api_key, args.max_waiting, limits=limits)
     return 0
 
 

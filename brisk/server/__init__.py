@@ -8,14 +8,16 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import uvicorn
     from fastapi import FastAPI
 
     from brisk.engine.llm import LLM
+    from brisk.server.edge import EdgeLimits
 
 API_KEY_ENV = "BRISK_API_KEY"
 
 
-def build_app(llm: LLM, api_key: str | None = None, max_waiting: int = 256) -> FastAPI:
+def build_app(llm: LLM, api_key: str | None = None, max_waiting: int = 256, limits: EdgeLimits | None = None) -> FastAPI:
     """The FastAPI app over `llm`'s engine, with the engine thread started."""
     from brisk.engine.async_engine import AsyncEngine
     from brisk.server.app import ServerState, create_app
@@ -23,11 +25,23 @@ def build_app(llm: LLM, api_key: str | None = None, max_waiting: int = 256) -> F
     engine = AsyncEngine(llm.engine, max_waiting=max_waiting)
     engine.start()
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-    return create_app(ServerState(engine, llm.tokenizer, llm.model_name, llm.max_model_len, key))
+    return create_app(ServerState(engine, llm.tokenizer, llm.model_name, llm.max_model_len, key), limits)
+
+
+def uvicorn_config(app: FastAPI, host: str, port: int, limits: EdgeLimits | None = None,
+                   graceful_seconds: int = 10) -> uvicorn.Config:
+    """uvicorn's settings for brisk: the edge protocol (JSON errors from the HTTP layer, a
+    connection cap, head deadlines) over h11."""
+    import uvicorn
+
+    from brisk.server.edge import EdgeLimits, protocol_class
+
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", http=protocol_class(limits or EdgeLimits()),
+                          timeout_graceful_shutdown=graceful_seconds)
 
 
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_waiting: int = 256, graceful_seconds: int = 10) -> None:
+          max_waiting: int = 256, graceful_seconds: int = 10, limits: EdgeLimits | None = None) -> None:
     """Run until SIGINT/SIGTERM: uvicorn stops accepting, lets running requests finish for up to
     `graceful_seconds`, then the engine thread stops; the process exits 0."""
     import uvicorn
@@ -43,9 +57,8 @@ def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, api_key: str | No
                 finally:
                     self._captured_signals.clear()
 
-    app = build_app(llm, api_key, max_waiting)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=graceful_seconds)
+    app = build_app(llm, api_key, max_waiting, limits)
     try:
-        _Server(config).run()
+        _Server(uvicorn_config(app, host, port, limits, graceful_seconds)).run()
     finally:
         app.state.brisk.engine.shutdown()

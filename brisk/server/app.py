@@ -9,13 +9,13 @@ a client that disconnects mid-stream has its request aborted and its KV blocks f
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,14 +25,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from brisk.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded
 from brisk.engine.outputs import RequestOutput
 from brisk.loader.tokenizer import Tokenizer
-from brisk.request import SamplingParams
+from brisk.request import InvalidRequest, SamplingParams
 from brisk.server import formatting as fmt
+from brisk.server.edge import (
+    EdgeLimits,
+    Guard,
+    SanitizingRoute,
+    error_body,
+    error_response,
+)
 from brisk.server.metrics import ServerMetrics
 from brisk.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    validation_message,
 )
 
 
@@ -43,10 +51,7 @@ class APIError(Exception):
         self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
 
 
-def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+_T = TypeVar("_T")
 
 
 class ServerState:
@@ -58,6 +63,12 @@ class ServerState:
         self.max_model_len = max_model_len
         self.api_key = api_key
         self.metrics = ServerMetrics(engine)
+        # Tokenizing, chat templates, detokenizing and big responses run here, never on the event
+        # loop: two threads bound how much of the machine request handling takes from the engine.
+        self.cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="brisk-http")
+
+    async def run_cpu(self, fn: Callable[..., _T], *args: Any) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -71,11 +82,13 @@ class ServerState:
                                 f"({prompt_len + max_tokens}); shorten the prompt or lower {field}", field)
 
 
-def create_app(state: ServerState, max_body_bytes: int = 4 * 2**20) -> FastAPI:
-    app = FastAPI(title="brisk", docs_url=None, redoc_url=None)
+def create_app(state: ServerState, limits: EdgeLimits | None = None) -> FastAPI:
+    # No trailing-slash redirects: their Location would be built from the client's Host header.
+    app = FastAPI(title="brisk", docs_url=None, redoc_url=None, redirect_slashes=False)
+    app.router.route_class = SanitizingRoute
     app.state.brisk = state
     _install_errors(app)
-    _install_guards(app, state, max_body_bytes)
+    app.add_middleware(Guard, api_key=lambda: state.api_key, limits=limits or EdgeLimits())
     _install_routes(app, state)
     return app
 
@@ -90,7 +103,11 @@ def _install_errors(app: FastAPI) -> None:
         err = e.errors()[0] if e.errors() else {}
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
-        return error_response(400, f"{param or 'body'}: {err.get('msg', 'invalid request')}", param)
+        return error_response(400, f"{param or 'body'}: {validation_message(err)}", param)
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid_request(_: Request, e: InvalidRequest) -> JSONResponse:
+        return error_response(400, str(e), e.param)
 
     @app.exception_handler(ValueError)
     async def _value(_: Request, e: ValueError) -> JSONResponse:
@@ -111,42 +128,10 @@ def _install_errors(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:
-        return error_response(500, f"internal error: {type(e).__name__}: {e}", None, "server_error")
-
-
-class _Guard:
-    """API key and body-size checks as plain ASGI middleware. (Starlette's BaseHTTPMiddleware
-    wraps `receive`, and through it a handler never hears that its client disconnected.)"""
-
-    def __init__(self, app: Any, state: ServerState, max_body_bytes: int) -> None:
-        self.app, self.state, self.max_body_bytes = app, state, max_body_bytes
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            refusal = self._refusal(scope)
-            if refusal is not None:
-                await refusal(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    def _refusal(self, scope: Any) -> JSONResponse | None:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        path = scope.get("path", "")
-        key = self.state.api_key
-        if key and (path.startswith("/v1") or path in ("/tokenize", "/detokenize")):
-            auth = headers.get("authorization", "")
-            given = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(given.encode(), key.encode()):
-                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                      None, "authentication_error")
-        length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return error_response(413, f"request body of {length} bytes is over the {self.max_body_bytes}-byte limit")
-        return None
-
-
-def _install_guards(app: FastAPI, state: ServerState, max_body_bytes: int) -> None:
-    app.add_middleware(_Guard, state=state, max_body_bytes=max_body_bytes)
+        # Starlette re-raises after answering and uvicorn then drops the connection: say so, so a
+        # client does not send its next request down a socket about to close.
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", None, "server_error",
+                              {"Connection": "close"})
 
 
 def _install_routes(app: FastAPI, state: ServerState) -> None:
@@ -173,29 +158,21 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         return Response(body, media_type=content_type)
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(req: TokenizeRequest) -> Response:
         state.check_model(req.model)
-        if req.messages is not None:
-            ids = state.tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
-        elif req.prompt is not None:
-            ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        else:
+        if req.messages is None and req.prompt is None:
             raise APIError(400, "give 'prompt' or 'messages'", "prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+        return await state.run_cpu(_tokenize, state, req)
 
     @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(req: DetokenizeRequest) -> Response:
         state.check_model(req.model)
-        bad = [t for t in req.tokens if not 0 <= t < state.tokenizer.vocab_size]
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{state.tokenizer.vocab_size - 1})",
-                           "tokens")
-        return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        return await state.run_cpu(_detokenize, state, req)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         state.check_model(req.model)
-        prompts = await asyncio.to_thread(_completion_prompts, req, state.tokenizer)  # a 4 MiB body takes a while
+        prompts = await state.run_cpu(_completion_prompts, req, state.tokenizer)  # a 4 MiB body takes a while
         max_tokens = req.max_tokens or 16
         for _, ids in prompts:
             state.check_length(len(ids), max_tokens, "max_tokens")
@@ -206,13 +183,13 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         view = fmt.CompletionView(state, req, prompts, job.created, job.id)
         if req.stream:
             return _sse(state, job, _stream(state, job, view, req.include_usage))
-        return JSONResponse(view.full(await _collect(state, job, raw)))
+        return await state.run_cpu(_full_response, view, await _collect(state, job, raw))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
         state.check_model(req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        ids = await asyncio.to_thread(state.tokenizer.encode_chat, messages, req.add_generation_prompt)
+        messages = [m.as_dict() for m in req.messages]
+        ids = await state.run_cpu(state.tokenizer.encode_chat, messages, req.add_generation_prompt)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         asked = req.max_completion_tokens or req.max_tokens
         max_tokens = asked if asked is not None else max(1, state.max_model_len - len(ids))
@@ -223,7 +200,29 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         view = fmt.ChatView(state, req, [(None, ids)], job.created, job.id)
         if req.stream:
             return _sse(state, job, _stream(state, job, view, req.include_usage))
-        return JSONResponse(view.full(await _collect(state, job, raw)))
+        return await state.run_cpu(_full_response, view, await _collect(state, job, raw))
+
+
+def _tokenize(state: ServerState, req: TokenizeRequest) -> JSONResponse:
+    """Tokenized and serialised off the event loop: a 4 MB prompt is ~1M ids, seconds of work."""
+    if req.messages is not None:
+        ids = state.tokenizer.encode_chat([m.as_dict() for m in req.messages])
+    else:
+        ids = state.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
+
+
+def _detokenize(state: ServerState, req: DetokenizeRequest) -> JSONResponse:
+    vocab = state.tokenizer.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "tokens")
+    return JSONResponse({"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+
+def _full_response(view: fmt.View, finals: list[RequestOutput]) -> JSONResponse:
+    """The whole response, formatted and serialised (echoes and logprobs can be megabytes)."""
+    return JSONResponse(view.full(finals))
 
 
 def _completion_prompts(req: CompletionRequest, tok: Tokenizer) -> list[tuple[str | None, list[int]]]:
@@ -352,7 +351,7 @@ async def _stream(state: ServerState, job: _Job, view: fmt.View, include_usage: 
         if include_usage:
             yield _event(view.usage_chunk(finished))
     except APIError as e:
-        yield _event({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}})
+        yield _event(error_body(e.status, e.message, e.param, e.kind))
     finally:
         if len(finished) < len(job.request_ids):  # the client went away (or an error): free the blocks
             _abort_job(state, job)

@@ -3,26 +3,67 @@
 Field names and defaults follow the OpenAI API (plus vLLM's extras: top_k, min_p,
 repetition_penalty, ignore_eos, min_tokens, stop_token_ids). Ranges are checked here so a bad
 value is a 400 naming its field; everything else SamplingParams checks again.
+
+Validation is strict, as OpenAI's is: no string is read as a number or a boolean ("5", "true"),
+and a field this server does not know is refused, not ignored, so a client that asks for JSON
+output or tool calls is told it will not get them. Fields that only describe a request (`user`,
+`metadata`, `store`, `service_tier`) are accepted and ignored.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from brisk.request import SamplingParams
+from brisk.request import InvalidRequest, SamplingParams
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
 
 
-class StreamOptions(BaseModel):
+# Known OpenAI fields that would change what the answer must be: refused with the reason.
+UNSUPPORTED = {
+    "response_format": "structured outputs are not supported yet; only {\"type\": \"text\"} is accepted",
+    "tools": "tool calling is not supported yet",
+    "tool_choice": "tool calling is not supported yet",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "tool_calls": "tool calling is not supported yet",
+    "tool_call_id": "tool calling is not supported yet",
+    "best_of": "best_of is not supported; use n and pick among the choices",
+    "suffix": "insertion (suffix) is not supported",
+    "prediction": "predicted outputs are not supported",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported; send [\"text\"] or leave it out",
+    "reasoning_effort": "this server runs no reasoning model",
+    "web_search_options": "web search is not supported",
+}
+
+
+def validation_message(err: Mapping[str, Any]) -> str:
+    """The text of a 400 for one pydantic error, with the reason for fields refused on purpose."""
+    refused = [str(p) for p in err.get("loc", ()) if str(p) in UNSUPPORTED]
+    if refused:  # an unknown field, or a known one in a form that asks for more than text
+        return UNSUPPORTED[refused[0]]
+    if err.get("type") == "extra_forbidden":
+        return "not a field this server accepts; remove it"
+    return str(err.get("msg", "invalid request"))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (e.g. "service_tier") are ignored
+class _TextFormat(_Strict):
+    type: Literal["text"]
 
+
+class _Sampling(_Strict):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -40,9 +81,15 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
-    user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # described, not acted on
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # accepted only in the form that asks for nothing beyond plain text
+    best_of: Literal[1] | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -65,14 +112,16 @@ class CompletionRequest(_Sampling):
     prompt: PromptInput
     logprobs: int | None = Field(default=None, ge=0, le=SamplingParams.MAX_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
+    suffix: None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None  # a participant's name: the templates brisk renders do not show it
+
+    def as_dict(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.text()}
 
     def text(self) -> str:
         """String content, or the text parts of a content list joined (images are not supported)."""
@@ -81,8 +130,12 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text":
-                raise ValueError(f"messages: content part type {part.get('type')!r} is not supported; send text")
-            parts.append(str(part.get("text", "")))
+                raise InvalidRequest(f"messages: content part type {part.get('type')!r} is not supported; send text",
+                                     "messages")
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise InvalidRequest("messages: a text part's 'text' must be a string", "messages")
+            parts.append(text)
         return "".join(parts)
 
 
@@ -92,15 +145,18 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=SamplingParams.MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    response_format: _TextFormat | None = None
+    modalities: list[Literal["text"]] | None = Field(default=None, min_length=1, max_length=1)
+    parallel_tool_calls: bool | None = None  # only meaningful with tools, which are refused
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]

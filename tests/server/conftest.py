@@ -34,14 +34,15 @@ def server(gguf_path: Path) -> Iterator[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def running_server(llm: Any) -> Iterator[tuple[str, Any]]:
-    """`brisk serve`'s app for `llm` on a free local port, in a thread: (base URL, app)."""
+def running_server(llm: Any, limits: Any = None) -> Iterator[tuple[str, Any]]:
+    """`brisk serve`'s app for `llm` on a free local port, in a thread, with serve's uvicorn
+    settings (`limits`: an EdgeLimits, or the defaults): (base URL, app)."""
     uvicorn = pytest.importorskip("uvicorn")
-    from brisk.server import build_app
+    from brisk.server import build_app, uvicorn_config
 
-    app = build_app(llm, api_key="")
+    app = build_app(llm, api_key="", limits=limits)
     port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    srv = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, limits))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
