@@ -246,14 +246,14 @@ class LLMEngine:
         retried rows get what the batch would have given them."""
         try:
             return run(seq_ids)
-        except Exception as e:  # noqa: BLE001 - the culprit is found below; a fatal error is not retried
+        except Exception as e:  # the culprit is found below; a fatal error is not retried
             if getattr(e, "fatal", False):
                 raise
         results: dict[str, _T] = {}
         for sid in seq_ids:
             try:
                 results.update(run([sid]))
-            except Exception as e:  # noqa: BLE001 - this row's own failure, reported to its request only
+            except Exception as e:  # this row's own failure, reported to its request only
                 if getattr(e, "fatal", False):
                     raise
                 self._failed[sid] = e

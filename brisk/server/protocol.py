@@ -15,11 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from brisk.request import InvalidRequest, SamplingParams
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
+MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 512, 1024
 
 
 # Known OpenAI fields that would change what the answer must be: refused with the reason.
@@ -71,8 +72,9 @@ class _Sampling(_Strict):
     top_k: int = Field(default=-1, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)
+    # bounded: every stop string is searched for after every token, on the engine's thread
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -90,6 +92,14 @@ class _Sampling(_Strict):
     service_tier: str | None = None
     # accepted only in the form that asks for nothing beyond plain text
     best_of: Literal[1] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _few_short_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each")
+        return stop
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(

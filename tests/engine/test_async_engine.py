@@ -57,3 +57,27 @@ def test_async_engine_outputs_errors_and_bad_input(brisk_llm: LLM) -> None:
 
     asyncio.run(main())
     assert not eng.has_unfinished_requests() and eng.scheduler.kv.num_free_blocks == eng.num_blocks
+
+
+def test_a_request_that_breaks_its_step_fails_alone(brisk_llm: LLM) -> None:
+    """The culprit's queue gets the error; a request in the same steps finishes with its tokens."""
+    from tests.engine.test_isolation import GREEDY, PROMPT, _poisoned
+
+    eng = brisk_llm.engine
+    ids = brisk_llm.tokenizer.encode(PROMPT)
+    alone = brisk_llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+    async def main() -> None:
+        ae = AsyncEngine(eng)
+        ae.start()
+        try:
+            _, good = await ae.add(ids, GREEDY)
+            _, bad = await ae.add(ids, _poisoned())
+            failed, out = await _final(bad), await _final(good)
+            assert isinstance(failed, RuntimeError) and "generation failed: stop_token_ids" in str(failed)
+            assert out.outputs[0].token_ids == alone
+        finally:
+            ae.shutdown()
+
+    asyncio.run(main())
+    assert not eng.has_unfinished_requests() and eng.scheduler.kv.num_free_blocks == eng.num_blocks

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import socket
 import threading
@@ -150,6 +151,25 @@ def test_lone_surrogates_become_replacement_characters_everywhere(srv: dict[str,
     assert _idle(srv)
 
 
+def test_an_internal_error_is_json_and_says_the_connection_closes(srv: dict[str, Any]) -> None:
+    """A bug (here a tokenizer that raises) is a 500 in OpenAI's shape with `Connection: close`,
+    since uvicorn drops the connection after it; the next request is served."""
+    tok = srv["state"].tokenizer
+    real = tok.encode
+
+    def broken(*args: Any, **kwargs: Any) -> list[int]:
+        raise TypeError("simulated tokenizer bug")
+
+    tok.encode = broken
+    try:
+        r = httpx.post(srv["base"] + "/tokenize", json={"prompt": "hi"}, timeout=30)
+    finally:
+        tok.encode = real
+    assert r.status_code == 500 and _is_openai_error(r) and r.json()["error"]["type"] == "server_error"
+    assert r.headers["connection"] == "close" and "simulated tokenizer bug" in r.json()["error"]["message"]
+    assert httpx.post(srv["base"] + "/tokenize", json={"prompt": "hi"}, timeout=30).status_code == 200
+
+
 # ------------------------------------------------------------------ 3. body limits
 def test_chunked_and_declared_bodies_over_the_limit_get_413(srv: dict[str, Any]) -> None:
     from brisk.server.edge import EdgeLimits
@@ -196,14 +216,15 @@ def test_big_tokenize_calls_leave_health_fast(server: dict[str, Any]) -> None:
             time.sleep(0.05)
     assert done == [200] * 6
     assert worst < 1.0, f"/health took {worst:.2f} s while six 4 MB prompts were tokenized"
+    print(f"six 4 MB /tokenize calls at once: slowest /health {worst * 1000:.1f} ms")
 
 
 # ------------------------------------------------------------------ 5. slow clients
 def test_trickling_body_and_head_are_cut_after_the_deadline(srv: dict[str, Any]) -> None:
     host, port = srv["addr"]
-    for first, drip in ((f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\ncontent-type: application/json\r\n"
-                         "content-length: 200\r\n\r\n{", b" "),  # the body trickles
-                        (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n", b"x")):  # the head trickles
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+    body_first = head + "content-type: application/json\r\ncontent-length: 200\r\n\r\n{"
+    for first, drip in ((body_first, b" "), (head, b"x")):  # the body trickles, then the head
         started = time.perf_counter()
         with socket.create_connection((host, port), timeout=10) as s:
             s.sendall(first.encode())
@@ -366,9 +387,17 @@ def _random_request(rng: random.Random) -> tuple[str, dict[str, Any]]:
     return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
 
+SENTINEL = {"prompt": "A short poem about the sea:", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+
 def test_randomized_requests_never_get_5xx_and_leak_nothing(srv: dict[str, Any]) -> None:
+    """Seeded hostile traffic, 8 at a time, with a well-formed greedy request (the sentinel) every
+    20th: no 5xx, every error in OpenAI's shape, every sentinel exactly its text alone, /health
+    fast throughout, and nothing left behind. BRISK_HOSTILE_REQUESTS sets the count (300)."""
     rng = random.Random(1234)
-    work = [_random_request(rng) for _ in range(300)]
+    count = int(os.environ.get("BRISK_HOSTILE_REQUESTS", "300"))
+    work = [("/v1/completions", dict(SENTINEL)) if i % 20 == 0 else _random_request(rng) for i in range(count)]
+    sentinel_text = httpx.post(srv["base"] + "/v1/completions", json=SENTINEL, timeout=60).json()["choices"][0]["text"]
     statuses: dict[int, int] = {}
     bad: list[str] = []
     health: list[float] = []
@@ -378,6 +407,8 @@ def test_randomized_requests_never_get_5xx_and_leak_nothing(srv: dict[str, Any])
         async with client.stream("POST", path, content=content, headers={"content-type": "application/json"}) as r:
             raw = await r.aread()
         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+        if body == SENTINEL and (r.status_code != 200 or json.loads(raw)["choices"][0]["text"] != sentinel_text):
+            bad.append(f"sentinel harmed: {r.status_code} {raw[:300]!r}")
         if r.status_code >= 500:
             bad.append(f"{r.status_code} {body} -> {raw[:300]!r}")
         elif r.status_code != 200:
@@ -422,5 +453,6 @@ def test_randomized_requests_never_get_5xx_and_leak_nothing(srv: dict[str, Any])
     assert _idle(srv)
     r = httpx.post(srv["base"] + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-    print(f"randomized: statuses {dict(sorted(statuses.items()))}, /health p50 {health[len(health) // 2] * 1000:.1f} "
-          f"ms p99 {p99 * 1000:.1f} ms over {len(health)} probes")
+    print(f"randomized: {count} requests ({len(range(0, count, 20))} sentinels, all intact), statuses "
+          f"{dict(sorted(statuses.items()))}, /health p50 {health[len(health) // 2] * 1000:.1f} ms p99 "
+          f"{p99 * 1000:.1f} ms max {health[-1] * 1000:.1f} ms over {len(health)} probes")
