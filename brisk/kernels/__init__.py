@@ -2,22 +2,31 @@
 
 `gemv` is the single-row linear used by decode. When the extension was not built (no compiler at
 install time, a non-x86 CPU without a build), `HAVE_CPU_GEMV` is False and callers use F.linear:
-the same results, slower decode. Which path runs is decided once, here, at import.
+the same results, slower decode. Which path runs is decided once, here, at import: `CAPS`
+(capability.py) says which instruction set the kernels use (BRISK_CPU_ISA may lower it) and which
+kernels exist, and every `*_supported` below asks it.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from brisk.kernels.capability import KernelCaps, detect, warn_missing
 
 try:
     from brisk import _C  # type: ignore[attr-defined]
 
-    HAVE_CPU_GEMV = True
-    ISA = str(_C.isa())
-except ImportError:
+    _LOAD_ERROR = None
+except ImportError as e:
     _C = None
-    HAVE_CPU_GEMV = False
-    ISA = "none"
+    _LOAD_ERROR = f"brisk._C did not import: {e}"
+
+CAPS: KernelCaps = detect(_C, _LOAD_ERROR)
+warn_missing(CAPS)
+HAVE_CPU_GEMV = CAPS.built
+ISA = CAPS.isa if CAPS.built else "none"
 
 GEMV_DTYPES = (torch.float32, torch.bfloat16)
 # Where no packed weight exists (pack_weights=False, torch without oneDNN), up to this many rows
@@ -25,7 +34,7 @@ GEMV_DTYPES = (torch.float32, torch.bfloat16)
 # and gives each row exactly the result `gemv` gives it alone (batch-invariant decoding). float32
 # keeps that up to 32 rows at BLAS speed or better; bfloat16 BLAS (oneDNN, AVX512-BF16) computes
 # twice as fast past ~8 rows, and bfloat16 is not the exactness reference, so it stops at 8.
-SMALL_GEMM_MAX_ROWS = 32 if ISA == "avx512" else 1
+SMALL_GEMM_MAX_ROWS = 32 if CAPS.avx512 else 1
 SMALL_GEMM_ROWS_BY_DTYPE = {torch.float32: SMALL_GEMM_MAX_ROWS, torch.bfloat16: min(8, SMALL_GEMM_MAX_ROWS)}
 
 
@@ -123,7 +132,7 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 def int8_gemm_supported(qweight: torch.Tensor, x: torch.Tensor | None = None) -> bool:
     """True when `int8_gemm` can serve this int8 weight and input: CPU with AVX-512, extension built."""
-    return (SMALL_GEMM_MAX_ROWS > 1 and qweight.device.type == "cpu" and qweight.dtype == torch.int8
+    return (CAPS.avx512 and qweight.device.type == "cpu" and qweight.dtype == torch.int8
             and qweight.is_contiguous() and (x is None or x.device.type == "cpu"))
 
 
@@ -138,7 +147,7 @@ def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
 def int8_kernel_tiles() -> bool:
     """True when the build has `int8_gemm_tiled` (where `int8_gemm` serves a weight of whole tiles,
     quant/base.TiledLinear, this one can)."""
-    return _built("int8_gemm_tiled")
+    return CAPS.has("int8_gemm_tiled")
 
 
 def int8_gemm_tiled(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -150,21 +159,16 @@ def int8_gemm_tiled(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return _C.int8_gemm_tiled(x, qweight, scale, bias)
 
 
-def _built(name: str) -> bool:
-    """The extension is built and has `name` (an older in-tree build may lack newer kernels)."""
-    return _C is not None and hasattr(_C, name)
-
-
 def group_kernel_supported(qweight: torch.Tensor, x: torch.Tensor | None = None) -> bool:
     """True when `group_gemm` / `group_dequantize` (and `ternary_gemm`) can serve this weight and
     input: CPU with AVX-512, extension built."""
-    return (SMALL_GEMM_MAX_ROWS > 1 and _built("group_gemm") and qweight.device.type == "cpu"
+    return (CAPS.avx512 and CAPS.has("group_gemm") and qweight.device.type == "cpu"
             and qweight.is_contiguous() and (x is None or x.device.type == "cpu"))
 
 
 def group_kernel_tiles() -> bool:
     """True when the group kernels read the tiled layout (quant/base.TiledLinear) given tiled=True."""
-    return _built("group_tile_rows")
+    return CAPS.has("group_tile_rows")
 
 
 def group_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
@@ -185,7 +189,7 @@ ACT_KERNELS = {"int8": "group_gemm_q8act", "int16": "group_gemm_q16act"}  # quan
 def group_qact_supported(mode: str, bits: int) -> bool:
     """True when `group_gemm_qact` runs here for activations `mode` ("int8", "int16") and weights of
     `bits` (int16 activations meet 4-bit weights only): extension built, AVX512-VNNI."""
-    return _HAVE_VNNI and _built(ACT_KERNELS[mode]) and (mode == "int8" or bits == 4)
+    return _HAVE_VNNI and CAPS.has(ACT_KERNELS[mode]) and (mode == "int8" or bits == 4)
 
 
 def group_gemm_qact(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
@@ -211,14 +215,14 @@ def group_dequantize(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
 def group_dequantize_rows(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
                           bits: int, tiled: bool, ids: torch.Tensor) -> torch.Tensor | None:
     """Rows `ids` of `group_dequantize`'s weight, float32 [len(ids), in]; None where the extension lacks it."""
-    if not _built("group_dequantize_rows"):
+    if not CAPS.has("group_dequantize_rows"):
         return None
     return _C.group_dequantize_rows(qweight, scale, zero, group, bits, tiled, ids)
 
 
 def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when `rms_norm` can serve these float32 CPU tensors (AVX-512 build)."""
-    return (SMALL_GEMM_MAX_ROWS > 1 and _built("rms_norm") and x.device.type == "cpu" and x.dtype == torch.float32
+    return (CAPS.avx512 and CAPS.has("rms_norm") and x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32)
 
 
@@ -230,7 +234,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def silu_mul_supported(gate_up: torch.Tensor) -> bool:
     """True when `silu_mul` can serve this [n, 2 * inter] tensor (float32, CPU, AVX-512 build)."""
-    return (SMALL_GEMM_MAX_ROWS > 1 and _built("silu_mul") and gate_up.device.type == "cpu"
+    return (CAPS.avx512 and CAPS.has("silu_mul") and gate_up.device.type == "cpu"
             and gate_up.dtype == torch.float32 and gate_up.dim() == 2 and gate_up.is_contiguous())
 
 
@@ -245,7 +249,7 @@ def have_vnni() -> bool:
     return _HAVE_VNNI
 
 
-_HAVE_VNNI = _built("quantize_rows") and bool(_C.have_vnni())  # decided once: W8A8 asks on every call
+_HAVE_VNNI = CAPS.has("quantize_rows") and CAPS.vnni  # decided once: W8A8 asks on every call
 
 
 def quantize_rows(x: torch.Tensor, unsigned_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,7 +286,7 @@ def ternary_gemm(x: torch.Tensor, plus: torch.Tensor, minus: torch.Tensor, scale
 
 def rotary_supported(qkv: torch.Tensor, cos: torch.Tensor) -> bool:
     """True when `rotary` serves these tensors: float32 on the CPU, extension built."""
-    return (_built("rotary") and qkv.device.type == "cpu" and qkv.dtype == torch.float32
+    return (CAPS.has("rotary") and qkv.device.type == "cpu" and qkv.dtype == torch.float32
             and cos.dtype == torch.float32 and qkv.dim() == 2 and qkv.stride(1) == 1)
 
 
@@ -295,7 +299,7 @@ def rotary(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) 
 
 def kv_store_supported(k_cache: torch.Tensor) -> bool:
     """True when `kv_store` can write into this cache: on the CPU, contiguous, extension built."""
-    return _built("kv_store") and k_cache.device.type == "cpu" and k_cache.is_contiguous()
+    return CAPS.has("kv_store") and k_cache.device.type == "cpu" and k_cache.is_contiguous()
 
 
 def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -303,3 +307,17 @@ def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     """k_cache[b, :, :, o] = k[t] and v_cache[b, :, o] = v[t] for each token t in slot (b, o)."""
     assert _C is not None
     _C.kv_store(k_cache, v_cache, k, v, slot_blocks, slot_offsets)
+
+
+def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> None:
+    """Exact causal attention of q over a paged KV cache, written into `out` (model/paged_attention.py
+    builds the arguments and checks what it hands over)."""
+    assert _C is not None
+    _C.paged_attention(out, q, k_cache, v_cache, block_tables, query_start, kv_lens, scale)
+
+
+def new_decode_plan(num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float) -> Any:
+    """An empty C++ DecodePlan (model/decode_plan.py fills it layer by layer)."""
+    assert _C is not None
+    return _C.DecodePlan(num_heads, num_kv_heads, head_dim, intermediate, eps)

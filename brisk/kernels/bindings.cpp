@@ -1,6 +1,7 @@
 // Python bindings of brisk._C: one module for all CPU kernels.
 #include <torch/extension.h>
 
+#include "isa.h"
 #include "kernels.h"
 
 void bind_decode_plan(py::module& m);
@@ -44,7 +45,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("have_vnni", &have_vnni, "whether this CPU runs the VNNI int8 kernels");
   m.def("ternary_gemm", &ternary_gemm, "x @ T^T * scale (+bias), T ternary in two bit planes: masked adds/subs",
         py::arg("x"), py::arg("plus"), py::arg("minus"), py::arg("scale"), py::arg("bias") = py::none());
-  m.def("isa", &isa_name, "instruction set the GEMV kernels dispatch to on this CPU");
+  m.def("isa", &isa_name, "instruction set the kernels dispatch to now");
+  m.def("cpu_isa", []() { return brisk_isa::name(brisk_isa::cpu()); }, "the best instruction set this CPU offers");
+  m.def("set_isa", [](const std::string& name) { brisk_isa::set(brisk_isa::parse(name)); },
+        "lower the instruction set the kernels use (never above the CPU's); before any kernel runs", py::arg("name"));
   m.def("rotary", &rotary, "rotary embedding of the first `heads` heads of fused qkv rows (torch's rounding)",
         py::arg("qkv"), py::arg("heads"), py::arg("cos"), py::arg("sin"));
   m.def("kv_store", &kv_store, "write new tokens' keys and values into their paged slots", py::arg("k_cache"),

@@ -178,7 +178,7 @@ class DecodePlan {
   DecodePlan(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate), eps_(eps) {
 #ifdef BRISK_X86
-    TORCH_CHECK(brisk_simd::cpu_has_avx512f(), "brisk DecodePlan: needs AVX-512 (its kernels have no other path)");
+    TORCH_CHECK(brisk_isa::avx512(), "brisk DecodePlan: needs AVX-512 (its kernels have no other path)");
 #else
     TORCH_CHECK(false, "brisk DecodePlan: needs an x86-64 CPU with AVX-512");
 #endif

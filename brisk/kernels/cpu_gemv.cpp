@@ -13,6 +13,7 @@
 
 #include <cmath>
 
+#include "isa.h"
 #include "kernels.h"
 #include "simd.h"
 
@@ -166,24 +167,12 @@ __attribute__((target("avx512f"))) void small_gemm_avx512(const T* w, const floa
 }
 #endif
 
-enum class Isa { kScalar, kAvx2, kAvx512 };
-
-Isa detect_isa() {
-#ifdef BRISK_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
-#endif
-  return Isa::kScalar;
-}
-
-const Isa kIsa = detect_isa();
-
 template <typename T>
 void rows(const T* w, const T* x, float* y, int64_t r0, int64_t r1, int64_t in) {
 #ifdef BRISK_X86
-  if (kIsa == Isa::kAvx512) return rows_avx512(w, x, y, r0, r1, in);
-  if (kIsa == Isa::kAvx2) return rows_avx2(w, x, y, r0, r1, in);
+  const brisk_isa::Level isa = brisk_isa::active();
+  if (isa == brisk_isa::Level::kAvx512) return rows_avx512(w, x, y, r0, r1, in);
+  if (isa == brisk_isa::Level::kAvx2) return rows_avx2(w, x, y, r0, r1, in);
 #endif
   rows_scalar(w, x, y, r0, r1, in);
 }
@@ -233,7 +222,7 @@ void small_gemm_rows(const T* wp, const float* xp, float* yp, int64_t m_rows, in
 // y[M, out] = x[M, in] @ w[out, in]^T (+ bias) for small M (decode batches): weights streamed once.
 // Only with AVX-512 (callers check `small_gemm_supported`); per row identical to `gemv`.
 torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(kIsa == Isa::kAvx512, "brisk small_gemm: needs AVX-512");
+  TORCH_CHECK(brisk_isa::avx512(), "brisk small_gemm: needs AVX-512");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && x.dim() == 2 && x.size(1) == w.size(1),
               "brisk small_gemm: shapes do not fit");
   const int64_t m_rows = x.size(0), out = w.size(0), in = w.size(1);
@@ -253,20 +242,14 @@ torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& w, const c
   return w.scalar_type() == torch::kFloat32 ? y : y.to(w.scalar_type());
 }
 
-std::string isa_name() {
-  switch (kIsa) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    default: return "scalar";
-  }
-}
+std::string isa_name() { return brisk_isa::name(brisk_isa::active()); }
 
 // y[M, out] = (x[M, in] @ q[out, in]^T) * scale[out] (+ bias): int8 weights with one float32 scale
 // per output row (quant/int8.py), read at a quarter of float32's bytes and widened in registers.
 // Any M; decode batches are what it is for (prefill dequantizes and uses a GEMM instead).
 torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                         const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(kIsa == Isa::kAvx512, "brisk int8_gemm: needs AVX-512");
+  TORCH_CHECK(brisk_isa::avx512(), "brisk int8_gemm: needs AVX-512");
   TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "brisk int8_gemm: q must be a contiguous int8 [out, in]");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == q.size(1), "brisk int8_gemm: x does not fit q");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.numel() == q.size(0), "brisk int8_gemm: scale must be float32 [out]");
@@ -334,7 +317,7 @@ __attribute__((target("avx512f"))) void tiled_rows(const int8_t* t, const float*
 // int8_gemm with q in the tiled layout (quant/int8.py tile_rows): out % 4 == 0, in % 64 == 0.
 torch::Tensor int8_gemm_tiled(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                               const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(kIsa == Isa::kAvx512, "brisk int8_gemm_tiled: needs AVX-512");
+  TORCH_CHECK(brisk_isa::avx512(), "brisk int8_gemm_tiled: needs AVX-512");
   TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(),
               "brisk int8_gemm_tiled: q must be a contiguous int8 [out, in]");
   const int64_t m_rows = x.size(0), out = q.size(0), in = q.size(1);

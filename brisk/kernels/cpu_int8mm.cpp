@@ -17,13 +17,7 @@
 namespace {
 
 #ifdef BRISK_X86
-bool cpu_has_vnni() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni") != 0 && __builtin_cpu_supports("avx512bw") != 0;
-  }();
-  return has;
-}
+bool cpu_has_vnni() { return brisk_isa::vnni(); }
 
 // acc rows [m0, m0 + MB) x weight rows [r, r + R), K a multiple of 64.
 template <int MB, int R>
@@ -92,7 +86,7 @@ __attribute__((target("avx512f"))) void quantize_row_avx512(const float* row, ui
 
 void quantize_row(const float* row, uint8_t* out, int64_t k, int offset, float* a) {
 #ifdef BRISK_X86
-  if (brisk_simd::cpu_has_avx512f()) return quantize_row_avx512(row, out, k, offset, a);
+  if (brisk_isa::avx512()) return quantize_row_avx512(row, out, k, offset, a);
 #endif
   float amax = 0.f;
   for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));

@@ -52,7 +52,7 @@ void check_rows(const torch::Tensor& x, const char* what) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "brisk ",
               what, ": x must be a contiguous float32 CPU [n, h]");
 #ifdef BRISK_X86
-  TORCH_CHECK(brisk_simd::cpu_has_avx512f(), "brisk ", what, ": needs AVX-512");
+  TORCH_CHECK(brisk_isa::avx512(), "brisk ", what, ": needs AVX-512");
 #else
   TORCH_CHECK(false, "brisk ", what, ": needs an x86-64 CPU");
 #endif

@@ -242,7 +242,7 @@ inline __attribute__((always_inline)) void attend_token_any(const T* q, T* out, 
                                                             const int32_t* bt, int64_t ctx, int64_t kvh, int64_t g0,
                                                             int64_t gn, const Shape& s) {
 #ifdef BRISK_X86
-  if (s.block_size == 16 && brisk_simd::cpu_has_avx512f()) {
+  if (s.block_size == 16 && brisk_isa::avx512()) {
     if (s.head_dim == 64) return attend_token_avx512<T, 64>(q, out, k, v, bt, ctx, kvh, g0, gn, s);
     if (s.head_dim == 128) return attend_token_avx512<T, 128>(q, out, k, v, bt, ctx, kvh, g0, gn, s);
   }

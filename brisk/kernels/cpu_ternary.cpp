@@ -55,7 +55,7 @@ torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& plus, co
   const int64_t m = xf.size(0);
   auto y = torch::empty({m, out}, xf.options());
 #ifdef BRISK_X86
-  TORCH_CHECK(brisk_simd::cpu_has_avx512f(), "brisk ternary_gemm: needs AVX-512");
+  TORCH_CHECK(brisk_isa::avx512(), "brisk ternary_gemm: needs AVX-512");
   const uint8_t* pp = plus.data_ptr<uint8_t>();
   const uint8_t* np = minus.data_ptr<uint8_t>();
   const float* xp = xf.data_ptr<float>();

@@ -31,7 +31,7 @@ inline GroupWeights check_group_weights(const torch::Tensor& q, const torch::Ten
                                         const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
                                         bool tiled) {
 #ifdef BRISK_X86
-  TORCH_CHECK(brisk_simd::cpu_has_avx512f(), "brisk group kernels: need AVX-512");
+  TORCH_CHECK(brisk_isa::avx512(), "brisk group kernels: need AVX-512");
 #else
   TORCH_CHECK(false, "brisk group kernels: need an x86-64 CPU with AVX-512");
 #endif

@@ -5,6 +5,8 @@
 
 #include <c10/util/BFloat16.h>
 
+#include "isa.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define BRISK_X86 1
@@ -54,14 +56,6 @@ __attribute__((target("avx512f"))) inline __m512i round_clamp(__m512 v, int leve
   const __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const float l = static_cast<float>(levels);
   return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-l)), _mm512_set1_ps(l)));
-}
-
-inline bool cpu_has_avx512f() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") != 0;
-  }();
-  return has;
 }
 
 }  // namespace brisk_simd

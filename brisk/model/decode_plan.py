@@ -40,8 +40,8 @@ LinearOp = tuple[int, torch.Tensor, Any, Any, Any, int, int, bool]
 
 
 def plan_supported() -> bool:
-    """The extension has the plan and the kernels it calls (AVX-512 build)."""
-    return (kernels._built("DecodePlan") and kernels._built("rotary") and kernels._built("kv_store")
+    """The extension has the plan and the kernels it calls, and runs AVX-512 (the plan's only path yet)."""
+    return (kernels.CAPS.avx512 and all(kernels.CAPS.has(k) for k in ("DecodePlan", "rotary", "kv_store"))
             and HAVE_PAGED_KERNEL and kernels.SMALL_GEMM_MAX_ROWS >= PLAN_MAX_ROWS)
 
 
@@ -79,8 +79,8 @@ def build_decode_plan(model: torch.nn.Module) -> Any | None:
     if not plan_supported():
         return None
     cfg = model.config
-    plan = kernels._C.DecodePlan(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                 cfg.intermediate_size, float(cfg.rms_norm_eps))
+    plan = kernels.new_decode_plan(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                   cfg.intermediate_size, float(cfg.rms_norm_eps))
     for layer in model.layers:
         if not (type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
                 and type(layer.mlp) is LlamaMLP):

@@ -23,18 +23,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from brisk.kernels import kv_store, kv_store_supported
+from brisk.kernels import CAPS, kv_store, kv_store_supported, paged_attention
 from brisk.model.attention import KVCache
 
 KERNEL_MAX_QUERY = 16  # spans with at most this many new tokens use the paged kernel
-
-try:
-    from brisk import _C  # type: ignore[attr-defined]
-
-    HAVE_PAGED_KERNEL = hasattr(_C, "paged_attention")
-except ImportError:
-    _C = None
-    HAVE_PAGED_KERNEL = False
+HAVE_PAGED_KERNEL = CAPS.has("paged_attention")  # every ISA level: AVX-512 blocks, portable C++ otherwise
 
 
 @dataclass(frozen=True)
@@ -101,9 +94,8 @@ class PagedAttention:
         if nk and self.padded is not None:
             out[:nk] = _padded_attend(q[:nk], k_cache, v_cache, self.padded, self.scale)
         elif nk:
-            assert _C is not None
-            _C.paged_attention(out[:nk], q[:nk].contiguous(), k_cache, v_cache, self.block_tables,
-                               self.query_start, self.kv_lens, self.scale)
+            paged_attention(out[:nk], q[:nk].contiguous(), k_cache, v_cache, self.block_tables,
+                            self.query_start, self.kv_lens, self.scale)
         for span in self.gather_spans:
             rows = slice(span.query_start, span.query_start + span.num_tokens)
             out[rows] = _gather_attend(q[rows], k_cache, v_cache, span)

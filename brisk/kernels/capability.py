@@ -1,0 +1,88 @@
+"""What the compiled kernels can do here, decided once at import: the one object every caller asks.
+
+    CPU (cpuid) ──► best ISA it offers ──┐
+    BRISK_CPU_ISA (optional) ────────────┴─► ISA in use (never above the CPU's) ──► brisk._C.set_isa
+
+`BRISK_CPU_ISA=avx512|avx2|scalar` lowers the instruction set every C++ kernel dispatches to, so
+the AVX2 and portable paths run (and are tested) on an AVX-512 machine; a kernel without a path at
+that level is reported unavailable and its caller uses torch, as on such a CPU. A value the CPU
+cannot honour, or an unknown one, is an error at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+ISA_ENV = "BRISK_CPU_ISA"
+LEVELS = ("scalar", "avx2", "avx512")  # ascending
+BUILD_HINT = "pip install torch==2.13.0 ninja && pip install --no-build-isolation -e .  (with a C++ compiler)"
+
+
+@dataclass(frozen=True)
+class KernelCaps:
+    built: bool  # brisk._C imported
+    load_error: str | None  # why it did not
+    cpu_isa: str  # the best the CPU offers (one of LEVELS)
+    isa: str  # what the kernels use (<= cpu_isa)
+    vnni: bool  # AVX512-VNNI integer kernels usable (needs isa avx512)
+    names: frozenset[str]  # the kernels this build has
+
+    @property
+    def avx512(self) -> bool:
+        """The AVX-512 kernels are built and in use (most kernels have no other path yet)."""
+        return self.built and self.isa == "avx512"
+
+    def has(self, name: str) -> bool:
+        """The build has kernel `name` (an older in-tree build may lack newer ones)."""
+        return name in self.names
+
+    def describe(self) -> str:
+        if not self.built:
+            return f"C++ kernels not built ({self.load_error}); CPU {self.cpu_isa}"
+        lowered = f" (lowered by {ISA_ENV})" if self.isa != self.cpu_isa else ""
+        return f"C++ kernels built; ISA {self.isa}{lowered}, CPU {self.cpu_isa}, VNNI {'yes' if self.vnni else 'no'}"
+
+
+def _torch_cpu_isa() -> str:
+    """The CPU's level as torch sees it (for builds without brisk._C)."""
+    cap = torch.backends.cpu.get_cpu_capability().lower()
+    return "avx512" if cap.startswith("avx512") else "avx2" if cap.startswith("avx2") else "scalar"
+
+
+def requested_isa(cpu_isa: str, env: dict[str, str] | None = None) -> str:
+    """The level BRISK_CPU_ISA asks for (the CPU's own when unset); ValueError when it cannot be had."""
+    value = (os.environ if env is None else env).get(ISA_ENV, "").strip().lower()
+    if value in ("", "native", "auto"):
+        return cpu_isa
+    if value not in LEVELS:
+        raise ValueError(f"{ISA_ENV}={value!r} is not an instruction set brisk has: use one of {', '.join(LEVELS)} "
+                         "(or unset it for this CPU's best)")
+    if LEVELS.index(value) > LEVELS.index(cpu_isa):
+        raise ValueError(f"{ISA_ENV}={value} asks for more than this CPU offers ({cpu_isa}); use "
+                         f"{' or '.join(LEVELS[:LEVELS.index(cpu_isa) + 1])}, or unset it")
+    return value
+
+
+def detect(ext: ModuleType | None, load_error: str | None) -> KernelCaps:
+    """Decide the ISA once and tell the extension (before any kernel runs)."""
+    if ext is None:
+        cpu = _torch_cpu_isa()
+        return KernelCaps(False, load_error, cpu, requested_isa(cpu), False, frozenset())
+    cpu = str(ext.cpu_isa()) if hasattr(ext, "cpu_isa") else str(ext.isa())
+    isa = requested_isa(cpu)
+    if hasattr(ext, "set_isa"):
+        ext.set_isa(isa)
+    names = frozenset(n for n in dir(ext) if not n.startswith("_"))
+    return KernelCaps(True, None, cpu, str(ext.isa()), bool(ext.have_vnni()) if "have_vnni" in names else False, names)
+
+
+def warn_missing(caps: KernelCaps) -> None:
+    """Say once, on stderr, that decode runs without brisk's kernels, and how to get them."""
+    if not caps.built:
+        print(f"brisk: the C++ kernels are not available ({caps.load_error}); decode runs on torch's kernels "
+              f"(same results, slower). To build them: {BUILD_HINT}", file=sys.stderr)

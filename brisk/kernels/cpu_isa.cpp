@@ -1,0 +1,57 @@
+#include "isa.h"
+
+#include <torch/extension.h>
+
+#include <atomic>
+
+namespace brisk_isa {
+namespace {
+
+Level detect() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return Level::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Level::kAvx2;
+#endif
+  return Level::kScalar;
+}
+
+bool detect_vnni() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni") != 0 && __builtin_cpu_supports("avx512bw") != 0;
+#else
+  return false;
+#endif
+}
+
+const Level kCpu = detect();
+const bool kVnni = detect_vnni();
+std::atomic<int> g_active{static_cast<int>(kCpu)};
+
+}  // namespace
+
+Level cpu() { return kCpu; }
+Level active() { return static_cast<Level>(g_active.load(std::memory_order_relaxed)); }
+bool vnni() { return kVnni && avx512(); }
+
+void set(Level level) {
+  g_active.store(std::min(static_cast<int>(level), static_cast<int>(kCpu)), std::memory_order_relaxed);
+}
+
+std::string name(Level level) {
+  switch (level) {
+    case Level::kAvx512: return "avx512";
+    case Level::kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+Level parse(const std::string& s) {
+  if (s == "avx512") return Level::kAvx512;
+  if (s == "avx2") return Level::kAvx2;
+  if (s == "scalar") return Level::kScalar;
+  TORCH_CHECK(false, "brisk: unknown instruction set '", s, "'; use avx512, avx2 or scalar");
+}
+
+}  // namespace brisk_isa

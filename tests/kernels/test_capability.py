@@ -1,0 +1,149 @@
+"""The kernel capability object: BRISK_CPU_ISA lowers the instruction set every C++ kernel uses,
+refuses what the CPU cannot do, and the lowered paths give the native path's tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from brisk import kernels
+from brisk.kernels.capability import ISA_ENV, LEVELS, requested_isa
+
+ROOT = Path(__file__).resolve().parents[2]
+LOWER = [level for level in LEVELS if LEVELS.index(level) < LEVELS.index(kernels.CAPS.cpu_isa)]
+
+
+def _run(code: str, isa: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != ISA_ENV}
+    if isa is not None:
+        env[ISA_ENV] = isa
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+                          timeout=300)
+
+
+def test_requested_isa_never_exceeds_the_cpu() -> None:
+    assert requested_isa("avx512", {}) == "avx512"
+    assert requested_isa("avx512", {ISA_ENV: "AVX2"}) == "avx2"
+    assert requested_isa("avx2", {ISA_ENV: "native"}) == "avx2"
+    assert requested_isa("avx2", {ISA_ENV: "scalar"}) == "scalar"
+    with pytest.raises(ValueError, match=r"BRISK_CPU_ISA=avx512 asks for more than this CPU offers \(avx2\); use "
+                                         r"scalar or avx2"):
+        requested_isa("avx2", {ISA_ENV: "avx512"})
+    with pytest.raises(ValueError, match=r"'sse9' is not an instruction set brisk has: use one of scalar, avx2, "
+                                         r"avx512"):
+        requested_isa("avx512", {ISA_ENV: "sse9"})
+
+
+def test_the_native_isa_is_the_cpus() -> None:
+    if not kernels.CAPS.built:
+        pytest.skip("the C++ kernels are not built")
+    assert kernels.CAPS.isa == kernels.CAPS.cpu_isa == kernels.ISA
+    assert kernels.CAPS.has("gemv") and not kernels.CAPS.has("no_such_kernel")
+
+
+PROBE = """
+import json
+from brisk import kernels
+from brisk.model.decode_plan import plan_supported
+c = kernels.CAPS
+print(json.dumps({"isa": c.isa, "cpu": c.cpu_isa, "ext": kernels._C.isa(), "vnni": c.vnni,
+                  "small_gemm_rows": kernels.SMALL_GEMM_MAX_ROWS, "plan": plan_supported(),
+                  "have_vnni": kernels.have_vnni(), "describe": c.describe()}))
+"""
+
+
+@pytest.mark.parametrize("isa", LOWER)
+def test_a_lowered_isa_reaches_every_kernel(isa: str) -> None:
+    if not kernels.CAPS.built:
+        pytest.skip("the C++ kernels are not built")
+    r = _run(PROBE, isa)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert (got["isa"], got["ext"], got["cpu"]) == (isa, isa, kernels.CAPS.cpu_isa)
+    # AVX-512-only kernels and the decode plan stand aside, as on a CPU without AVX-512
+    assert got["small_gemm_rows"] == 1 and not got["plan"] and not got["vnni"] and not got["have_vnni"]
+    assert f"lowered by {ISA_ENV}" in got["describe"]
+
+
+def test_a_bad_isa_stops_start_up_with_the_reason() -> None:
+    r = _run("import brisk.kernels", "avx1024")
+    assert r.returncode != 0 and "BRISK_CPU_ISA='avx1024' is not an instruction set brisk has" in r.stderr
+
+
+GREEDY = """
+import json
+from brisk import LLM, SamplingParams
+llm = LLM("smollm2-135m", max_model_len=512, num_kv_blocks=64)
+prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
+print(json.dumps([o.outputs[0].token_ids for o in outs]))
+"""
+
+
+@pytest.mark.parametrize("isa", LOWER)
+def test_lowered_paths_give_the_native_greedy_tokens(isa: str, gguf_path: Path) -> None:
+    """The real model, batched, through the paths an AVX2 or a portable build takes (torch's
+    matmuls, the portable paged attention): the same 24 greedy tokens as the native path."""
+    native = _run(GREEDY, None)
+    lowered = _run(GREEDY, isa)
+    assert native.returncode == 0 and lowered.returncode == 0, native.stderr + lowered.stderr
+    assert json.loads(lowered.stdout) == json.loads(native.stdout)
+
+
+EXACTNESS = ["tests/model/test_kernels.py", "tests/model/test_reference.py::test_logits_match_hf_on_varied_prompts",
+             "tests/quant/test_int8.py"]
+
+
+@pytest.mark.parametrize("isa", LOWER)
+def test_exactness_tests_pass_under_a_lowered_isa(isa: str, gguf_path: Path) -> None:
+    """The kernel tests (each kernel against its reference), the real model's logits against HF
+    transformers and the int8 Linears, run again with every kernel at `isa` (~25 s each)."""
+    env = {**os.environ, ISA_ENV: isa}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *EXACTNESS], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout.splitlines()[-1]
+
+
+def _setup_py(block_torch: bool, allow: bool) -> subprocess.CompletedProcess[str]:
+    """setup.py as an isolated build runs it (torch not importable when `block_torch`)."""
+    code = ("import runpy, sys\n" + ("sys.modules['torch'] = None\n" if block_torch else "")
+            + "sys.argv = ['setup.py', '--name']\nrunpy.run_path('setup.py', run_name='__main__')\n")
+    env = {k: v for k, v in os.environ.items() if k != "BRISK_ALLOW_NO_KERNELS"}
+    if allow:
+        env["BRISK_ALLOW_NO_KERNELS"] = "1"
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_a_build_without_torch_stops_and_says_what_to_run() -> None:
+    r = _setup_py(block_torch=True, allow=False)
+    assert r.returncode != 0
+    assert "torch is not importable in this build environment" in r.stderr
+    assert "pip install --no-build-isolation -e ." in r.stderr
+    r = _setup_py(block_torch=True, allow=True)  # asked for: the pure-Python package, said out loud
+    assert r.returncode == 0 and "installing without the C++ kernels" in r.stderr and "brisk-llm" in r.stdout
+    assert _setup_py(block_torch=False, allow=False).returncode == 0
+
+
+def test_missing_kernels_are_reported_once_on_stderr() -> None:
+    code = ("import sys; sys.modules['brisk._C'] = None\nfrom brisk import kernels\n"
+            "print(kernels.CAPS.built, kernels.HAVE_CPU_GEMV, kernels.SMALL_GEMM_MAX_ROWS)")
+    r = _run(code, None)
+    assert r.returncode == 0 and r.stdout.split() == ["False", "False", "1"]
+    assert r.stderr.count("the C++ kernels are not available") == 1 and "--no-build-isolation" in r.stderr
+
+
+def test_brisk_env_reports_the_isa_and_kernels() -> None:
+    r = subprocess.run([sys.executable, "-m", "brisk.cli", "env", "--json", "--no-bandwidth"], cwd=ROOT,
+                       env={**os.environ, ISA_ENV: "scalar"}, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    env = json.loads(r.stdout)
+    assert env["isa_in_use"] == "scalar" and env["isa_env"] == "scalar" and env["isa_cpu"] == kernels.CAPS.cpu_isa
+    assert env["kernels_built"] == kernels.CAPS.built and env["torch_threads"] >= 1 and env["torch"]
+    if kernels.CAPS.built:
+        assert "gemv" in env["kernels"] and "paged_attention" in env["kernels"]
