@@ -1,4 +1,4 @@
-"""`brisk` command line: generate | convert | bench.
+"""`brisk` command line: generate | serve | convert | quantize | eval | bench | train-heads | env.
 
 Bad input (a missing model, an empty prompt, an invalid sampling value) prints one line
 `brisk: error: ...` and exits with status 2; no traceback.
@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="open HTTP connections; one more is answered 503 and closed (default 1024)")
     srv.add_argument("--request-timeout", type=float, default=30.0,
                      help="seconds a client has to send a request's head, and again its body (408 after; default 30)")
+
+    env = sub.add_parser("env", help="this machine and what brisk runs on it (ISA, kernels, threads, torch), for bug "
+                                     "reports")
+    env.add_argument("--json", action="store_true", help="one JSON line instead of aligned lines")
+    env.add_argument("--no-bandwidth", action="store_true", help="skip the ~0.3 s memory-bandwidth measurement")
 
     qz = sub.add_parser("quantize", help="write a quantized copy of a model that loads without re-quantizing")
     qz.add_argument("model", help="built-in name, .gguf file or HF directory")
@@ -203,7 +208,6 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from brisk.engine.llm import LLM
     from brisk.server import serve
-
     from brisk.server.edge import EdgeLimits
 
     if not 0 < args.port < 65536 or args.max_waiting < 1:
@@ -282,8 +286,16 @@ def _torchrun_worker(args: argparse.Namespace) -> bool:
     return True
 
 
+def _cmd_env(args: argparse.Namespace) -> int:
+    from brisk.bench.sysinfo import collect, render
+
+    env = collect(measure_bandwidth=not args.no_bandwidth)
+    print(json.dumps(env) if args.json else render(env))
+    return 0
+
+
 COMMANDS = {"generate": _cmd_generate, "convert": _cmd_convert, "bench": run_bench, "serve": _cmd_serve,
-            "eval": _cmd_eval, "quantize": _cmd_quantize, "train-heads": _cmd_train_heads}
+            "eval": _cmd_eval, "quantize": _cmd_quantize, "train-heads": _cmd_train_heads, "env": _cmd_env}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,94 @@
+"""`brisk env`: what this machine is and what brisk runs on it, for bug reports and benchmark notes
+(what vLLM's collect_env and llama.cpp's system info print)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
+             "neon", "asimd")
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields from /proc/cpuinfo (Linux); empty elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def _mem_gib() -> dict[str, float]:
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return {}
+    kib = {line.split(":")[0]: int(line.split()[1]) for line in lines if line.split()[1:2] and line.split()[1].isdigit()}
+    return {k: round(kib[name] / 2**20, 1) for k, name in (("total", "MemTotal"), ("available", "MemAvailable"))
+            if name in kib}
+
+
+def copy_bandwidth_gbs(mib: int = 256, repeats: int = 3) -> float:
+    """A rough memory-bandwidth hint: the best of `repeats` copies of a `mib` MiB float32 buffer
+    (bytes read + written per second). Decode is bandwidth-bound, so this bounds its speed."""
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - started)
+    return round(2 * src.numel() * 4 / best / 1e9, 1)
+
+
+def collect(measure_bandwidth: bool = True) -> dict[str, Any]:
+    from brisk import kernels
+
+    info = _cpuinfo()
+    flags = set(info.get("flags", info.get("Features", "")).split())
+    caps = kernels.CAPS
+    gpu = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": info.get("model name", platform.processor() or platform.machine()),
+        "cpu_flags": sorted(flags & set(CPU_FLAGS)),
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gib": _mem_gib(),
+        "copy_bandwidth_gbs": copy_bandwidth_gbs() if measure_bandwidth else None,
+        "torch": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "mkl": torch.backends.mkl.is_available(),
+        "onednn": torch.backends.mkldnn.is_available(),
+        "kernels_built": caps.built,
+        "kernels_error": caps.load_error,
+        "isa_cpu": caps.cpu_isa,
+        "isa_in_use": caps.isa,
+        "isa_env": os.environ.get("BRISK_CPU_ISA") or None,
+        "vnni_kernels": caps.vnni,
+        "kernels": sorted(caps.names - {"isa", "cpu_isa", "set_isa", "have_vnni"}),
+        "cuda_gpus": gpu,
+    }
+
+
+def render(env: dict[str, Any]) -> str:
+    """The same facts as aligned `key: value` lines."""
+    width = max(len(k) for k in env)
+    lines = []
+    for key, value in env.items():
+        if isinstance(value, dict):
+            value = [f"{v} {k}" for k, v in value.items()]
+        shown = ", ".join(map(str, value)) if isinstance(value, list) else value
+        lines.append(f"{key.ljust(width)}  {shown if shown not in (None, '') else '-'}")
+    return "\n".join(lines)
