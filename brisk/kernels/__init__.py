@@ -160,10 +160,15 @@ def int8_gemm_tiled(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 
 
 def group_kernel_supported(qweight: torch.Tensor, x: torch.Tensor | None = None) -> bool:
-    """True when `group_gemm` / `group_dequantize` (and `ternary_gemm`) can serve this weight and
-    input: CPU with AVX-512, extension built."""
-    return (CAPS.avx512 and CAPS.has("group_gemm") and qweight.device.type == "cpu"
+    """True when `group_gemm` / `group_dequantize` can serve this weight and input: CPU, extension
+    built (AVX-512 kernels, or the portable path compiled for AVX2 as well)."""
+    return (CAPS.has("group_gemm") and qweight.device.type == "cpu"
             and qweight.is_contiguous() and (x is None or x.device.type == "cpu"))
+
+
+def ternary_supported(plus: torch.Tensor, x: torch.Tensor | None = None) -> bool:
+    """True when `ternary_gemm` can serve these bit planes: CPU with AVX-512 (its only path)."""
+    return CAPS.avx512 and CAPS.has("ternary_gemm") and plus.device.type == "cpu" and (x is None or x.device.type == "cpu")
 
 
 def group_kernel_tiles() -> bool:
@@ -221,9 +226,8 @@ def group_dequantize_rows(qweight: torch.Tensor, scale: torch.Tensor, zero: torc
 
 
 def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when `rms_norm` can serve these float32 CPU tensors (AVX-512 build)."""
-    return (CAPS.avx512 and CAPS.has("rms_norm") and x.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32)
+    """True when `rms_norm` can serve these float32 CPU tensors (every ISA: AVX-512, AVX2, portable)."""
+    return CAPS.has("rms_norm") and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -233,8 +237,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def silu_mul_supported(gate_up: torch.Tensor) -> bool:
-    """True when `silu_mul` can serve this [n, 2 * inter] tensor (float32, CPU, AVX-512 build)."""
-    return (CAPS.avx512 and CAPS.has("silu_mul") and gate_up.device.type == "cpu"
+    """True when `silu_mul` can serve this [n, 2 * inter] tensor (float32, CPU; AVX-512 or portable)."""
+    return (CAPS.has("silu_mul") and gate_up.device.type == "cpu"
             and gate_up.dtype == torch.float32 and gate_up.dim() == 2 and gate_up.is_contiguous())
 
 

@@ -2,6 +2,10 @@
 // a chain of small ops (pow, mean, add, rsqrt, two muls): ~28 us for one 576-wide decode row, 61
 // times per token, 1.7 ms of a 12 ms int4 decode step. One pass over the row does the same in
 // about a microsecond. The decode plan calls the row functions (brisk_range) directly.
+//
+// Three paths, chosen per call by brisk_isa: AVX-512, AVX2+FMA and portable C++. The sum of squares
+// is reduced in each path's own lane order, so the three differ by float rounding (a few ulp of the
+// norm, tested); silu's exp is exact-to-an-ulp in the vector paths and std::exp in the portable one.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -46,16 +50,64 @@ __attribute__((target("avx512f"))) void silu_mul_row(const float* g, const float
     y[i] = g[i] * ((g[i] >= 0.0f ? 1.0f : e) / (1.0f + e)) * u[i];
   }
 }
+
+__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+__attribute__((target("avx2,fma"))) void norm_row_avx2(const float* x, const float* w, float* y, int64_t h, float eps) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= h; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float ss = hsum8(acc);
+  for (; i < h; ++i) ss = std::fma(x[i], x[i], ss);
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (i = 0; i + 8 <= h; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv), _mm256_loadu_ps(w + i)));
+  for (; i < h; ++i) y[i] = x[i] * inv * w[i];
+}
 #endif
+
+void norm_row_portable(const float* x, const float* w, float* y, int64_t h, float eps) {
+  float ss = 0.0f;
+  for (int64_t i = 0; i < h; ++i) ss = std::fma(x[i], x[i], ss);
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
+  for (int64_t i = 0; i < h; ++i) y[i] = x[i] * inv * w[i];
+}
+
+void silu_mul_row_portable(const float* g, const float* u, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float e = std::exp(-std::fabs(g[i]));
+    y[i] = g[i] * ((g[i] >= 0.0f ? 1.0f : e) / (1.0f + e)) * u[i];
+  }
+}
+
+// The row functions every entry point and the decode plan use, at the ISA in use. silu has no
+// AVX2 vector exp yet: the portable loop (compiled for the baseline ISA) serves AVX2.
+void norm_row_any(const float* x, const float* w, float* y, int64_t h, float eps) {
+#ifdef BRISK_X86
+  if (brisk_isa::avx512()) return norm_row(x, w, y, h, eps);
+  if (brisk_isa::active() == brisk_isa::Level::kAvx2) return norm_row_avx2(x, w, y, h, eps);
+#endif
+  norm_row_portable(x, w, y, h, eps);
+}
+
+void silu_mul_row_any(const float* g, const float* u, float* y, int64_t n) {
+#ifdef BRISK_X86
+  if (brisk_isa::avx512()) return silu_mul_row(g, u, y, n);
+#endif
+  silu_mul_row_portable(g, u, y, n);
+}
 
 void check_rows(const torch::Tensor& x, const char* what) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "brisk ",
               what, ": x must be a contiguous float32 CPU [n, h]");
-#ifdef BRISK_X86
-  TORCH_CHECK(brisk_isa::avx512(), "brisk ", what, ": needs AVX-512");
-#else
-  TORCH_CHECK(false, "brisk ", what, ": needs an x86-64 CPU");
-#endif
 }
 
 }  // namespace
@@ -66,15 +118,14 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "brisk silu_mul: gate_up must hold gate and up halves");
   const int64_t n = gate_up.size(0), inter = gate_up.size(1) / 2;
   auto y = torch::empty({n, inter}, gate_up.options());
-#ifdef BRISK_X86
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   auto rows = [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) silu_mul_row(gp + r * 2 * inter, gp + r * 2 * inter + inter, yp + r * inter, inter);
+    for (int64_t r = r0; r < r1; ++r)
+      silu_mul_row_any(gp + r * 2 * inter, gp + r * 2 * inter + inter, yp + r * inter, inter);
   };
   if (n < 16) rows(0, n);  // decode: waking the thread pool costs more than the work
   else at::parallel_for(0, n, 16, rows);
-#endif
   return y;
 }
 
@@ -84,32 +135,22 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == x.size(1),
               "brisk rms_norm: w must be float32 [h]");
   auto y = torch::empty_like(x);
-#ifdef BRISK_X86
   const int64_t n = x.size(0), h = x.size(1);
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   auto rows = [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * h, wp, yp + r * h, h, static_cast<float>(eps));
+    for (int64_t r = r0; r < r1; ++r) norm_row_any(xp + r * h, wp, yp + r * h, h, static_cast<float>(eps));
   };
   if (n < 64) rows(0, n);  // decode: waking the thread pool costs more than the work
   else at::parallel_for(0, n, 64, rows);
-#endif
   return y;
 }
 
 namespace brisk_range {
 
-void rms_norm_row(const float* x, const float* w, float* y, int64_t h, float eps) {
-#ifdef BRISK_X86
-  norm_row(x, w, y, h, eps);
-#endif
-}
+void rms_norm_row(const float* x, const float* w, float* y, int64_t h, float eps) { norm_row_any(x, w, y, h, eps); }
 
-void silu_mul_row(const float* g, const float* u, float* y, int64_t n) {
-#ifdef BRISK_X86
-  ::silu_mul_row(g, u, y, n);
-#endif
-}
+void silu_mul_row(const float* g, const float* u, float* y, int64_t n) { silu_mul_row_any(g, u, y, n); }
 
 }  // namespace brisk_range

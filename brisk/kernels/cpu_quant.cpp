@@ -21,7 +21,9 @@
 // `group_dequantize` produces exactly the weights the kernel multiplies by.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "group_weights.h"
@@ -148,6 +150,83 @@ __attribute__((target("avx512f,f16c"))) void dequant_row(const GroupWeights& w, 
 }
 #endif
 
+// The portable path, for every ISA below AVX-512 (on x86 also compiled for AVX2+FMA, which the
+// compiler vectorizes: the 8 lanes below are one ymm fma). Each run of 32 weights is dequantized
+// exactly as the AVX-512 table does (fma(q, scale, zero) / q * scale), then every (x row, weight
+// row) pair sums in 8 lanes, in column order, added at the end: batch-invariant like the AVX-512
+// path, and within float rounding of it (another summation order).
+inline void unpack_run(const GroupWeights& w, int64_t r, int64_t c, float s, float z, float* o) {
+  const uint8_t* p = w.run(r, c);
+  if (w.run_bytes == 16) {
+    for (int j = 0; j < 16; ++j) {
+      o[j] = std::fma(static_cast<float>(p[j] & 15), s, z);
+      o[j + 16] = std::fma(static_cast<float>(p[j] >> 4), s, z);
+    }
+  } else {
+    const int8_t* q = reinterpret_cast<const int8_t*>(p);
+    for (int j = 0; j < 32; ++j) o[j] = static_cast<float>(q[j]) * s;
+  }
+}
+
+inline float half(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+#define BRISK_GROUP_PORTABLE(NAME, ATTR)                                                                \
+  ATTR void NAME(const GroupWeights& w, const float* x, float* y, int64_t m, int64_t r0, int64_t r1) {  \
+    constexpr int kMaxM = 16;                                                                           \
+    float run[32];                                                                                      \
+    for (int64_t m0 = 0; m0 < m; m0 += kMaxM) {                                                         \
+      const int64_t mb = std::min<int64_t>(kMaxM, m - m0);                                              \
+      for (int64_t r = r0; r < r1; ++r) {                                                               \
+        float acc[kMaxM][8] = {};                                                                       \
+        for (int64_t g = 0; g < w.groups; ++g) {                                                        \
+          const int64_t at = w.at(r, g);                                                                \
+          const float s = half(w.scale[at]), z = w.zero ? half(w.zero[at]) : 0.0f;                      \
+          for (int64_t i = g * w.group; i < (g + 1) * w.group; i += 32) {                               \
+            unpack_run(w, r, i / 32, s, z, run);                                                        \
+            for (int64_t k = 0; k < mb; ++k) {                                                          \
+              const float* xr = x + (m0 + k) * w.in + i;                                                \
+              for (int j = 0; j < 32; j += 8)                                                           \
+                for (int l = 0; l < 8; ++l) acc[k][l] = std::fma(run[j + l], xr[j + l], acc[k][l]);     \
+            }                                                                                           \
+          }                                                                                             \
+        }                                                                                               \
+        for (int64_t k = 0; k < mb; ++k) {                                                              \
+          float sum = 0.0f;                                                                             \
+          for (int l = 0; l < 8; ++l) sum += acc[k][l];                                                 \
+          y[(m0 + k) * w.out + r] = sum;                                                                \
+        }                                                                                               \
+      }                                                                                                 \
+    }                                                                                                   \
+  }
+
+BRISK_GROUP_PORTABLE(gemm_range_portable, )
+#ifdef BRISK_X86
+BRISK_GROUP_PORTABLE(gemm_range_avx2, __attribute__((target("avx2,fma"))))
+#endif
+#undef BRISK_GROUP_PORTABLE
+
+void gemm_range_any(const GroupWeights& w, const float* x, float* y, int64_t m, int64_t r0, int64_t r1) {
+#ifdef BRISK_X86
+  if (brisk_isa::avx512()) {
+    if (w.run_bytes == 16) return gemm_range<4>(w, x, y, m, r0, r1);
+    return gemm_range<8>(w, x, y, m, r0, r1);
+  }
+  if (brisk_isa::active() == brisk_isa::Level::kAvx2) return gemm_range_avx2(w, x, y, m, r0, r1);
+#endif
+  gemm_range_portable(w, x, y, m, r0, r1);
+}
+
+void dequant_row_any(const GroupWeights& w, int64_t r, float* o) {
+#ifdef BRISK_X86
+  if (brisk_isa::avx512()) return w.run_bytes == 16 ? dequant_row<4>(w, r, o) : dequant_row<8>(w, r, o);
+#endif
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const int64_t at = w.at(r, g);
+    const float s = half(w.scale[at]), z = w.zero ? half(w.zero[at]) : 0.0f;
+    for (int64_t i = g * w.group; i < (g + 1) * w.group; i += 32) unpack_run(w, r, i / 32, s, z, o + i);
+  }
+}
+
 }  // namespace
 
 // y[M, out] = x[M, in] @ W^T (+ bias), W group-quantized as above, accumulated in float32.
@@ -159,10 +238,19 @@ torch::Tensor group_gemm(const torch::Tensor& x, const torch::Tensor& q, const t
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.in, "brisk group_gemm: x does not fit the weight");
   auto xf = x.to(torch::kFloat32).contiguous();
   auto y = torch::empty({x.size(0), w.out}, x.options().dtype(torch::kFloat32));
+  if (brisk_isa::avx512()) {
 #ifdef BRISK_X86
-  if (bits == 4) gemm<4>(w, xf.data_ptr<float>(), y.data_ptr<float>(), x.size(0));
-  else gemm<8>(w, xf.data_ptr<float>(), y.data_ptr<float>(), x.size(0));
+    if (bits == 4) gemm<4>(w, xf.data_ptr<float>(), y.data_ptr<float>(), x.size(0));
+    else gemm<8>(w, xf.data_ptr<float>(), y.data_ptr<float>(), x.size(0));
 #endif
+  } else {
+    const float* xp = xf.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const int64_t unit = w.tiled ? 4 : 1;  // as gemm<>: a 4-row tile is one thread's
+    at::parallel_for(0, w.out / unit, 16 / unit, [&](int64_t u0, int64_t u1) {
+      gemm_range_any(w, xp, yp, x.size(0), u0 * unit, u1 * unit);
+    });
+  }
   if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
   return y;
 }
@@ -181,13 +269,8 @@ torch::Tensor group_dequantize_rows(const torch::Tensor& q, const torch::Tensor&
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(ip[i] >= 0 && ip[i] < w.out, "brisk group_dequantize_rows: row ", ip[i], " is outside 0..", w.out - 1);
   auto out = torch::empty({n, w.in}, scale.options().dtype(torch::kFloat32));
-#ifdef BRISK_X86
   float* o = out.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    if (bits == 4) dequant_row<4>(w, ip[i], o + i * w.in);
-    else dequant_row<8>(w, ip[i], o + i * w.in);
-  }
-#endif
+  for (int64_t i = 0; i < n; ++i) dequant_row_any(w, ip[i], o + i * w.in);
   return out;
 }
 
@@ -196,25 +279,17 @@ torch::Tensor group_dequantize(const torch::Tensor& q, const torch::Tensor& scal
                                const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits, bool tiled) {
   const GroupWeights w = brisk_group::check_group_weights(q, scale, zero, group, bits, tiled);
   auto out = torch::empty({w.out, w.in}, scale.options().dtype(torch::kFloat32));
-#ifdef BRISK_X86
   float* o = out.data_ptr<float>();
   at::parallel_for(0, w.out, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      if (bits == 4) dequant_row<4>(w, r, o + r * w.in);
-      else dequant_row<8>(w, r, o + r * w.in);
-    }
+    for (int64_t r = r0; r < r1; ++r) dequant_row_any(w, r, o + r * w.in);
   });
-#endif
   return out;
 }
 
 namespace brisk_range {
 
 void group_rows(const GroupWeights& w, const float* x, float* y, int64_t m, int64_t r0, int64_t r1) {
-#ifdef BRISK_X86
-  if (w.run_bytes == 16) gemm_range<4>(w, x, y, m, r0, r1);
-  else gemm_range<8>(w, x, y, m, r0, r1);
-#endif
+  gemm_range_any(w, x, y, m, r0, r1);
 }
 
 }  // namespace brisk_range

@@ -351,6 +351,7 @@ torch::Tensor group_gemm_q8act(const torch::Tensor& x, const torch::Tensor& q, c
                                const c10::optional<torch::Tensor>& bias, bool tiled) {
   const GroupWeights w = brisk_group::check_group_weights(q, scale, zero, group, bits, tiled);
 #ifdef BRISK_X86
+  TORCH_CHECK(brisk_isa::vnni(), "brisk group_gemm_q8act: needs AVX512-VNNI");
   return qact_gemm("group_gemm_q8act", 127, x, w, bias);
 #else
   TORCH_CHECK(false, "brisk group_gemm_q8act: needs an x86-64 CPU");
@@ -365,6 +366,7 @@ torch::Tensor group_gemm_q16act(const torch::Tensor& x, const torch::Tensor& q, 
   TORCH_CHECK(bits == 4, "brisk group_gemm_q16act: int16 activations are for 4-bit weights");
   const GroupWeights w = brisk_group::check_group_weights(q, scale, zero, group, bits, tiled);
 #ifdef BRISK_X86
+  TORCH_CHECK(brisk_isa::vnni(), "brisk group_gemm_q16act: needs AVX512-VNNI");
   return qact_gemm("group_gemm_q16act", kAct16Levels, x, w, bias);
 #else
   TORCH_CHECK(false, "brisk group_gemm_q16act: needs an x86-64 CPU");

@@ -30,11 +30,6 @@ struct GroupWeights {
 inline GroupWeights check_group_weights(const torch::Tensor& q, const torch::Tensor& scale,
                                         const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
                                         bool tiled) {
-#ifdef BRISK_X86
-  TORCH_CHECK(brisk_isa::avx512(), "brisk group kernels: need AVX-512");
-#else
-  TORCH_CHECK(false, "brisk group kernels: need an x86-64 CPU with AVX-512");
-#endif
   TORCH_CHECK(bits == 4 || bits == 8, "brisk group kernels: bits must be 4 or 8");
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.device().is_cpu() && scale.device().is_cpu(),
               "brisk group kernels: q and scale must be contiguous CPU tensors");

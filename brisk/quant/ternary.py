@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from brisk.kernels import group_kernel_supported, ternary_gemm
+from brisk.kernels import ternary_gemm, ternary_supported
 from brisk.model.layers import Linear
 from brisk.quant.base import QuantizedLinear
 
@@ -77,7 +77,7 @@ class TernaryLinear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= KERNEL_MAX_ROWS and group_kernel_supported(self.plus, flat):
+        if flat.shape[0] <= KERNEL_MAX_ROWS and ternary_supported(self.plus, flat):
             y = ternary_gemm(flat, self.plus, self.minus, self.scale, self.bias)
         else:
             y = F.linear(flat.float(), self.dequantize(), self.bias)

@@ -18,11 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 LOWER = [level for level in LEVELS if LEVELS.index(level) < LEVELS.index(kernels.CAPS.cpu_isa)]
 
 
-def _run(code: str, isa: str | None) -> subprocess.CompletedProcess[str]:
+def _run(code: str, isa: str | None, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != ISA_ENV}
     if isa is not None:
         env[ISA_ENV] = isa
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True, check=False,
                           timeout=300)
 
 
@@ -76,33 +76,35 @@ def test_a_bad_isa_stops_start_up_with_the_reason() -> None:
 
 
 GREEDY = """
-import json
+import json, sys
 from brisk import LLM, SamplingParams
-llm = LLM("smollm2-135m", max_model_len=512, num_kv_blocks=64)
+llm = LLM("smollm2-135m", max_model_len=512, num_kv_blocks=64, quantization=sys.argv[1] or None)
 prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
 print(json.dumps([o.outputs[0].token_ids for o in outs]))
 """
 
 
+@pytest.mark.parametrize("quantization", ["", "gguf"])
 @pytest.mark.parametrize("isa", LOWER)
-def test_lowered_paths_give_the_native_greedy_tokens(isa: str, gguf_path: Path) -> None:
-    """The real model, batched, through the paths an AVX2 or a portable build takes (torch's
-    matmuls, the portable paged attention): the same 24 greedy tokens as the native path."""
-    native = _run(GREEDY, None)
-    lowered = _run(GREEDY, isa)
+def test_lowered_paths_give_the_native_greedy_tokens(isa: str, quantization: str, gguf_path: Path) -> None:
+    """The real model, batched, through the paths an AVX2 or a portable build takes (torch's or the
+    portable matmuls, norm and paged attention; the file's 4-bit blocks through the portable group
+    kernel with `-q gguf`): the same 24 greedy tokens as the native path."""
+    native = _run(GREEDY, None, quantization)
+    lowered = _run(GREEDY, isa, quantization)
     assert native.returncode == 0 and lowered.returncode == 0, native.stderr + lowered.stderr
     assert json.loads(lowered.stdout) == json.loads(native.stdout)
 
 
 EXACTNESS = ["tests/model/test_kernels.py", "tests/model/test_reference.py::test_logits_match_hf_on_varied_prompts",
-             "tests/quant/test_int8.py"]
+             "tests/quant/test_int8.py", "tests/quant/test_int4.py"]
 
 
 @pytest.mark.parametrize("isa", LOWER)
 def test_exactness_tests_pass_under_a_lowered_isa(isa: str, gguf_path: Path) -> None:
     """The kernel tests (each kernel against its reference), the real model's logits against HF
-    transformers and the int8 Linears, run again with every kernel at `isa` (~25 s each)."""
+    transformers and the int8 and 4-bit Linears, run again with every kernel at `isa` (~50 s each)."""
     env = {**os.environ, ISA_ENV: isa}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *EXACTNESS], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=900, check=False)

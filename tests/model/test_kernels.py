@@ -153,3 +153,24 @@ def test_kv_store_writes_what_index_put_writes(dtype: torch.dtype) -> None:
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernels.kv_store(k_cache, v_cache, k[:1], v[:1], torch.tensor([6]), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (3, 33), (70, 100), (1, 1), (2, 1536)])
+def test_rms_norm_kernel_matches_torch(shape: tuple[int, int]) -> None:
+    """Every ISA's path (the suite runs this file again under BRISK_CPU_ISA=avx2 and scalar): each
+    reduces the sum of squares in its own lane order, so a few float32 ulp from torch's, no more."""
+    if not kernels.rms_norm_supported(torch.zeros(1), torch.zeros(1)):
+        pytest.skip("the rms_norm kernel is not built")
+    g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
+    x, w = torch.randn(shape, generator=g) * 3, torch.randn(shape[1], generator=g)
+    want = F.rms_norm(x, (shape[1],), w, 1e-5)
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), want, rtol=4e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (5, 2 * 17), (40, 2 * 64)])
+def test_silu_mul_kernel_matches_torch(shape: tuple[int, int]) -> None:
+    gate_up = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0])) * 8  # exp's range, both signs
+    if not kernels.silu_mul_supported(gate_up):
+        pytest.skip("the silu_mul kernel is not built")
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, rtol=4e-6, atol=1e-6)
