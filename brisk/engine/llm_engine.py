@@ -242,8 +242,11 @@ class LLMEngine:
     def _isolating(self, run: Callable[[list[str]], dict[str, _T]], seq_ids: list[str]) -> dict[str, _T]:
         """`run` over the step's rows at once; if it raises, over one row at a time, so a request whose
         parameters break the batch fails alone (kept in `_failed`, ended after the step) and its
-        neighbours keep their tokens. Each row depends only on its own logits and generator, so the
-        retried rows get what the batch would have given them."""
+        neighbours keep their tokens. Each row depends only on its own logits and generator, so a
+        greedy row gets exactly what the batch would have given it, and so does a sampled one when
+        the batch failed before drawing (the sampler builds every tensor first); a verifier that
+        failed part-way may have drawn for earlier rows, which then draw again: still exact
+        samples, though a seeded row's can differ from an unfailed step's."""
         try:
             return run(seq_ids)
         except Exception as e:  # the culprit is found below; a fatal error is not retried
