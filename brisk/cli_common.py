@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from brisk.config import CacheConfig, ParallelConfig, SchedulerConfig
 from brisk.loader.resolve import DEFAULT_MODEL
 
 # The methods are checked by brisk.config.QuantConfig before any model loads (importing quant here
@@ -32,11 +33,16 @@ def add_model(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (default 512)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default 64)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    sched, cache = SchedulerConfig, CacheConfig  # every default is defined once, in config.py
+    p.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens,
+                   help=f"tokens per step (default {sched.max_num_batched_tokens})")
+    p.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs,
+                   help=f"sequences per step (default {sched.max_num_seqs})")
+    p.add_argument("--block-size", type=int, default=cache.block_size,
+                   help=f"tokens per KV block (default {cache.block_size})")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-gib)")
-    p.add_argument("--kv-cache-memory-gib", type=float, default=2.0, help="KV cache size (default 2 GiB)")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=cache.kv_cache_memory_gib,
+                   help=f"KV cache size (default {cache.kv_cache_memory_gib:g} GiB)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     add_quant(p, "quantize the model's linear layers at load")
@@ -64,8 +70,9 @@ def add_parallel(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="split the layers into P stages, one process group each (default 1); T x P processes "
                         "are spawned here, or started by torchrun across machines (see README)")
-    p.add_argument("--parallel-timeout", type=float, default=120.0,
-                   help="seconds a parallel worker may stay silent in a step before it is reported hung (default 120)")
+    p.add_argument("--parallel-timeout", type=float, default=ParallelConfig.timeout_s,
+                   help="seconds a parallel worker may stay silent in a step before it is reported hung "
+                        f"(default {ParallelConfig.timeout_s:g})")
 
 
 def parallel_kwargs(args: argparse.Namespace) -> dict[str, object]:

@@ -134,7 +134,7 @@ class CacheConfig:
 class SchedulerConfig:
     """Per-step budget. `max_model_len` is the longest sequence (prompt + output) served."""
 
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 512  # LLM(...) and the CLI take their defaults from here
     max_num_seqs: int = 64
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True

@@ -62,17 +62,20 @@ class LLM:
     overlap; default: up to one per stage, of at least 64 tokens each).
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str = "cpu",
-                 max_model_len: int | None = None, seed: int = 0, block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_memory_gib: float = 2.0,
-                 max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+    def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = EngineConfig.dtype,
+                 device: str = EngineConfig.device, max_model_len: int | None = None, seed: int = EngineConfig.seed,
+                 block_size: int = CacheConfig.block_size, num_kv_blocks: int | None = None,
+                 kv_cache_memory_gib: float = CacheConfig.kv_cache_memory_gib,
+                 max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+                 max_num_seqs: int = SchedulerConfig.max_num_seqs,
+                 enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
+                 enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill,
                  max_decode_slowdown: float | None = None, pack_weights: bool = True,
                  enforce_eager: bool = False, quantization: str | None = None,
                  quantization_config: dict[str, Any] | str | None = None,
                  speculative_config: dict[str, Any] | str | None = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 parallel_timeout_s: float = 120.0, pipeline_micro_batches: int | None = None) -> None:
+                 parallel_timeout_s: float = ParallelConfig.timeout_s, pipeline_micro_batches: int | None = None) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed)
         cache = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                             kv_cache_memory_gib=kv_cache_memory_gib, enable_prefix_caching=enable_prefix_caching)
