@@ -127,14 +127,6 @@ void gemm_range(const GroupWeights& w, const float* x, float* y, int64_t m_rows,
   for (; m0 < m_rows; ++m0) gemm_rows<Bits, 1, 4>(w, x, y, m0, r0, r1);
 }
 
-template <int Bits>
-void gemm(const GroupWeights& w, const float* x, float* y, int64_t m_rows) {
-  // tiled: whole row groups per thread, so every 4-row tile is one thread's
-  const int64_t unit = w.tiled ? 4 : 1;
-  at::parallel_for(0, w.out / unit, 16 / unit,
-                   [&](int64_t u0, int64_t u1) { gemm_range<Bits>(w, x, y, m_rows, u0 * unit, u1 * unit); });
-}
-
 // Weight row r as floats into o [in].
 template <int Bits>
 __attribute__((target("avx512f,f16c"))) void dequant_row(const GroupWeights& w, int64_t r, float* o) {
@@ -216,6 +208,14 @@ void gemm_range_any(const GroupWeights& w, const float* x, float* y, int64_t m, 
   gemm_range_portable(w, x, y, m, r0, r1);
 }
 
+// All weight rows for all rows of x, split over the threads.
+void gemm(const GroupWeights& w, const float* x, float* y, int64_t m_rows) {
+  // tiled: whole row groups per thread, so every 4-row tile is one thread's
+  const int64_t unit = w.tiled ? 4 : 1;
+  at::parallel_for(0, w.out / unit, 16 / unit,
+                   [&](int64_t u0, int64_t u1) { gemm_range_any(w, x, y, m_rows, u0 * unit, u1 * unit); });
+}
+
 void dequant_row_any(const GroupWeights& w, int64_t r, float* o) {
 #ifdef BRISK_X86
   if (brisk_isa::avx512()) return w.run_bytes == 16 ? dequant_row<4>(w, r, o) : dequant_row<8>(w, r, o);
@@ -238,19 +238,7 @@ torch::Tensor group_gemm(const torch::Tensor& x, const torch::Tensor& q, const t
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.in, "brisk group_gemm: x does not fit the weight");
   auto xf = x.to(torch::kFloat32).contiguous();
   auto y = torch::empty({x.size(0), w.out}, x.options().dtype(torch::kFloat32));
-  if (brisk_isa::avx512()) {
-#ifdef BRISK_X86
-    if (bits == 4) gemm<4>(w, xf.data_ptr<float>(), y.data_ptr<float>(), x.size(0));
-    else gemm<8>(w, xf.data_ptr<float>(), y.data_ptr<float>(), x.size(0));
-#endif
-  } else {
-    const float* xp = xf.data_ptr<float>();
-    float* yp = y.data_ptr<float>();
-    const int64_t unit = w.tiled ? 4 : 1;  // as gemm<>: a 4-row tile is one thread's
-    at::parallel_for(0, w.out / unit, 16 / unit, [&](int64_t u0, int64_t u1) {
-      gemm_range_any(w, xp, yp, x.size(0), u0 * unit, u1 * unit);
-    });
-  }
+  gemm(w, xf.data_ptr<float>(), y.data_ptr<float>(), x.size(0));
   if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
   return y;
 }
