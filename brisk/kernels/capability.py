@@ -77,6 +77,9 @@ def detect(ext: ModuleType | None, load_error: str | None) -> KernelCaps:
     isa = requested_isa(cpu)
     if hasattr(ext, "set_isa"):
         ext.set_isa(isa)
+    elif isa != cpu:  # a build from before the switch: say so rather than run another ISA than asked
+        raise ValueError(f"{ISA_ENV}={isa}: this build of brisk._C cannot lower its instruction set; rebuild it "
+                         f"({BUILD_HINT})")
     names = frozenset(n for n in dir(ext) if not n.startswith("_"))
     return KernelCaps(True, None, cpu, str(ext.isa()), bool(ext.have_vnni()) if "have_vnni" in names else False, names)
 

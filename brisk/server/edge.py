@@ -88,14 +88,13 @@ class Guard:
         await self.app(scope, _replay(body or b"", receive), send)
 
     def _declared_too_long(self, scope: Any) -> bool:
-        lengths = [v for k, v in scope.get("headers", []) if k.lower() == b"content-length"]
+        lengths = _header_values(scope, b"content-length")
         return bool(lengths) and lengths[0].isdigit() and int(lengths[0]) > self.limits.max_body_bytes
 
     def _refusal(self, scope: Any) -> JSONResponse | None:
-        headers = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope.get("headers", [])]
         key = self.api_key()
         if key and scope.get("path", "").startswith(_AUTH_PREFIXES):
-            auths = [v for k, v in headers if k == "authorization"]
+            auths = [v.decode("latin-1") for v in _header_values(scope, b"authorization")]
             if len(auths) > 1:
                 return error_response(400, f"{len(auths)} Authorization headers were sent; send exactly one",
                                       None, "authentication_error")
@@ -133,6 +132,11 @@ class Guard:
                 return None, _closing(413, f"request body is over the {limit}-byte limit; send less")
             if done:
                 return b"".join(chunks), None
+
+
+def _header_values(scope: Any, name: bytes) -> list[bytes]:
+    """Every value of header `name` (lower case; ASGI servers give names in lower case)."""
+    return [v for k, v in scope.get("headers", []) if k.lower() == name]
 
 
 def _replay(body: bytes, receive: Any) -> Callable[[], Coroutine[Any, Any, dict[str, Any]]]:
