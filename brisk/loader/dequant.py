@@ -8,12 +8,22 @@ formula below keeps ggml's order of float operations so rounding matches.
 
 Block layouts (bytes, in order; ``d``/``dmin`` are fp16)::
 
-    Q8_0  [d | 32 x int8]                                    34 B / 32 values
-    Q4_0  [d | 16 B nibbles]                                 18 B / 32 values
-    Q4_1  [d | m | 16 B nibbles]                             20 B / 32 values
-    Q4_K  [d | dmin | 12 B 6-bit scales+mins | 128 B nibbles]          144 B / 256
-    Q5_K  [d | dmin | 12 B scales+mins | 32 B high bits | 128 B nibbles] 176 B / 256
-    Q6_K  [128 B low nibbles | 64 B high 2-bits | 16 x int8 scales | d]  210 B / 256
+    Q8_0    [d | 32 x int8]                                    34 B / 32 values
+    Q4_0    [d | 16 B nibbles]                                 18 B / 32 values
+    Q4_1    [d | m | 16 B nibbles]                             20 B / 32 values
+    Q5_0    [d | 4 B high bits | 16 B nibbles]                 22 B / 32 values
+    Q5_1    [d | m | 4 B high bits | 16 B nibbles]             24 B / 32 values
+    IQ4_NL  [d | 16 B nibbles indexing a 16-entry int8 table]  18 B / 32 values
+    Q2_K    [16 B 4-bit scales+mins | 64 B 2-bit q | d | dmin]                  84 B / 256
+    Q3_K    [32 B high bits | 64 B 2-bit q | 12 B 6-bit scales | d]            110 B / 256
+    Q4_K    [d | dmin | 12 B 6-bit scales+mins | 128 B nibbles]                144 B / 256
+    Q5_K    [d | dmin | 12 B scales+mins | 32 B high bits | 128 B nibbles]     176 B / 256
+    Q6_K    [128 B low nibbles | 64 B high 2-bits | 16 x int8 scales | d]      210 B / 256
+    IQ4_XS  [d | 2 B high scale bits | 4 B low scale bits | 128 B nibbles]     136 B / 256
+
+The remaining i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) and the ternary
+TQ1_0 / TQ2_0 and MXFP4 index lattices (grids of 256-2048 entries); they go through the gguf
+package's own numpy `quants.dequantize`, which is correct and slower (those files are rare).
 """
 
 from __future__ import annotations
@@ -82,6 +92,60 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:
     return q.mul_(_f16(b, 0)).add_(_f16(b, 2))
 
 
+def _q5_high(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1's 4-byte field: bit i (little-endian uint32) is the fifth bit of value i."""
+    return _unpack(qh, 1, 1)  # byte i // 8, bit i % 8 -> value i
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    q = (_unpack(b[:, 6:], 4, 16) | (_q5_high(b[:, 2:6]) << 4)).float().sub_(16)  # [n, 32]
+    return q.mul_(_f16(b, 0))
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    q = (_unpack(b[:, 8:], 4, 16) | (_q5_high(b[:, 4:8]) << 4)).float()  # [n, 32]
+    return q.mul_(_f16(b, 0)).add_(_f16(b, 2))
+
+
+# IQ4_NL's and IQ4_XS's non-uniform 4-bit grid (ggml's kvalues_iq4nl).
+_IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                           dtype=torch.float32)
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    q = _IQ4_VALUES[_unpack(b[:, 2:], 4, 16).long()]  # [n, 32]
+    return q.mul_(_f16(b, 0))
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    high = _unpack(b[:, 2:4], 2, 1)  # [n, 8]: bits 2 i, 2 i + 1 of the little-endian uint16
+    low = _unpack(b[:, 4:8], 4, 1)  # [n, 8]: byte i // 2, low nibble first
+    scales = ((low | (high << 4)).to(torch.int16) - 32).float()  # [n, 8]
+    dl = (_f16(b, 0) * scales).unsqueeze(-1)  # [n, 8, 1]
+    q = _IQ4_VALUES[_unpack(b[:, 8:], 4, 16).long()].view(-1, 8, 32)  # [n, 8, 32]
+    return q.mul_(dl).view(-1, 256)
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    scales = b[:, :16]
+    dl = (_f16(b, 80) * (scales & 0x0F).float()).unsqueeze(-1)  # [n, 16, 1]
+    ml = (_f16(b, 82) * (scales >> 4).float()).unsqueeze(-1)  # [n, 16, 1]
+    q = _unpack(b[:, 16:80], 2, 32).view(-1, 16, 16).float()  # [n, 16, 16]
+    return q.mul_(dl).sub_(ml).view(-1, 256)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    s = b[:, 96:108]
+    low = _unpack(s[:, :8], 4, 8)  # [n, 16]: the 8 bytes' low nibbles, then their high ones
+    high = _unpack(s[:, 8:], 2, 4)  # [n, 16]
+    scales = ((low | (high << 4)).to(torch.int16) - 32).float()
+    dl = (_f16(b, 108) * scales).unsqueeze(-1)  # [n, 16, 1]
+    ql = _unpack(b[:, 32:96], 2, 32).to(torch.int16)  # [n, 256]
+    hm = _unpack(b[:, :32], 1, 32).to(torch.int16)  # [n, 256]; a clear bit subtracts 4
+    q = (ql - ((hm ^ 1) << 2)).view(-1, 16, 16).float()
+    return q.mul_(dl).view(-1, 256)
+
+
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
     sc, mn = _k_scale_min(b[:, 4:16])
     dl = (_f16(b, 0) * sc).unsqueeze(-1)  # [n, 8, 1]
@@ -130,12 +194,31 @@ _DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = 
     _T.Q8_0: _q8_0,
     _T.Q4_0: _q4_0,
     _T.Q4_1: _q4_1,
+    _T.Q5_0: _q5_0,
+    _T.Q5_1: _q5_1,
+    _T.IQ4_NL: _iq4_nl,
+    _T.IQ4_XS: _iq4_xs,
+    _T.Q2_K: _q2_k,
+    _T.Q3_K: _q3_k,
     _T.Q4_K: _q4_k,
     _T.Q5_K: _q5_k,
     _T.Q6_K: _q6_k,
 }
 
-SUPPORTED: frozenset[GGMLQuantizationType] = frozenset(_DECODERS)
+# Lattice-indexed types decoded by the gguf package's numpy code (see the module docstring).
+_BY_GGUF = frozenset({_T.IQ1_S, _T.IQ1_M, _T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ3_S, _T.TQ1_0,
+                      _T.TQ2_0, _T.MXFP4})
+
+SUPPORTED: frozenset[GGMLQuantizationType] = frozenset(_DECODERS) | _BY_GGUF
+
+
+def _by_gguf(qtype: GGMLQuantizationType) -> Callable[[torch.Tensor], torch.Tensor]:
+    def decode(b: torch.Tensor) -> torch.Tensor:
+        from gguf import quants
+
+        return torch.from_numpy(np.ascontiguousarray(quants.dequantize(b.numpy(), qtype), dtype=np.float32))
+
+    return decode
 
 
 # ---------------------------------------------------------------- public entry point
@@ -181,7 +264,7 @@ def dequantize(
     Raises ValueError for an unsupported type or a byte count that does not match ``shape``.
     """
     qtype = GGMLQuantizationType(qtype)
-    decoder = _DECODERS.get(qtype)
+    decoder = _DECODERS.get(qtype) or (_by_gguf(qtype) if qtype in _BY_GGUF else None)
     if decoder is None:
         names = ", ".join(t.name for t in sorted(SUPPORTED))
         raise ValueError(

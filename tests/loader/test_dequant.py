@@ -92,26 +92,43 @@ def test_f16_typed_and_byte_views_match() -> None:
     _assert_same(dequantize(raw.view(np.uint8), T.F16, shape), ref, shape)
 
 
-# Byte offsets of the fp16 fields (d, dmin) inside one block; gguf cannot quantize K-types.
-_K_FP16_FIELDS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+# Byte offsets of the fp16 fields (d, dmin) inside one block, for random blocks of every type
+# (gguf.quants cannot quantize most of them). Random bytes are valid blocks once these are finite;
+# IQ1_M (its d is spread over the scale bytes) and MXFP4 (an e8m0 exponent) may decode to inf/NaN,
+# which both sides must then agree on.
+_FP16_FIELDS = {
+    T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.IQ4_NL: (0,),
+    T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,),
+    T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,), T.IQ1_S: (0,),
+    T.IQ1_M: (), T.TQ1_0: (52,), T.TQ2_0: (64,), T.MXFP4: (),
+}
 
 
-def _random_k_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> np.ndarray:
+def _random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> np.ndarray:
     """Random block bytes with valid (finite) fp16 scale fields."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     n_blocks = rows * cols // block_size
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
-    for offset in _K_FP16_FIELDS[qtype]:
+    for offset in _FP16_FIELDS[qtype]:
         scale = (rng.standard_normal(n_blocks) * 0.05).astype(np.float16)
         blocks[:, offset : offset + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
     return blocks.reshape(rows, cols // block_size * type_size)
 
 
-@pytest.mark.parametrize("qtype", sorted(_K_FP16_FIELDS))
-def test_k_quants_match(qtype: GGMLQuantizationType) -> None:
+@pytest.mark.parametrize("qtype", sorted(_FP16_FIELDS))
+def test_random_blocks_match(qtype: GGMLQuantizationType) -> None:
     shape = (24, 512)
-    raw = _random_k_blocks(qtype, *shape, seed=int(qtype))
+    raw = _random_blocks(qtype, *shape, seed=int(qtype))
+    ours = dequantize(raw, qtype, shape)
+    expected = torch.from_numpy(np.array(gq.dequantize(raw, qtype), dtype=np.float32)).reshape(shape)
+    torch.testing.assert_close(ours, expected, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1])
+def test_quantized_by_gguf_match_32_blocks(qtype: GGMLQuantizationType) -> None:
+    shape = (13, 96)  # rows that are not whole 256-blocks
+    raw = gq.quantize(_values(*shape, seed=int(qtype)), qtype)
     _assert_same(dequantize(raw, qtype, shape), gq.dequantize(raw, qtype), shape)
 
 
@@ -123,17 +140,24 @@ def test_torch_input_and_3d_shape() -> None:
 
 
 def test_every_supported_type_is_covered() -> None:
-    tested = {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, *_K_FP16_FIELDS}
+    tested = {T.F32, T.F16, T.BF16, *_FP16_FIELDS}
     assert SUPPORTED == frozenset(tested)
+
+
+def test_what_llama_cpp_writes_is_supported() -> None:
+    """Every tensor type llama.cpp's quantizer writes in common files loads (issue 18's list)."""
+    common = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+              "Q6_K", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"}
+    assert {T[name] for name in common} <= SUPPORTED
 
 
 # ---------------------------------------------------------------- errors
 
 
 def test_unsupported_type_names_it_and_lists_supported() -> None:
-    raw = np.zeros((1, GGML_QUANT_SIZES[T.IQ2_XS][1]), dtype=np.uint8)
-    with pytest.raises(ValueError, match=r"IQ2_XS is not supported; supported: .*Q4_1.*Q6_K"):
-        dequantize(raw, T.IQ2_XS, (1, 256))
+    raw = np.zeros((1, GGML_QUANT_SIZES[T.Q8_1][1]), dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"Q8_1 is not supported; supported: .*Q4_1.*Q6_K"):
+        dequantize(raw, T.Q8_1, (1, 256))
 
 
 @pytest.mark.parametrize("qtype", sorted(SUPPORTED))
