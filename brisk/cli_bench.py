@@ -31,7 +31,10 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     lat.add_argument("--repeats", type=int, default=3)
     lat.add_argument("--compare", default="",
                      help="peers to run side by side: hf (on the CPU only); plain (the same model without "
-                          "-q / --speculative-config, its runs interleaved with brisk's: decode_speedup_vs_plain)")
+                          "-q / --speculative-config, its runs interleaved with brisk's: decode_speedup_vs_plain); "
+                          "llamacpp (llama-cpp-python on the same .gguf, in --llamacpp-python's venv, interleaved)")
+    lat.add_argument("--llamacpp-python", default=os.environ.get("BRISK_LLAMACPP_PYTHON"),
+                     help="python of a venv with llama-cpp-python, for --compare llamacpp (env BRISK_LLAMACPP_PYTHON)")
     add_device(lat)
     add_quant(lat, "quantize brisk's model at load")
     add_spec(lat)
@@ -120,7 +123,7 @@ def _bench_parallel(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     compare = [c for c in getattr(args, "compare", "").split(",") if c]
-    peers = {"hf", "vllm"} if args.bench == "throughput" else {"hf", "plain"}
+    peers = {"hf", "vllm"} if args.bench == "throughput" else {"hf", "plain", "llamacpp"}
     unknown = set(compare) - peers
     if unknown:
         raise ValueError(f"unknown --compare peer(s): {', '.join(sorted(unknown))}; available: {', '.join(sorted(peers))}")
@@ -142,7 +145,8 @@ def run_bench(args: argparse.Namespace) -> int:
     for dtype in dtypes:
         result = bench_latency(args.model, dtype, args.prompt or DEFAULT_PROMPT, not args.no_chat,
                                args.new_tokens, args.repeats, compare,
-                               {**quant_kwargs(args), **spec_kwargs(args), "device": args.device})
+                               {**quant_kwargs(args), **spec_kwargs(args), "device": args.device},
+                               getattr(args, "llamacpp_python", None))
         print(json.dumps(result), flush=True)
     return 0
 

@@ -12,7 +12,7 @@ from brisk.loader.resolve import DEFAULT_MODEL
 QUANT_HELP = ("int8: weight-only per output channel; int4: weight-only, groups of group_size (default 64), "
               "GPTQ-rounded given a calibration text; w8a8: int8 weights and per-token int8 activations, "
               "SmoothQuant given a calibration text; ternary: BitNet b1.58 absmean {-1,0,1} x scale, 2-bit "
-              "(destroys a model not trained for it); gguf: a .gguf file's Q4_0/Q4_1/Q8_0 blocks as stored")
+              "(destroys a model not trained for it); gguf: a .gguf file's own blocks as stored, the default for quantized .gguf files")
 QUANT_CONFIG_HELP = ('options as JSON: \'{"group_size": 64}\' (int4), \'{"calibration": "text.txt", '
                      '"calibration_tokens": 4096}\' (int4: GPTQ, w8a8: SmoothQuant), \'{"activations": "int8"}\' '
                      '(int4, gguf: what the 4-bit weights meet in integer dot products: int16 activations '
@@ -22,6 +22,9 @@ QUANT_CONFIG_HELP = ('options as JSON: \'{"group_size": 64}\' (int4), \'{"calibr
 def add_quant(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--quantization", "-q", default=None, help=f"{what} ({QUANT_HELP})")
     p.add_argument("--quant-config", default=None, help=QUANT_CONFIG_HELP)
+    p.add_argument("--dequantize", action="store_true",
+                   help="turn a quantized .gguf file's weights into floats at load instead of running its blocks "
+                        "(the exactness reference; several times the memory, slower)")
 
 
 def add_model(p: argparse.ArgumentParser) -> None:
@@ -92,7 +95,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
 
 
 def quant_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    return {"quantization": args.quantization, "quantization_config": args.quant_config}
+    return {"quantization": args.quantization, "quantization_config": args.quant_config,
+            "dequantize": args.dequantize}
 
 
 

@@ -59,7 +59,7 @@ def test_bench_latency_interleaves_a_plain_engine(gguf_path, capsys) -> None:
     ratio = result["brisk"]["decode_tok_s"] / result["plain"]["decode_tok_s"]
     assert abs(result["decode_speedup_vs_plain"] - ratio) < 0.01 and isinstance(result["same_tokens_as_plain"], bool)
     code, _, err = _run(capsys, "bench", "latency", "--compare", "vllm")
-    assert code == 2 and "available: hf, plain" in err
+    assert code == 2 and "available: hf, llamacpp, plain" in err
 
 
 def test_missing_model_path(capsys) -> None:
@@ -101,9 +101,9 @@ def test_unsupported_architecture(tmp_path, capsys) -> None:
 
 
 def test_unsupported_tensor_type(tmp_path, capsys) -> None:
-    f = _write_gguf(tmp_path / "iq.gguf", "llama", gguf.GGMLQuantizationType.IQ2_XS)
+    f = _write_gguf(tmp_path / "q81.gguf", "llama", gguf.GGMLQuantizationType.Q8_1)
     code, _, err = _run(capsys, "generate", "--model", str(f), "--prompt", "hi")
-    assert code == 2 and "IQ2_XS" in err and "Q4_1" in err
+    assert code == 2 and "Q8_1" in err and "Q4_K" in err
 
 
 def test_hf_directory_missing_files(tmp_path, capsys) -> None:

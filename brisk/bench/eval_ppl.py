@@ -98,7 +98,8 @@ def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: in
         raise ValueError(f"{text} holds fewer than 2 tokens; nothing to score")
     reference = None
     if dtype != "float32" or llm.quantization is not None:
-        reference = load_model(model_ref, dtype="float32", device=device, max_model_len=max(window, 256)).model
+        reference = load_model(model_ref, dtype="float32", device=device, max_model_len=max(window, 256),
+                               dequantize=True).model  # a .gguf's blocks as floats: the exactness reference
         reference.pack_weights()
     total = WindowScore()
     start = time.perf_counter()

@@ -67,9 +67,53 @@ def _interleaved(runs: list[tuple[Any, Any]], ids: list[int], new_tokens: int,
     return [(_summary(s), t) for s, t in zip(samples, tokens)]
 
 
+class LlamaCppPeer:
+    """llama-cpp-python in its own venv (bench/llamacpp_peer.py), one JSON line per run."""
+
+    def __init__(self, python: str, model: str, threads: int, n_ctx: int) -> None:
+        import subprocess
+        from pathlib import Path
+
+        script = Path(__file__).with_name("llamacpp_peer.py")
+        self.proc = subprocess.Popen([python, str(script), model, str(threads), str(n_ctx)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        ready = self._read()
+        self.version = ready.get("version")
+
+    def _read(self) -> dict[str, Any]:
+        import json
+
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the llama.cpp peer exited (code {self.proc.wait()}); see its stderr above")
+        return json.loads(line)  # type: ignore[no-any-return]
+
+    def ask(self, job: dict[str, Any]) -> dict[str, Any]:
+        import json
+
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def _llamacpp_run(peer: LlamaCppPeer, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+    out = peer.ask({"op": "latency", "ids": ids, "new_tokens": new_tokens})
+    return out["ttft_s"], out["decode_tok_s"], out["tokens"]
+
+
 def bench_latency(model: str, dtype: str, prompt: str, chat: bool, new_tokens: int, repeats: int,
-                  compare: list[str], options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`options`: more LLM(...) arguments (quantization, speculative_config, device)."""
+                  compare: list[str], options: dict[str, Any] | None = None,
+                  llamacpp_python: str | None = None) -> dict[str, Any]:
+    """`options`: more LLM(...) arguments (quantization, speculative_config, device).
+    `llamacpp_python`: the venv python for `--compare llamacpp` (the same .gguf, threads and
+    prompt ids; its runs interleaved with brisk's)."""
     device = str((options or {}).get("device", "cpu"))
     if compare and device != "cpu":
         raise ValueError(f"--compare runs the peer on the CPU: drop it with --device {device}")
@@ -85,6 +129,27 @@ def bench_latency(model: str, dtype: str, prompt: str, chat: bool, new_tokens: i
         "prompt_tokens": len(ids), "new_tokens": new_tokens,
         "repeats": repeats, "threads": torch.get_num_threads(), "machine": _machine(device),
     }
+    if "llamacpp" in compare:
+        if not llamacpp_python:
+            raise ValueError("--compare llamacpp needs --llamacpp-python VENV/bin/python (a venv with "
+                             "llama-cpp-python; env BRISK_LLAMACPP_PYTHON)")
+        from brisk.loader.resolve import resolve_model
+
+        path = str(resolve_model(model).path)
+        if not path.endswith(".gguf"):
+            raise ValueError(f"--compare llamacpp runs a .gguf file; {model} is not one")
+        peer = LlamaCppPeer(llamacpp_python, path, torch.get_num_threads(), max(2048, len(ids) + new_tokens + 8))
+        try:
+            (result["brisk"], brisk_tokens), (result["llamacpp"], cpp_tokens) = \
+                _interleaved([(_brisk_run, llm), (_llamacpp_run, peer)], ids, new_tokens, repeats)
+        finally:
+            peer.close()
+        result["llamacpp"]["version"] = peer.version
+        result["decode_speedup_vs_llamacpp"] = round(result["brisk"]["decode_tok_s"] / result["llamacpp"]["decode_tok_s"], 3)
+        result["ttft_ratio_vs_llamacpp"] = round(result["brisk"]["ttft_s"] / result["llamacpp"]["ttft_s"], 3)
+        result["same_tokens_as_llamacpp"] = brisk_tokens == cpp_tokens
+        result["brisk"]["load_s"] = round(load_s, 2)
+        return result
     if "plain" in compare:  # the same weights without -q / speculation, interleaved
         plain = LLM(model, dtype=dtype, device=device)
         (result["brisk"], brisk_tokens), (result["plain"], plain_tokens) = \

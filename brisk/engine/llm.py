@@ -50,7 +50,9 @@ class LLM:
     `enforce_eager` (run decode steps through the Python modules instead of the C++ decode plan,
     model/decode_plan.py: the same numbers, slower; default False),
     `quantization` ("int8", "int4", "w8a8", "ternary", "gguf": swap the Linears for quantized ones at
-    load, see quant/)
+    load, see quant/; a quantized .gguf file keeps its own blocks by default, as "gguf"),
+    `dequantize` (a quantized .gguf file's weights turned into floats at load instead: the exactness
+    reference against HF transformers, ~8x the memory; default False)
     with `quantization_config` ({"group_size": 64, "calibration": "text.txt"} for int4; a dict or
     a JSON string),
     `speculative_config` (lossless speculative decoding: {"method": "ngram" | "draft" | "early_exit" |
@@ -71,7 +73,7 @@ class LLM:
                  enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
                  enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill,
                  max_decode_slowdown: float | None = None, pack_weights: bool = True,
-                 enforce_eager: bool = False, quantization: str | None = None,
+                 enforce_eager: bool = False, quantization: str | None = None, dequantize: bool = False,
                  quantization_config: dict[str, Any] | str | None = None,
                  speculative_config: dict[str, Any] | str | None = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
@@ -95,13 +97,14 @@ class LLM:
             self._cluster = start_cluster(WorkerArgs(
                 model, dtype, device, max_model_len, quantization, quantization_config,
                 tensor_parallel_size, pipeline_parallel_size, parallel_timeout_s, pipeline_micro_batches, block_size,
-                pack_weights),
+                pack_weights, dequantize),
                 cache)
             # Until the engine holds the cluster (below), a failure here must not leave workers behind.
             self._finalizer = weakref.finalize(self, self._cluster.close)
             loaded = self._cluster.loaded
         else:
-            loaded = load_model(model, dtype=dtype, device=device, max_model_len=max_model_len, quant=quant)
+            loaded = load_model(model, dtype=dtype, device=device, max_model_len=max_model_len, quant=quant,
+                                dequantize=dequantize)
         self.parallel = parallel
         self.quantization = loaded.quantization
         self.max_model_len = max_model_len or loaded.config.max_position_embeddings

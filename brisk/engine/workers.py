@@ -66,6 +66,7 @@ class WorkerArgs:
     micro_batches: int | None = None
     block_size: int = 16
     pack_weights: bool = True
+    dequantize: bool = False  # a quantized .gguf as floats (tensor parallelism always: it slices floats)
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -130,7 +131,8 @@ def build_rank(args: WorkerArgs, state: ParallelState) -> tuple[LoadedModel, ran
         if not calibrated:
             keep_stage(model, stage_layers(model.config, state.pp_size)[state.pp_rank], state.is_first_stage)
 
-    loaded = load_model(args.model, args.dtype, str(state.device), args.max_model_len, quant, before_quant=reshape)
+    loaded = load_model(args.model, args.dtype, str(state.device), args.max_model_len, quant, before_quant=reshape,
+                        dequantize=args.dequantize or state.tp_size > 1)
     layers = stage_layers(loaded.config, state.pp_size)[state.pp_rank]
     if calibrated:
         keep_stage(loaded.model, layers, state.is_first_stage)

@@ -171,6 +171,27 @@ def ternary_supported(plus: torch.Tensor, x: torch.Tensor | None = None) -> bool
     return CAPS.avx512 and CAPS.has("ternary_gemm") and plus.device.type == "cpu" and (x is None or x.device.type == "cpu")
 
 
+def block_types() -> frozenset[int]:
+    """GGML type ids the GGUF block kernels run (cpu_blocks.cpp); empty without the extension."""
+    return _BLOCK_TYPES
+
+
+_BLOCK_TYPES: frozenset[int] = frozenset(_C.block_types()) if CAPS.has("block_types") else frozenset()
+
+
+def block_kernel_supported(types: list[int], x: torch.Tensor | None = None) -> bool:
+    """The block kernels serve weights of these GGML types (on the CPU, every ISA)."""
+    return all(t in _BLOCK_TYPES for t in types) and (x is None or x.device.type == "cpu")
+
+
+def block_gemm(x: torch.Tensor, blocks: list[torch.Tensor], types: list[int],
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [M, out] = quantize_act_blocks(x, "int8") @ W^T (+ bias), W the row-stacked `blocks`
+    (uint8 [rows, row bytes], each of its GGML type), up to the sums' float order."""
+    assert _C is not None
+    return _C.block_gemm(x, blocks, types, bias)
+
+
 def group_kernel_tiles() -> bool:
     """True when the group kernels read the tiled layout (quant/base.TiledLinear) given tiled=True."""
     return CAPS.has("group_tile_rows")

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "isa.h"
+#include "blocks.h"
 #include "kernels.h"
 
 void bind_decode_plan(py::module& m);
@@ -32,6 +33,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("group_dequantize_rows", &group_dequantize_rows, "rows ids of the float32 weight a group-quantized q stands for",
         py::arg("q"), py::arg("scale"), py::arg("zero"), py::arg("group"), py::arg("bits"), py::arg("tiled"),
         py::arg("ids"));
+  m.def("block_gemm", &block_gemm,
+        "x[M,in] @ W^T (+bias), W row-stacked segments of GGUF blocks (any of brisk_blocks' types), x in int8 blocks",
+        py::arg("x"), py::arg("blocks"), py::arg("types"), py::arg("bias") = py::none());
+  m.def("block_types", []() {
+    std::vector<int64_t> t;
+    for (int i = 0; i < 64; ++i)
+      if (brisk_blocks::supported(i)) t.push_back(i);
+    return t;
+  }, "GGML type ids the block kernels run");
   m.def("group_tile_rows", []() { return 4; }, "rows per tile of the group kernels' tiled layout (tiled=True)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for float32 rows of [gate | up]", py::arg("gate_up"));
   m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w for float32 rows", py::arg("x"), py::arg("w"),

@@ -65,10 +65,14 @@ class SpinBarrier {
 // One Linear and the kernel its module would call for a few rows (see each module's forward), as
 // raw pointers into the tensors it keeps alive.
 struct LinearOp {
-  enum Kind : int64_t { kFloat = 0, kGroup = 1, kGroupInt8Acts = 2, kInt8 = 3, kInt8Tiled = 4, kGroupInt16Acts = 5 };
+  enum Kind : int64_t {
+    kFloat = 0, kGroup = 1, kGroupInt8Acts = 2, kInt8 = 3, kInt8Tiled = 4, kGroupInt16Acts = 5, kBlocks = 6
+  };
   int64_t kind = 0, out = 0, in = 0;
   torch::Tensor weight, scale, zero, bias;  // bias: float32 [out] or undefined
   GroupWeights group{};                     // the group kinds
+  std::vector<torch::Tensor> block_tensors;  // kBlocks: GGUF blocks per stacked part, kept alive
+  std::vector<brisk_blocks::Segment> segments;
 
   // Rows of y [m, out] that thread `tid` of `team` computes: whole 4-row units, split evenly.
   std::pair<int64_t, int64_t> slice(int tid, int team) const {
@@ -89,6 +93,10 @@ struct LinearOp {
         brisk_range::quantize_acts(kind == kGroupInt8Acts ? 127 : 32767, group, x, m, acts);
         brisk_range::group_qact_rows(group, acts, y, m, r0, r1);
         break;
+      case kBlocks:
+        brisk_blocks::quantize_acts(x, m, in, acts.blocks);
+        brisk_blocks::rows(segments, acts.blocks, y, out, r0, r1);
+        break;
       case kInt8: brisk_range::int8_rows(weight.data_ptr<int8_t>(), x, y, m, out, in, r0, r1); break;
       case kInt8Tiled: brisk_range::int8_tiled_rows(weight.data_ptr<int8_t>(), x, y, m, out, in, r0, r1); break;
       default: break;  // add_layer admits only the kinds above
@@ -107,11 +115,41 @@ struct LinearOp {
   }
 };
 
+// (kBlocks, [blocks per part], [GGML type per part], None, bias, in_features, 0, False)
+LinearOp parse_blocks(const py::tuple& t) {
+  LinearOp op;
+  op.kind = LinearOp::kBlocks;
+  op.block_tensors = t[1].cast<std::vector<torch::Tensor>>();
+  const auto types = t[2].cast<std::vector<int64_t>>();
+  op.in = t[5].cast<int64_t>();
+  TORCH_CHECK(!op.block_tensors.empty() && op.block_tensors.size() == types.size() && op.in % 32 == 0,
+              "brisk DecodePlan: a blocks op is one GGML type per part and an input width multiple of 32");
+  for (size_t i = 0; i < types.size(); ++i) {
+    const torch::Tensor& b = op.block_tensors[i];
+    const int type = static_cast<int>(types[i]);
+    TORCH_CHECK(brisk_blocks::supported(type), "brisk DecodePlan: GGML type ", type, " has no block kernel");
+    TORCH_CHECK(b.dim() == 2 && b.scalar_type() == torch::kUInt8 && b.is_contiguous() && b.device().is_cpu() &&
+                    op.in % brisk_blocks::block_cols(type) == 0 &&
+                    b.size(1) == op.in / brisk_blocks::block_cols(type) * brisk_blocks::block_bytes(type),
+                "brisk DecodePlan: blocks of part ", i, " do not fit ", op.in, " columns of type ", type);
+    op.segments.push_back({b.data_ptr<uint8_t>(), type, b.size(0), op.in, b.size(1), op.out});
+    op.out += b.size(0);
+  }
+  if (!t[4].is_none()) {
+    const torch::Tensor bias = t[4].cast<torch::Tensor>();
+    TORCH_CHECK(bias.device().is_cpu() && bias.numel() == op.out, "brisk DecodePlan: bias must be a CPU tensor of ",
+                op.out, " elements");
+    op.bias = bias.to(torch::kFloat32).contiguous();
+  }
+  return op;
+}
+
 LinearOp parse_linear(const py::tuple& t) {
   TORCH_CHECK(t.size() == 8, "brisk DecodePlan: a linear op is (kind, weight, scale, zero, bias, group, bits, tiled)");
   const auto tensor = [](const py::handle& h) { return h.is_none() ? torch::Tensor() : h.cast<torch::Tensor>(); };
   LinearOp op;
   op.kind = t[0].cast<int64_t>();
+  if (op.kind == LinearOp::kBlocks) return parse_blocks(t);
   op.weight = tensor(t[1]), op.scale = tensor(t[2]), op.zero = tensor(t[3]);
   const torch::Tensor bias = tensor(t[4]);
   const int64_t group = t[5].cast<int64_t>(), bits = t[6].cast<int64_t>();

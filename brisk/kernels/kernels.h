@@ -28,6 +28,8 @@ torch::Tensor group_dequantize(const torch::Tensor& q, const torch::Tensor& scal
 torch::Tensor group_dequantize_rows(const torch::Tensor& q, const torch::Tensor& scale,
                                     const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits, bool tiled,
                                     const torch::Tensor& ids);
+torch::Tensor block_gemm(const torch::Tensor& x, const std::vector<torch::Tensor>& blocks,
+                         const std::vector<int64_t>& types, const c10::optional<torch::Tensor>& bias);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x, bool unsigned_offset);
@@ -53,6 +55,7 @@ void kv_store(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
 // the plan's floats are theirs.
 #include <vector>
 
+#include "blocks.h"
 #include "group_weights.h"
 
 namespace brisk_range {
@@ -75,6 +78,7 @@ struct QuantizedActs {
   std::vector<int8_t> q8;
   std::vector<int16_t> q16;
   std::vector<float> a, c;
+  brisk_blocks::BlockActs blocks;  // the GGUF block kernels' (cpu_blocks.cpp)
 };
 void quantize_acts(int levels, const brisk_group::GroupWeights& w, const float* x, int64_t m, QuantizedActs& out);
 void group_qact_rows(const brisk_group::GroupWeights& w, const QuantizedActs& x, float* y, int64_t m, int64_t r0,

@@ -1,7 +1,8 @@
 """GGUF files: metadata -> ModelConfig, tensors -> HF-named float tensors.
 
-The file is memory-mapped by `gguf.GGUFReader`; each tensor is dequantized straight from the map
-into its final tensor, one at a time, so the weights never exist twice in memory.
+The file is memory-mapped (gguf_file.py reads its header); each tensor is dequantized straight
+from the map into its final tensor, one at a time, so the weights never exist twice in memory, or
+kept as the map's own bytes (`gguf_blocks`).
 
 llama.cpp's converter permutes the rows of Q and K of Llama models so that its rotary kernel can
 rotate adjacent pairs; brisk (like HF) rotates halves, so those rows are permuted back here.
@@ -9,7 +10,8 @@ rotate adjacent pairs; brisk (like HF) rotates halves, so those rows are permute
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ import torch
 
 from brisk.config import ModelConfig, RopeScaling
 from brisk.loader.dequant import SUPPORTED, dequantize
+from brisk.loader.gguf_file import GGUFHeader, TensorInfo, read_header
 from brisk.model.registry import check_architecture
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
@@ -39,6 +42,7 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+_FLOAT_TYPES = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
 # Architectures whose Q/K llama.cpp permuted for its interleaved rotary.
 _PERMUTED_QK = {"llama", "mistral"}
 
@@ -46,7 +50,7 @@ _PERMUTED_QK = {"llama", "mistral"}
 @dataclass
 class GGUFFile:
     path: Path
-    reader: gguf.GGUFReader
+    reader: GGUFHeader
     metadata: dict[str, Any]
 
     @property
@@ -57,9 +61,9 @@ class GGUFFile:
 def open_gguf(path: Path) -> GGUFFile:
     """Open and validate a GGUF file; a corrupt or truncated file is a ValueError saying so."""
     try:
-        reader = gguf.GGUFReader(path, "r")
-        metadata = {name: field.contents() for name, field in reader.fields.items()}
-    except Exception as exc:  # the reader raises many kinds on garbage; all mean "not a usable GGUF"
+        reader = read_header(path)
+        metadata = reader.fields
+    except (ValueError, OSError, UnicodeDecodeError) as exc:
         raise ValueError(
             f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
             "it may be truncated or corrupt: download or convert it again"
@@ -84,7 +88,7 @@ def _check_tensor_types(file: GGUFFile) -> None:
                          f"load; supported: {names}. Use a file quantized to one of those")
 
 
-def _rope_scaling(meta: dict[str, Any], arch: str, reader: gguf.GGUFReader) -> RopeScaling:
+def _rope_scaling(meta: dict[str, Any], arch: str, reader: GGUFHeader) -> RopeScaling:
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
     factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
     orig = meta.get(f"{arch}.rope.scaling.original_context_length")
@@ -147,35 +151,76 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_weights(file: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor) for every tensor, dequantized one at a time."""
-    permuted = cfg.architecture in _PERMUTED_QK
+def _float_tensor(file: GGUFFile, t: TensorInfo, name: str, cfg: ModelConfig) -> torch.Tensor:
+    """One tensor dequantized to float32 in HF order (llama's q/k rows un-permuted); the pages of
+    the map it was read from are let go (the float copy is what stays)."""
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    tensor = dequantize(t.data, t.tensor_type, shape)
+    file.reader.release(t)
+    if cfg.architecture in _PERMUTED_QK and name.endswith(("q_proj.weight", "q_proj.bias")):
+        tensor = _unpermute(tensor, cfg.num_attention_heads)
+    elif cfg.architecture in _PERMUTED_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
+        tensor = _unpermute(tensor, cfg.num_key_value_heads)
+    return tensor
+
+
+def gguf_weights(file: GGUFFile, cfg: ModelConfig, skip: frozenset[str] = frozenset()
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor) for every tensor not in `skip`, dequantized one at a time."""
     for t in file.reader.tensors:
         name = _hf_name(t.name)
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        tensor = dequantize(t.data, t.tensor_type, shape)
-        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            tensor = _unpermute(tensor, cfg.num_attention_heads)
-        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            tensor = _unpermute(tensor, cfg.num_key_value_heads)
-        yield name, tensor
+        if name not in skip:
+            yield name, _float_tensor(file, t, name, cfg)
 
 
-def gguf_raw_weights(file: GGUFFile, cfg: ModelConfig, keep: Callable[[int], bool]
-                     ) -> Iterator[tuple[str, int, torch.Tensor]]:
-    """(HF name, GGML type, raw rows uint8 [rows, row bytes]) of the 2-D tensors whose type `keep`
-    accepts, still quantized; q/k rows put in HF order like `gguf_weights` does."""
-    permuted = cfg.architecture in _PERMUTED_QK
+def gguf_tensor(file: GGUFFile, cfg: ModelConfig, hf_name: str) -> torch.Tensor | None:
+    """The tensor of HF name `hf_name` as float32, None when the file has none."""
     for t in file.reader.tensors:
-        if len(t.shape) != 2 or not keep(int(t.tensor_type)):
+        if _hf_name(t.name) == hf_name:
+            return _float_tensor(file, t, hf_name, cfg)
+    return None
+
+
+def _byte_rows(t: TensorInfo) -> torch.Tensor:
+    """A 2-D tensor's bytes as uint8 [rows, row bytes]: a view of the file's read-only memory map.
+    Nothing may write to it (the kernels only read); torch warns about that, needlessly here."""
+    arr = np.asarray(t.data).reshape(-1).view(np.uint8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(arr).view(int(t.shape[1]), -1)
+
+
+def gguf_blocks(file: GGUFFile, cfg: ModelConfig) -> dict[str, tuple[int, torch.Tensor]]:
+    """HF name -> (GGML type, uint8 [rows, row bytes]) of every block-quantized 2-D tensor, as the
+    file stores it (a view of the map); q/k rows put in HF order like `gguf_weights` does (a copy,
+    its pages of the map let go). Whoever copies a view for good calls `release_tensor` after."""
+    permuted = cfg.architecture in _PERMUTED_QK
+    out: dict[str, tuple[int, torch.Tensor]] = {}
+    for t in file.reader.tensors:
+        if len(t.shape) != 2 or t.tensor_type in _FLOAT_TYPES:
             continue
         name = _hf_name(t.name)
-        rows = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(int(t.shape[1]), -1)
+        rows = _byte_rows(t)
         if permuted and name.endswith("q_proj.weight"):
-            rows = _unpermute(rows, cfg.num_attention_heads)
+            rows = _unpermute(rows, cfg.num_attention_heads).contiguous()
+            file.reader.release(t)
         elif permuted and name.endswith("k_proj.weight"):
-            rows = _unpermute(rows, cfg.num_key_value_heads)
-        yield name, int(t.tensor_type), rows
+            rows = _unpermute(rows, cfg.num_key_value_heads).contiguous()
+            file.reader.release(t)
+        out[name] = (int(t.tensor_type), rows)
+    return out
+
+
+def release_tensor(file: GGUFFile, hf_name: str) -> None:
+    """Let go of the map's pages of the tensor of HF name `hf_name` (it was copied)."""
+    for t in file.reader.tensors:
+        if _hf_name(t.name) == hf_name:
+            file.reader.release(t)
+
+
+def is_quantized(file: GGUFFile) -> bool:
+    """The file holds block-quantized tensors (not only F32 / F16 / BF16)."""
+    return any(t.tensor_type not in _FLOAT_TYPES for t in file.reader.tensors)
 
 
 def tensor_types(file: GGUFFile) -> dict[str, int]:
@@ -187,4 +232,5 @@ def tensor_types(file: GGUFFile) -> dict[str, int]:
     return counts
 
 
-__all__ = ["GGUFFile", "gguf_model_config", "gguf_raw_weights", "gguf_weights", "open_gguf", "tensor_types"]
+__all__ = ["GGUFFile", "gguf_blocks", "gguf_model_config", "gguf_tensor", "gguf_weights", "is_quantized", "open_gguf",
+           "release_tensor", "tensor_types"]

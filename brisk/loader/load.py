@@ -11,10 +11,14 @@ import torch
 
 from brisk.config import ModelConfig, QuantConfig
 from brisk.loader.gguf_loader import (
+    GGUFFile,
+    gguf_blocks,
     gguf_model_config,
-    gguf_raw_weights,
+    gguf_tensor,
     gguf_weights,
+    is_quantized,
     open_gguf,
+    release_tensor,
 )
 from brisk.loader.hf_loader import check_hf_dir, hf_model_config, hf_weights
 from brisk.loader.resolve import ModelSource, resolve_model
@@ -66,11 +70,28 @@ def model_config_of(ref: str) -> ModelConfig:
     return hf_model_config(source.path)
 
 
+def keeps_blocks(source: ModelSource, file: GGUFFile | None, quant: QuantConfig | None, dequantize: bool,
+                 device: str) -> bool:
+    """A quantized GGUF runs from its blocks (quant/gguf.py) unless told to dequantize or to
+    quantize another way; on devices without the block kernels it is dequantized once."""
+    if source.kind != "gguf" or file is None:
+        return False
+    if quant is not None and quant.method == "gguf" and dequantize:
+        raise ValueError("-q gguf keeps the file's blocks and --dequantize turns them into floats: choose one")
+    if quant is not None and quant.method != "gguf":
+        return False  # int8 / int4 / ... quantize the dequantized weights
+    return not dequantize and torch.device(device).type == "cpu" and is_quantized(file)
+
+
 def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_len: int | None = None,
                quant: QuantConfig | None = None,
-               before_quant: Callable[[LlamaForCausalLM], None] | None = None) -> LoadedModel:
+               before_quant: Callable[[LlamaForCausalLM], None] | None = None,
+               dequantize: bool = False) -> LoadedModel:
     """Resolve `ref`, build the architecture and stream the weights into it; quantize with `quant`.
 
+    A quantized GGUF keeps its blocks (`quantization` "gguf") unless `dequantize` or another
+    `quant` method asks for floats: its float model is never made (its Linears are built empty,
+    which costs no memory until written, and swapped before any weight is read).
     A checkpoint written by `brisk quantize` loads as saved (`quant` must then be None or equal,
     but for `activations`, a run-time choice that `quant` may change).
     `before_quant` reshapes the float model first (tensor-parallel sharding: each shard is quantized)."""
@@ -100,6 +121,13 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
     if quant is not None and quant.method == "gguf" and source.kind != "gguf":
         raise ValueError(f"quantization gguf keeps a GGUF file's own blocks, but {ref} is not a .gguf file; "
                          "choose int8 or int4 for other models")
+    file = open_gguf(source.path) if source.kind == "gguf" else None
+    if keeps_blocks(source, file, quant, dequantize, device):
+        assert file is not None
+        return _load_blocks(file, source, tdtype, device, max_model_len, quant or QuantConfig("gguf"), before_quant)
+    if quant is not None and quant.method == "gguf":
+        raise ValueError(f"{ref} holds no quantized blocks to keep (only float tensors) on {device}: load it "
+                         "without -q gguf, or with int8 / int4")
     cfg, tokenizer, weights = read_checkpoint(source)
     _check_len(cfg, max_model_len)
     with torch.device(device):
@@ -114,17 +142,33 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
     return LoadedModel(model.eval(), tokenizer, cfg, source, quant)
 
 
+def _load_blocks(file: GGUFFile, source: ModelSource, tdtype: torch.dtype, device: str, max_model_len: int | None,
+                 quant: QuantConfig, before_quant: Callable[[LlamaForCausalLM], None] | None) -> LoadedModel:
+    """A quantized GGUF with its blocks kept: native modules first, then the float tensors left."""
+    from brisk.quant import set_activations
+    from brisk.quant.gguf import attach_blocks
+
+    cfg = gguf_model_config(file)
+    _check_len(cfg, max_model_len)
+    tokenizer = Tokenizer.from_gguf_metadata(file.metadata)
+    with torch.device(device):
+        model = build_model(cfg, tdtype, max_positions=max_model_len or cfg.max_position_embeddings)
+    def bias_of(weight_name: str) -> torch.Tensor | None:
+        return gguf_tensor(file, cfg, weight_name.removesuffix(".weight") + ".bias")
+
+    with torch.no_grad():
+        served = attach_blocks(model, gguf_blocks(file, cfg), bias_of, lambda name: release_tensor(file, name))
+        model.load_weights(gguf_weights(file, cfg, skip=frozenset(served)))
+    if before_quant is not None:
+        before_quant(model)
+    set_activations(model, quant.act_mode)
+    return LoadedModel(model.eval(), tokenizer, cfg, source, quant)
+
+
 def _quantize(model: LlamaForCausalLM, quant: QuantConfig, source: ModelSource, cfg: ModelConfig,
               tokenizer: Tokenizer) -> None:
     from brisk.quant import apply
-    from brisk.quant.gguf import apply_gguf, is_native
 
-    if quant.method == "gguf":
-        counts = apply_gguf(model, gguf_raw_weights(open_gguf(source.path), cfg, is_native))
-        if counts["native"] == 0:
-            raise ValueError(f"{source.path} holds no Q4_0, Q4_1 or Q8_0 linear weights to keep as they are; "
-                             "load it without -q gguf (dequantized), or with int8 / int4")
-        return
     calibration = None
     if quant.calibration is not None:
         path = Path(quant.calibration)

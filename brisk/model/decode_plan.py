@@ -14,7 +14,7 @@ otherwise (assigning `GroupLinear.activations`, forward hooks, which the plan ne
 drop the plan itself or run with `use_decode_plan = False` (`LLM(enforce_eager=True)`).
 
 A plan exists only when every piece has its C++ kernel: float32 activations on an AVX-512 CPU,
-float / int4 / gguf / int8 Linears (W8A8, ternary and tensor-parallel Linears keep the module
+float / int4 / gguf (group and block) / int8 Linears (W8A8, ternary and tensor-parallel Linears keep the module
 path), the paged KV cache; it runs steps of at most `PLAN_MAX_ROWS` tokens served by the paged
 kernel (decode batches, speculative verify steps), never long prefill chunks.
 """
@@ -28,12 +28,13 @@ import torch
 from brisk import kernels
 from brisk.model.layers import Linear, RMSNorm
 from brisk.model.paged_attention import HAVE_PAGED_KERNEL, PagedAttention
+from brisk.quant.gguf import BlockLinear
 from brisk.quant.grouped import GroupLinear
 from brisk.quant.int8 import Int8Linear
 
 # float Linears take gemv (one row) or small_gemm (up to 8, model/layers.py linear) below this
 PLAN_MAX_ROWS = 8
-KIND_FLOAT, KIND_GROUP, KIND_GROUP_INT8_ACTS, KIND_INT8, KIND_INT8_TILED, KIND_GROUP_INT16_ACTS = range(6)
+KIND_FLOAT, KIND_GROUP, KIND_GROUP_INT8_ACTS, KIND_INT8, KIND_INT8_TILED, KIND_GROUP_INT16_ACTS, KIND_BLOCKS = range(7)
 GROUP_KINDS = {"float": KIND_GROUP, "int8": KIND_GROUP_INT8_ACTS, "int16": KIND_GROUP_INT16_ACTS}
 
 LinearOp = tuple[int, torch.Tensor, Any, Any, Any, int, int, bool]
@@ -63,6 +64,11 @@ def linear_op(m: torch.nn.Module) -> LinearOp | None:
             return None  # the module's float twin of the integer kernels is a torch expression
         kind = GROUP_KINDS[mode]
         return (kind, b["qweight"], b["scale"], b["zero"], b["bias"], m.group, m.bits, tiled)
+    if type(m) is BlockLinear:
+        b = m._buffers
+        if m.dtype != torch.float32 or not kernels.block_kernel_supported(m.types) or not m.blocks[0].is_cpu:
+            return None
+        return (KIND_BLOCKS, m.blocks, m.types, None, b["bias"], m.in_features, 0, False)
     if type(m) is Int8Linear:
         b = m._buffers
         if m.dtype != torch.float32 or not kernels.int8_gemm_supported(b["qweight"]):

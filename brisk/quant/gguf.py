@@ -1,25 +1,35 @@
-"""GGUF blocks kept quantized at run time: Q4_0, Q4_1 and Q8_0 become `GroupLinear`s as they are.
+"""GGUF files run from their blocks: every block-quantized Linear (and a quantized LM head and
+token embedding) keeps the file's bytes and is multiplied by brisk's kernels, as llama.cpp does.
 
-A GGUF Q4_1 block is 32 columns: fp16 d, fp16 m, 16 bytes of nibbles (low nibble = column j,
-high = column j + 16), w = q d + m; Q4_0 has no m and w = (q - 8) d; Q8_0 is fp16 d and 32 int8,
-w = q d. That is GroupLinear's layout with group 32 (scale d, zero m or -8 d), so the nibbles are
-used where they lie, and d and m stay float16. q d is exact in float32 (4 or 8 bits times
-fp16's 11), and the kernel's one fma rounds q d + m once as ggml does, so the weights are the very
-values the dequantizing loader produces.
+Two module kinds, chosen per Linear by `attach_blocks`:
 
-A Linear whose parts are not all of these types (e.g. Q6_K, or Q4_1 beside Q8_0 in one stacked
-projection) stays the float copy the loader made.
+- `GroupLinear` for Q4_0, Q4_1 and Q8_0 (all parts one of the 4-bit pair, or all Q8_0): a GGUF
+  Q4_1 block is 32 columns, fp16 d, fp16 m, 16 bytes of nibbles (low nibble = column j, high =
+  column j + 16), w = q d + m; Q4_0 has no m and w = (q - 8) d; Q8_0 is fp16 d and 32 int8,
+  w = q d. That is GroupLinear's layout with group 32 (scale d, zero m or -8 d), so the nibbles are
+  used where they lie and float activations meet exactly the weights the dequantizing loader
+  makes (q d is exact in float32, and the kernel's one fma rounds q d + m once, as ggml does).
+- `BlockLinear` for every other type with a block kernel (K-quants, Q5_0/Q5_1, IQ4_NL/IQ4_XS) and
+  for stacked Linears that mix types (Q4_K_M's q|k|v): the blocks as stored, int8 activations in
+  32-column blocks (kernels/cpu_blocks.cpp).
+
+A Linear with a part in a float type, or in a type no kernel runs (the lattice i-quants), is left
+to the float loader (dequantized once).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from brisk.quant.grouped import GroupLinear
+from brisk.kernels import block_gemm, block_kernel_supported, block_types
+from brisk.loader.dequant import dequantize
+from brisk.quant.base import QuantizedLinear
+from brisk.quant.grouped import GroupLinear, quantize_act_blocks
 
 GROUP = 32
 # type -> (block bytes, has m, 4-bit)
@@ -27,6 +37,7 @@ NATIVE = {GGMLQuantizationType.Q4_0: (18, False, True), GGMLQuantizationType.Q4_
           GGMLQuantizationType.Q8_0: (34, False, False)}
 
 Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]  # q, scale, zero, bits
+Blocks = dict[str, tuple[int, torch.Tensor]]  # HF name -> (GGML type, uint8 [rows, row bytes])
 
 
 def is_native(ggml_type: int) -> bool:
@@ -48,42 +59,149 @@ def to_group(ggml_type: int, raw: torch.Tensor) -> Parts:
 
 
 def _group_linear(parts: list[Parts], output_sizes: tuple[int, ...], bias: torch.Tensor | None,
-                  weight: torch.Tensor) -> GroupLinear:
-    """The parts' rows stacked into one GroupLinear on `weight`'s device, for its dtype."""
-    device = weight.device  # the file's rows are on the CPU; the model may not be
-    q = torch.cat([p[0] for p in parts]).contiguous().to(device)
-    scale = torch.cat([p[1] for p in parts]).contiguous().to(device)
-    zero = None if parts[0][2] is None else torch.cat([p[2] for p in parts]).contiguous().to(device)  # type: ignore[misc]
-    bias = None if bias is None else bias.detach().float()
-    return GroupLinear(q, scale, zero, GROUP, parts[0][3], bias, output_sizes, weight.dtype)
+                  dtype: torch.dtype) -> GroupLinear:
+    """The parts' rows stacked into one GroupLinear."""
+    q = torch.cat([p[0] for p in parts]).contiguous()
+    scale = torch.cat([p[1] for p in parts]).contiguous()
+    zero = None if parts[0][2] is None else torch.cat([p[2] for p in parts]).contiguous()  # type: ignore[misc]
+    return GroupLinear(q, scale, zero, GROUP, parts[0][3], bias, output_sizes, dtype)
 
 
-def apply_gguf(model: nn.Module, raw: Iterable[tuple[str, int, torch.Tensor]]) -> dict[str, int]:
-    """Swap in GroupLinears built from a GGUF file's native blocks ((HF name, type, rows) triples,
-    q/k rows already in HF order). Returns how many Linears run native and how many stay float."""
+def _as_group(types: list[int]) -> bool:
+    """GroupLinear serves these parts: all Q4_0 / Q4_1 (4-bit) or all Q8_0."""
+    return all(is_native(t) for t in types) and len({NATIVE[GGMLQuantizationType(t)][2] for t in types}) == 1
+
+
+def native_module(segments: list[tuple[int, torch.Tensor]], in_features: int, bias: torch.Tensor | None,
+                  output_sizes: tuple[int, ...], dtype: torch.dtype) -> nn.Module | None:
+    """The module that runs these blocks as stored, or None when some part has no kernel."""
+    types = [t for t, _ in segments]
+    if _as_group(types):
+        return _group_linear([to_group(t, rows) for t, rows in segments], output_sizes, bias, dtype)
+    if all(t in block_types() for t in types):
+        return BlockLinear(segments, in_features, bias, output_sizes, dtype)
+    return None
+
+
+def attach_blocks(model: nn.Module, blocks: Blocks, bias_of: Callable[[str], torch.Tensor | None],
+                  release: Callable[[str], None] = lambda name: None) -> set[str]:
+    """Swap in native modules for every Linear whose parts are all in `blocks` with a kernel, and
+    for a quantized LM head and token embedding; `bias_of(HF weight name)` reads a part's bias,
+    `release(HF name)` lets go of a tensor's file pages once a GroupLinear copied them.
+    Returns the HF names now served (weights and their biases), which the float loader skips."""
     from brisk.quant import drop_plan, quantizable, tie_head
 
     drop_plan(model)
-    found: dict[str, dict[int, Parts]] = {}
-    tied_head: Parts | None = None
-    for name, ggml_type, rows in raw:
-        if name.removeprefix("model.") == "embed_tokens.weight":
-            if getattr(model, "lm_head", "absent") is None:
-                tied_head = to_group(ggml_type, rows)
-            continue
+    parts: dict[str, dict[int, str]] = {}
+    for name in blocks:
         target = model.linear_part(name)  # type: ignore[operator]
         if target is not None:
-            found.setdefault(target[0], {})[target[1]] = to_group(ggml_type, rows)
-    native = 0
+            parts.setdefault(target[0], {})[target[1]] = name
+    consumed: set[str] = set()
     names = {id(m): n for n, m in model.named_modules()}
     for parent, attr, linear in quantizable(model):
-        got = found.get(names[id(linear)], {})
-        parts = [got[i] for i in range(len(linear.output_sizes)) if i in got]
-        if len(parts) == len(linear.output_sizes) and len({p[3] for p in parts}) == 1:
-            setattr(parent, attr, _group_linear(parts, linear.output_sizes, linear.bias, linear.weight))
-            native += 1
-    if tied_head is not None:
-        embed = model.embed_tokens.weight  # type: ignore[union-attr]
-        tie_head(model, _group_linear([tied_head], (embed.shape[0],), None, embed))
-        native += 1
-    return {"native": native, "float": len(quantizable(model))}
+        got = parts.get(names[id(linear)], {})
+        if len(got) != len(linear.output_sizes):
+            continue
+        part_names = [got[i] for i in range(len(linear.output_sizes))]
+        biases = [bias_of(n) for n in part_names] if linear.bias is not None else []
+        if any(b is None for b in biases):
+            continue  # a part without its bias: the float loader reports what is missing
+        bias = torch.cat(biases).float() if biases else None  # type: ignore[arg-type]
+        module = native_module([blocks[n] for n in part_names], linear.in_features, bias, linear.output_sizes,
+                               linear.weight.dtype)
+        if module is not None:
+            setattr(parent, attr, module)
+            if isinstance(module, GroupLinear):
+                for name in part_names:
+                    release(name)
+            consumed.update(part_names)
+            consumed.update(n.removesuffix(".weight") + ".bias" for n in part_names if bias is not None)
+    embed_name = "model.embed_tokens.weight" if "model.embed_tokens.weight" in blocks else "embed_tokens.weight"
+    if embed_name in blocks:
+        ggml_type, rows = blocks[embed_name]
+        dtype = model.embed_tokens.weight.dtype  # type: ignore[union-attr]
+        if getattr(model, "lm_head", "absent") is None:  # tied: the head's blocks serve the lookups too
+            head = native_module([(ggml_type, rows)], model.config.hidden_size, None, (rows.shape[0],),  # type: ignore[union-attr]
+                                 dtype)
+            if head is not None:
+                tie_head(model, head)
+                if isinstance(head, GroupLinear):
+                    release(embed_name)
+                consumed.add(embed_name)
+        elif ggml_type in block_types() or is_native(ggml_type):
+            model.embed_tokens = BlockEmbedding(ggml_type, rows, model.config.hidden_size, dtype)  # type: ignore[union-attr,assignment]
+            consumed.add(embed_name)
+    return consumed
+
+
+class BlockLinear(QuantizedLinear):
+    """A Linear whose weight stays in a GGUF file's blocks, multiplied by the block kernels
+    (brisk/kernels/cpu_blocks.cpp) on int8-quantized activations, as llama.cpp does.
+
+    A stacked Linear (q|k|v, gate|up) holds one segment per part, each in its own GGML type
+    (Q4_K_M files store v in Q6_K beside q and k in Q4_K). The blocks are the file's bytes: a view
+    of its memory map where no row permutation was needed, so the weight costs no memory of its own
+    beyond the page cache. Without the kernels (another device, no extension) the forward is the
+    same arithmetic in torch: the activations rounded the kernels' way, the weight dequantized.
+    """
+
+    def __init__(self, segments: list[tuple[int, torch.Tensor]], in_features: int, bias: torch.Tensor | None,
+                 output_sizes: tuple[int, ...], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = output_sizes
+        self.out_features = sum(rows.shape[0] for _, rows in segments)
+        if self.out_features != sum(output_sizes):
+            raise ValueError(f"BlockLinear: segments hold {self.out_features} rows, the layer has {sum(output_sizes)}")
+        self.types = [int(t) for t, _ in segments]
+        for i, (_, rows) in enumerate(segments):
+            self.register_buffer(f"blocks{i}", rows, persistent=False)
+        self.register_buffer("bias", bias)
+        self.dtype = dtype
+
+    @property
+    def blocks(self) -> list[torch.Tensor]:
+        return [self._buffers[f"blocks{i}"] for i in range(len(self.types))]  # type: ignore[misc]
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in]: the weight the blocks stand for (loader/dequant.py, bit-exact)."""
+        return torch.cat([dequantize(rows, t, (rows.shape[0], self.in_features)) for t, rows in zip(self.types, self.blocks)])
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), in]: rows of the weight (token lookups of a tied head; one segment)."""
+        if len(self.types) != 1:
+            raise ValueError("BlockLinear.dequantize_rows: only a one-segment weight (an LM head) has token rows")
+        rows = self.blocks[0].index_select(0, ids.reshape(-1).to(self.blocks[0].device))
+        return dequantize(rows, self.types[0], (rows.shape[0], self.in_features)).to(ids.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        bias = self._buffers["bias"]
+        if block_kernel_supported(self.types, flat) and self.blocks[0].is_cpu:
+            y = block_gemm(flat, self.blocks, self.types, bias)
+        else:
+            y = F.linear(quantize_act_blocks(flat, "int8"), self.dequantize().to(flat.device), bias)
+        if y.dtype != self.dtype:
+            y = y.to(self.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def extra_repr(self) -> str:
+        names = "+".join(GGMLQuantizationType(t).name for t in self.types)
+        return f"in={self.in_features}, out={self.output_sizes}, gguf {names}"
+
+
+class BlockEmbedding(QuantizedLinear):
+    """An untied token embedding kept in its GGUF blocks: a lookup dequantizes only its rows."""
+
+    def __init__(self, ggml_type: int, rows: torch.Tensor, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ggml_type, self.hidden = int(ggml_type), hidden
+        self.register_buffer("blocks", rows, persistent=False)
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self.blocks.index_select(0, flat.to(self.blocks.device))
+        out = dequantize(rows, self.ggml_type, (rows.shape[0], self.hidden)).to(device=ids.device, dtype=self.dtype)
+        return out.reshape(*ids.shape, self.hidden)

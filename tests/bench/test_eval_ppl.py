@@ -26,7 +26,7 @@ def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_perplexity_equals_hf_on_the_same_windows(text_file: Path, hf_model, hf_tokenizer) -> None:
-    res = eval_ppl("smollm2-135m", "float32", text_file, window=96, max_tokens=250)
+    res = eval_ppl("smollm2-135m", "float32", text_file, window=96, max_tokens=250, quant={"dequantize": True})
     ids = hf_tokenizer(TEXT, add_special_tokens=False)["input_ids"][:250]
     nll, count = 0.0, 0
     with torch.no_grad():
@@ -41,6 +41,16 @@ def test_perplexity_equals_hf_on_the_same_windows(text_file: Path, hf_model, hf_
     assert res["perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-4)
     assert res["kl_vs_float32"] == 0.0 and res["top1_agreement_vs_float32"] == 1.0
     assert res["decode_tokens_per_s"] > 0 and res["weight_mib"] > 100
+
+
+def test_the_file_as_stored_is_measured_against_its_float_twin(text_file: Path) -> None:
+    """By default a .gguf runs from its blocks; the float32 reference is the same file dequantized."""
+    res = eval_ppl("smollm2-135m", "float32", text_file, window=96, max_tokens=250)
+    ref = eval_ppl("smollm2-135m", "float32", text_file, window=96, max_tokens=250, quant={"dequantize": True})
+    assert res["quantization"] == "gguf a16" and ref["quantization"] is None
+    assert res["perplexity"] == pytest.approx(ref["perplexity"], rel=3e-3)
+    assert 0.0 < res["kl_vs_float32"] < 1e-3 and res["top1_agreement_vs_float32"] > 0.98
+    assert res["weight_mib"] < 0.2 * ref["weight_mib"]
 
 
 def test_bfloat16_drift_is_measured(text_file: Path) -> None:

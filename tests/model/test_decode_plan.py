@@ -30,12 +30,14 @@ def _outputs(llm: LLM, use_plan: bool) -> list[tuple[list[int], list[tuple[float
     return result
 
 
-@pytest.mark.parametrize("quantization,config", [(None, None), ("int4", None), ("int4", {"activations": "int8"}),
-                                                 ("int4", {"activations": "int16"}), ("int8", None), ("gguf", None)])
-def test_plan_gives_the_module_path_numbers_bit_for_bit(quantization: str | None, config: dict | None,
+@pytest.mark.parametrize("quantization,config", [("float", None), ("int4", None), ("int4", {"activations": "int8"}),
+                                                 ("int4", {"activations": "int16"}), ("int8", None), ("gguf", None),
+                                                 ("gguf", {"activations": "int8"})])
+def test_plan_gives_the_module_path_numbers_bit_for_bit(quantization: str, config: dict | None,
                                                         gguf_path: Path) -> None:
-    llm = LLM("smollm2-135m", quantization=quantization, quantization_config=config, max_model_len=256,
-              num_kv_blocks=64)
+    float_model = quantization == "float"  # the file dequantized; the others quantize it or keep its blocks
+    llm = LLM("smollm2-135m", quantization=None if float_model else quantization, quantization_config=config,
+              max_model_len=256, num_kv_blocks=64, dequantize=float_model)
     with_plan = _outputs(llm, True)
     assert llm.model._decode_plan, "the plan should serve this model"
     assert with_plan == _outputs(llm, False)

@@ -1,0 +1,42 @@
+// GGUF block-quantized weights as stored in the file, and the activations their kernels multiply
+// (cpu_blocks.cpp; quant/gguf.py BlockLinear). One layout per GGML type, read where it lies: a
+// weight row is its blocks back to back, as llama.cpp writes them.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace brisk_blocks {
+
+// GGML type ids (gguf.GGMLQuantizationType) with a native kernel.
+enum Type : int {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
+  kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23,
+};
+
+bool supported(int type);
+int64_t block_cols(int type);   // 32 or 256
+int64_t block_bytes(int type);
+
+// One stacked part of a Linear: `out` rows of one type (a fused qkv may mix Q4_K and Q6_K).
+struct Segment {
+  const uint8_t* q = nullptr;
+  int type = 0;
+  int64_t out = 0, in = 0, row_bytes = 0, first_row = 0;  // first_row: where it starts in y
+};
+
+// x [m, in] in 32-column blocks: q = round-half-even(x / a), a = max |x| / 127 (0 for a zero
+// block), and per 16- and 32-column run a * (sum of its q): the offset terms of weights stored
+// with a minimum or a bias (w = d q - m).
+struct BlockActs {
+  std::vector<int8_t> q;
+  std::vector<float> a, c16, c32;
+  int64_t m = 0, in = 0;
+};
+
+void quantize_acts(const float* x, int64_t m, int64_t in, BlockActs& out);
+
+// y [m, out_total] columns [r0, r1) (global rows across `segs`) of acts @ W^T, no bias.
+void rows(const std::vector<Segment>& segs, const BlockActs& x, float* y, int64_t out_total, int64_t r0, int64_t r1);
+
+}  // namespace brisk_blocks

@@ -1,0 +1,319 @@
+// GGUF block-quantized weights multiplied as stored (quant/gguf.py BlockLinear), the way llama.cpp
+// multiplies them: x is quantized to int8 in 32-column blocks (brisk_blocks::BlockActs), each
+// 32-column sub-block of a weight row is decoded to 32 small integers q with a float scale d and
+// offset m (w = d q - m; finer types carry one pair per 16 columns), and
+//
+//     row . x  =  sum over sub-blocks  a_b (d  sum_i q_i x_i)  -  m (a_b sum_i x_i)
+//
+// with the integer sums in vpdpbusd (AVX512-VNNI) or vpmaddubsw + vpmaddwd (AVX2), one float
+// multiply-add per sub-block and x row, and the offset sums precomputed per x block. Weights are
+// read once per call whatever the number of x rows (up to 4 share each decoded sub-block, and 8
+// weight rows stay in L1 while all x rows pass), so decode reads the file's bytes at memory speed
+// and prompt work does not dequantize a matrix per call.
+//
+// Every path (portable, AVX2, AVX-512) computes the same integers and then the same float
+// operations in the same order, so its output is bit-identical on every CPU, and a row's result
+// never depends on the other rows in the call (batch invariance).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "blocks.h"
+#include "kernels.h"
+#include "simd.h"
+
+namespace brisk_blocks {
+namespace {
+
+alignas(16) constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                               1,    13,   25,  38,  53,  69,  89,  113};
+
+// ---- the portable path: each SIMD step of cpu_blocks_simd.inc, one lane at a time ------------
+namespace portable {
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+#include "cpu_blocks_format.inc"
+
+inline void nibbles16(const uint8_t* p, int8_t* q) {
+  for (int l = 0; l < 16; ++l) q[l] = static_cast<int8_t>(p[l] & 0x0F), q[l + 16] = static_cast<int8_t>(p[l] >> 4);
+}
+
+inline void fifth_bits(const uint8_t* p, int8_t* q) {
+  for (int l = 0; l < 32; ++l) q[l] = static_cast<int8_t>(q[l] | (((p[l / 8] >> (l % 8)) & 1) << 4));
+}
+
+// Signed types get their constant zero point subtracted (Format's kSigned).
+template <int T>
+constexpr int kZero = T == kQ4_0 ? 8 : T == kQ5_0 ? 16 : T == kQ6_K ? 32 : T == kQ3_K ? 4 : 0;
+
+template <int T>
+void quants_raw(const uint8_t* b, int j, int8_t* q) {
+  if constexpr (T == kQ4_0 || T == kQ4_1 || T == kIQ4_NL || T == kIQ4_XS) {
+    nibbles16(b + (T == kQ4_1 ? 4 : T == kIQ4_XS ? 8 + 16 * j : 2), q);
+    if constexpr (T == kIQ4_NL || T == kIQ4_XS)
+      for (int l = 0; l < 32; ++l) q[l] = kIq4Values[q[l]];
+  } else if constexpr (T == kQ5_0 || T == kQ5_1) {
+    nibbles16(b + (T == kQ5_0 ? 6 : 8), q);
+    fifth_bits(b + (T == kQ5_0 ? 2 : 4), q);
+  } else if constexpr (T == kQ8_0) {
+    std::memcpy(q, b + 2, 32);
+  } else {
+    for (int l = 0; l < 32; ++l) {
+      int v = 0;
+      if constexpr (T == kQ4_K) v = (b[16 + 32 * (j >> 1) + l] >> (4 * (j & 1))) & 0x0F;
+      if constexpr (T == kQ5_K) v = ((b[48 + 32 * (j >> 1) + l] >> (4 * (j & 1))) & 0x0F) | (((b[16 + l] >> j) & 1) << 4);
+      if constexpr (T == kQ6_K) {
+        const int h = j >> 2, jj = j & 3;
+        v = ((b[64 * h + 32 * (jj & 1) + l] >> (4 * (jj >> 1))) & 0x0F) | (((b[128 + 32 * h + l] >> (2 * jj)) & 3) << 4);
+      }
+      if constexpr (T == kQ3_K) v = ((b[32 + 32 * (j >> 2) + l] >> (2 * (j & 3))) & 3) | (((b[l] >> j) & 1) << 2);
+      if constexpr (T == kQ2_K) v = (b[16 + 32 * (j >> 2) + l] >> (2 * (j & 3))) & 3;
+      q[l] = static_cast<int8_t>(v);
+    }
+  }
+}
+
+template <int T>
+void quants(const uint8_t* b, int j, int8_t* q) {
+  quants_raw<T>(b, j, q);
+  if constexpr (kZero<T> != 0)
+    for (int l = 0; l < 32; ++l) q[l] = static_cast<int8_t>(q[l] - kZero<T>);
+}
+
+inline float hsum(const float* t) {
+  float u[4];
+  for (int i = 0; i < 4; ++i) u[i] = t[i] + t[i + 4];
+  const float v0 = u[0] + u[2], v1 = u[1] + u[3];
+  return v0 + v1;
+}
+
+template <int T>
+float row_dot(const uint8_t* row, int64_t nblocks, const BlockActs& x, int64_t xr) {
+  using F = Format<T>;
+  constexpr int kSub = F::kCols / 32;
+  float acc[2][8] = {};
+  float lanes[8] = {}, one = 0.0f;
+  const int64_t in = x.in;
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const uint8_t* b = row + blk * F::kBytes;
+    float ds[16], dm[16];
+    F::scales(b, ds, dm);
+    for (int j = 0; j < kSub; ++j) {
+      const int64_t col = blk * F::kCols + 32 * j;
+      int8_t w[32];
+      quants<T>(b, j, w);
+      const int8_t* xq = x.q.data() + xr * in + col;
+      const float a = x.a[xr * (in / 32) + col / 32];
+      for (int l = 0; l < 8; ++l) {
+        int32_t isum = 0;
+        for (int i = 4 * l; i < 4 * l + 4; ++i) {
+          isum += static_cast<int32_t>(w[i]) * xq[i];  // |w| x sign(w) as vpsignb, or w in 0..63
+        }
+        const float sv = F::kFine ? ds[2 * j + l / 4] : ds[j];
+        acc[col / 32 & 1][l] = std::fma(static_cast<float>(isum) * sv, a, acc[col / 32 & 1][l]);
+      }
+    }
+    offsets<T>(dm, x, xr, blk, lanes, one);
+  }
+  float t[8];
+  for (int l = 0; l < 8; ++l) t[l] = acc[0][l] + acc[1][l];
+  return hsum(t) - (hsum(lanes) + one);
+}
+
+template <int T>
+void segment_rows(const Segment& s, const BlockActs& x, float* y, int64_t out_total, int64_t r0, int64_t r1) {
+  const int64_t nblocks = s.in / Format<T>::kCols;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t k = 0; k < x.m; ++k) y[k * out_total + s.first_row + r] = row_dot<T>(s.q + r * s.row_bytes, nblocks, x, k);
+}
+
+void dispatch(const Segment& s, const BlockActs& x, float* y, int64_t out_total, int64_t r0, int64_t r1) {
+  switch (s.type) {
+    case kQ4_0: return segment_rows<kQ4_0>(s, x, y, out_total, r0, r1);
+    case kQ4_1: return segment_rows<kQ4_1>(s, x, y, out_total, r0, r1);
+    case kQ5_0: return segment_rows<kQ5_0>(s, x, y, out_total, r0, r1);
+    case kQ5_1: return segment_rows<kQ5_1>(s, x, y, out_total, r0, r1);
+    case kQ8_0: return segment_rows<kQ8_0>(s, x, y, out_total, r0, r1);
+    case kIQ4_NL: return segment_rows<kIQ4_NL>(s, x, y, out_total, r0, r1);
+    case kIQ4_XS: return segment_rows<kIQ4_XS>(s, x, y, out_total, r0, r1);
+    case kQ2_K: return segment_rows<kQ2_K>(s, x, y, out_total, r0, r1);
+    case kQ3_K: return segment_rows<kQ3_K>(s, x, y, out_total, r0, r1);
+    case kQ4_K: return segment_rows<kQ4_K>(s, x, y, out_total, r0, r1);
+    case kQ5_K: return segment_rows<kQ5_K>(s, x, y, out_total, r0, r1);
+    case kQ6_K: return segment_rows<kQ6_K>(s, x, y, out_total, r0, r1);
+    default: return;
+  }
+}
+
+}  // namespace portable
+
+#ifdef BRISK_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+#include "cpu_blocks_format.inc"
+#define BRISK_BLOCKS_VNNI 0
+#include "cpu_blocks_simd.inc"
+#undef BRISK_BLOCKS_VNNI
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+namespace vnni {
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+#include "cpu_blocks_format.inc"
+#define BRISK_BLOCKS_VNNI 1
+#include "cpu_blocks_simd.inc"
+#undef BRISK_BLOCKS_VNNI
+}  // namespace vnni
+#pragma GCC pop_options
+#endif
+
+}  // namespace
+
+bool supported(int type) {
+  switch (type) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kIQ4_NL: case kIQ4_XS:
+    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: return true;
+    default: return false;
+  }
+}
+
+int64_t block_cols(int type) {
+  switch (type) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kIQ4_NL: return 32;
+    default: return 256;
+  }
+}
+
+int64_t block_bytes(int type) {
+  switch (type) {
+    case kQ4_0: return portable::Format<kQ4_0>::kBytes;
+    case kQ4_1: return portable::Format<kQ4_1>::kBytes;
+    case kQ5_0: return portable::Format<kQ5_0>::kBytes;
+    case kQ5_1: return portable::Format<kQ5_1>::kBytes;
+    case kQ8_0: return portable::Format<kQ8_0>::kBytes;
+    case kIQ4_NL: return portable::Format<kIQ4_NL>::kBytes;
+    case kIQ4_XS: return portable::Format<kIQ4_XS>::kBytes;
+    case kQ2_K: return portable::Format<kQ2_K>::kBytes;
+    case kQ3_K: return portable::Format<kQ3_K>::kBytes;
+    case kQ4_K: return portable::Format<kQ4_K>::kBytes;
+    case kQ5_K: return portable::Format<kQ5_K>::kBytes;
+    case kQ6_K: return portable::Format<kQ6_K>::kBytes;
+    default: return 0;
+  }
+}
+
+// Plain C++ on every ISA: the rounding (x / a, to nearest even) is quant/grouped.py's
+// quantize_act_blocks(x, "int8"), which the tests use as the reference.
+void quantize_acts(const float* x, int64_t m, int64_t in, BlockActs& out) {
+  out.m = m, out.in = in;
+  out.q.resize(m * in), out.a.resize(m * in / 32), out.c16.resize(m * in / 16), out.c32.resize(m * in / 32);
+  for (int64_t k = 0; k < m; ++k)
+    for (int64_t b = 0; b < in / 32; ++b) {
+      const float* xb = x + k * in + 32 * b;
+      int8_t* q = out.q.data() + k * in + 32 * b;
+      float amax = 0.0f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float a = amax / 127.0f;
+      int32_t sums[2] = {0, 0};
+      for (int i = 0; i < 32; ++i) {
+        const int v = a > 0.0f ? static_cast<int>(std::nearbyint(xb[i] / a)) : 0;
+        q[i] = static_cast<int8_t>(std::clamp(v, -127, 127));
+        sums[i / 16] += q[i];
+      }
+      out.a[k * (in / 32) + b] = a;
+      out.c16[k * (in / 16) + 2 * b] = a * static_cast<float>(sums[0]);
+      out.c16[k * (in / 16) + 2 * b + 1] = a * static_cast<float>(sums[1]);
+      out.c32[k * (in / 32) + b] = a * static_cast<float>(sums[0] + sums[1]);
+    }
+}
+
+void rows(const std::vector<Segment>& segs, const BlockActs& x, float* y, int64_t out_total, int64_t r0, int64_t r1) {
+  for (const Segment& s : segs) {
+    const int64_t lo = std::max(r0, s.first_row) - s.first_row, hi = std::min(r1, s.first_row + s.out) - s.first_row;
+    if (lo >= hi) continue;
+#ifdef BRISK_X86
+    if (brisk_isa::vnni()) {
+      vnni::dispatch(s, x, y, out_total, lo, hi);
+      continue;
+    }
+    if (brisk_isa::active() != brisk_isa::Level::kScalar) {
+      avx2::dispatch(s, x, y, out_total, lo, hi);
+      continue;
+    }
+#endif
+    portable::dispatch(s, x, y, out_total, lo, hi);
+  }
+}
+
+}  // namespace brisk_blocks
+
+// ---- Python entry points ------------------------------------------------------------------
+
+namespace {
+
+std::vector<brisk_blocks::Segment> check_segments(const std::vector<torch::Tensor>& blocks,
+                                                  const std::vector<int64_t>& types, int64_t in) {
+  TORCH_CHECK(!blocks.empty() && blocks.size() == types.size(), "brisk block_gemm: one type per weight segment");
+  std::vector<brisk_blocks::Segment> segs;
+  int64_t first = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const torch::Tensor& b = blocks[i];
+    const int type = static_cast<int>(types[i]);
+    TORCH_CHECK(brisk_blocks::supported(type), "brisk block_gemm: GGML type ", type, " has no block kernel");
+    TORCH_CHECK(b.dim() == 2 && b.scalar_type() == torch::kUInt8 && b.is_contiguous() && b.device().is_cpu(),
+                "brisk block_gemm: weight blocks must be contiguous uint8 CPU tensors [out, row bytes]");
+    const int64_t cols = brisk_blocks::block_cols(type);
+    TORCH_CHECK(in % cols == 0 && b.size(1) == in / cols * brisk_blocks::block_bytes(type),
+                "brisk block_gemm: a row of ", in, " columns in type ", type, " takes ",
+                in % cols == 0 ? in / cols * brisk_blocks::block_bytes(type) : -1, " bytes, got ", b.size(1));
+    segs.push_back({b.data_ptr<uint8_t>(), type, b.size(0), in, b.size(1), first});
+    first += b.size(0);
+  }
+  return segs;
+}
+
+}  // namespace
+
+// y [M, out] = quantize_act_blocks(x, "int8") @ W^T (+ bias), W the row-stacked segments, each
+// in its GGML type's blocks as the file stores them.
+torch::Tensor block_gemm(const torch::Tensor& x, const std::vector<torch::Tensor>& blocks,
+                         const std::vector<int64_t>& types, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "brisk block_gemm: x must be a 2-D CPU tensor");
+  const int64_t m = x.size(0), in = x.size(1);
+  TORCH_CHECK(in % 32 == 0, "brisk block_gemm: input width ", in, " is not a multiple of 32");
+  const auto segs = check_segments(blocks, types, in);
+  const int64_t out = segs.back().first_row + segs.back().out;
+  auto xf = x.to(torch::kFloat32).contiguous();
+  auto y = torch::empty({m, out}, x.options().dtype(torch::kFloat32));
+  thread_local brisk_blocks::BlockActs scratch;
+  brisk_blocks::BlockActs& acts = scratch;  // the pool's threads read the caller's
+  brisk_blocks::quantize_acts(xf.data_ptr<float>(), m, in, acts);
+  float* yp = y.data_ptr<float>();
+  const int64_t unit = brisk_range::kRowUnit;
+  at::parallel_for(0, (out + unit - 1) / unit, 4, [&](int64_t u0, int64_t u1) {
+    brisk_blocks::rows(segs, acts, yp, out, u0 * unit, std::min(out, u1 * unit));
+  });
+  if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
+  return y;
+}

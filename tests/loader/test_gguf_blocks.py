@@ -1,0 +1,123 @@
+"""Quantized GGUF files run from their blocks: files written by llama.cpp's own quantizer (the
+`kquant_file` fixture) load with every block-quantized Linear native, in about the file's memory,
+their blocks decode exactly as the gguf package decodes them, the decode plan gives the module
+path's numbers, and a batch gives each request the tokens it gets alone."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf import quants as gq
+
+from brisk import LLM, SamplingParams
+from brisk.loader.dequant import dequantize
+from brisk.model.decode_plan import plan_supported
+from brisk.model.layers import Linear
+from brisk.quant.gguf import BlockLinear
+from brisk.quant.grouped import GroupLinear
+
+MIXES = ["Q4_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "Water boils at"]
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_every_tensor_decodes_as_the_gguf_package_does(mix: str, kquant_file: Callable[[str], Path]) -> None:
+    reader = GGUFReader(str(kquant_file(mix)))
+    seen = set()
+    for t in reader.tensors:
+        kind = GGMLQuantizationType(t.tensor_type)
+        if kind in seen and kind != GGMLQuantizationType.F32:
+            continue  # one real tensor per type keeps this quick
+        seen.add(kind)
+        rows = t.data if len(t.shape) == 1 else t.data[:256]
+        shape = (int(t.shape[0]),) if len(t.shape) == 1 else (rows.shape[0], int(t.shape[0]))
+        ours = dequantize(rows, kind, shape)
+        ref = torch.from_numpy(np.array(gq.dequantize(rows, kind), dtype=np.float32)).reshape(shape)
+        assert torch.equal(ours, ref), f"{mix} {t.name} {kind.name}"
+    assert len(seen) >= 3
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_every_quantized_linear_runs_from_its_blocks(mix: str, kquant_file: Callable[[str], Path]) -> None:
+    path = kquant_file(mix)
+    llm = LLM(str(path), max_model_len=256, num_kv_blocks=32)
+    assert llm.quantization is not None and llm.quantization.method == "gguf"
+    modules = list(llm.model.modules())
+    assert not any(type(m) is Linear for m in modules), "a float Linear was kept"
+    assert any(isinstance(m, BlockLinear) for m in modules)
+    out = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+
+
+def test_blocks_are_the_file_bytes_and_the_head_is_native(kquant_file: Callable[[str], Path]) -> None:
+    llm = LLM(str(kquant_file("Q4_K_M")), max_model_len=256, num_kv_blocks=32)
+    down = llm.model.layers[0].mlp.down_proj
+    assert isinstance(down, BlockLinear)
+    file_bytes = np.memmap(kquant_file("Q4_K_M"), dtype=np.uint8, mode="r")
+    start = file_bytes.tobytes().find(down.blocks[0][0].numpy().tobytes())
+    assert start > 0, "the down projection's blocks are the file's bytes"
+    qkv = llm.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, BlockLinear) and len(qkv.types) == 3  # q | k | v, each its own type
+    assert isinstance(llm.model.lm_head, GroupLinear | BlockLinear)  # token_embd (Q8_0) is the tied head
+
+
+@pytest.mark.skipif(not plan_supported(), reason="needs the AVX-512 kernels")
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q3_K_M", "IQ4_XS"])
+def test_decode_plan_gives_the_module_path_numbers(mix: str, kquant_file: Callable[[str], Path]) -> None:
+    llm = LLM(str(kquant_file(mix)), max_model_len=256, num_kv_blocks=64)
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2)
+
+    def run(plan: bool) -> list:
+        llm.model.use_decode_plan = plan
+        outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [(s.logprob, s.top) for s in o.outputs[0].logprobs]) for o in outs]
+
+    with_plan = run(True)
+    assert llm.model._decode_plan, "the plan should serve a block-quantized model"
+    assert with_plan == run(False)
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q6_K"])
+def test_batched_greedy_equals_one_at_a_time(mix: str, kquant_file: Callable[[str], Path]) -> None:
+    llm = LLM(str(kquant_file(mix)), max_model_len=256, num_kv_blocks=128)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    alone = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    assert batched == alone
+
+
+_RSS = """
+import json, resource, sys
+from brisk import LLM, SamplingParams
+llm = LLM(sys.argv[1], max_model_len=256, num_kv_blocks=16, pack_weights=False)
+llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+print(json.dumps({"max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+_BASE = """
+import json, resource
+import torch, brisk.engine.llm
+print(json.dumps({"max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def _max_rss(script: str, *args: str) -> int:
+    out = subprocess.run([sys.executable, "-c", script, *args], check=True, capture_output=True, text=True).stdout
+    return int(json.loads(out.strip().splitlines()[-1])["max_rss"])
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q6_K"])
+def test_peak_memory_is_about_the_file(mix: str, kquant_file: Callable[[str], Path]) -> None:
+    """A subprocess measures its own peak RSS: above what torch and brisk take by themselves, loading
+    and running the file costs under 1.3x its size (the KV cache here is ~1 MB)."""
+    path = kquant_file(mix)
+    used = _max_rss(_RSS, str(path)) - _max_rss(_BASE)
+    assert used < 1.3 * path.stat().st_size, f"{used / 2**20:.0f} MiB for a {path.stat().st_size / 2**20:.0f} MiB file"

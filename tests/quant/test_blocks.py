@@ -1,0 +1,131 @@
+"""The GGUF block kernels (kernels/cpu_blocks.cpp): every type against its dequantized float
+reference, batch invariance, stacked mixed-type segments, the same bits at every ISA."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from brisk import kernels
+from brisk.loader.dequant import dequantize
+from brisk.quant.gguf import BlockLinear
+from brisk.quant.grouped import quantize_act_blocks
+
+T = GGMLQuantizationType
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.IQ4_XS, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+# fp16 fields (d, dmin) of each block: random bytes elsewhere are valid blocks
+FP16_AT = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.IQ4_NL: (0,),
+           T.IQ4_XS: (0,), T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+pytestmark = pytest.mark.skipif(not kernels.block_types(), reason="brisk._C without the block kernels")
+
+
+def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """uint8 [rows, row bytes] of random blocks with finite, moderate fp16 scales."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    n = rows * cols // block
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    for at in FP16_AT[qtype]:
+        b[:, at:at + 2] = (rng.standard_normal(n) * 0.02).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return torch.from_numpy(b.reshape(rows, -1))
+
+
+def reference(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    w = dequantize(blocks, qtype, (blocks.shape[0], in_features))
+    return F.linear(quantize_act_blocks(x, "int8").double(), w.double()).float()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 17, 64])
+def test_every_type_matches_its_dequantized_reference(qtype: GGMLQuantizationType, m: int) -> None:
+    assert int(qtype) in kernels.block_types()
+    in_features, out = 512, 36
+    blocks = random_blocks(qtype, out, in_features, seed=int(qtype))
+    x = torch.randn(m, in_features, generator=torch.Generator().manual_seed(m))
+    y = kernels.block_gemm(x, [blocks], [int(qtype)])
+    ref = reference(x, blocks, int(qtype), in_features)
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(y, ref, rtol=0, atol=2e-6 * scale * in_features ** 0.5)
+    for i in range(m):  # each row exactly as it comes alone
+        assert torch.equal(y[i:i + 1], kernels.block_gemm(x[i:i + 1], [blocks], [int(qtype)]))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_1, T.Q8_0, T.IQ4_NL], ids=lambda t: t.name)
+def test_widths_that_are_not_whole_256_blocks(qtype: GGMLQuantizationType) -> None:
+    blocks = random_blocks(qtype, 12, 96, seed=3)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0))
+    ref = reference(x, blocks, int(qtype), 96)
+    torch.testing.assert_close(kernels.block_gemm(x, [blocks], [int(qtype)]), ref, rtol=0,
+                               atol=1e-5 * ref.abs().max().item())
+
+
+def test_stacked_segments_of_mixed_types_and_bias() -> None:
+    """A Q4_K_M q|k|v: q and k in Q4_K, v in Q6_K, one call."""
+    q, k, v = random_blocks(T.Q4_K, 16, 256, 1), random_blocks(T.Q4_K, 8, 256, 2), random_blocks(T.Q6_K, 8, 256, 3)
+    types = [int(T.Q4_K), int(T.Q4_K), int(T.Q6_K)]
+    bias = torch.randn(32)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    y = kernels.block_gemm(x, [q, k, v], types, bias)
+    parts = [kernels.block_gemm(x, [b], [t]) for b, t in zip((q, k, v), types)]
+    assert torch.equal(y, torch.cat(parts, dim=1) + bias)
+    layer = BlockLinear(list(zip(types, (q, k, v))), 256, bias, (16, 8, 8), torch.float32)
+    assert torch.equal(layer(x), y)
+    assert torch.equal(layer.dequantize(), torch.cat([dequantize(b, t, (b.shape[0], 256)) for b, t in
+                                                      zip((q, k, v), types)]))
+
+
+def test_block_linear_torch_path_is_the_same_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernels do not serve (another device, no extension) the module computes the same."""
+    blocks = random_blocks(T.Q5_K, 8, 512, 4)
+    layer = BlockLinear([(int(T.Q5_K), blocks)], 512, None, (8,), torch.float32)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2))
+    fast = layer(x)
+    monkeypatch.setattr("brisk.quant.gguf.block_kernel_supported", lambda *a: False)
+    torch.testing.assert_close(layer(x), fast, rtol=0, atol=1e-5 * fast.abs().max().item())
+
+
+def test_bad_row_bytes_are_a_clear_error() -> None:
+    blocks = random_blocks(T.Q4_K, 4, 512, 0)[:, :-1].contiguous()
+    with pytest.raises(RuntimeError, match="takes 288 bytes, got 287"):
+        kernels.block_gemm(torch.randn(1, 512), [blocks], [int(T.Q4_K)])
+    with pytest.raises(RuntimeError, match="has no block kernel"):
+        kernels.block_gemm(torch.randn(1, 512), [blocks], [int(T.IQ2_XS)])
+
+
+_ISA_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+from test_blocks import TYPES, random_blocks
+from brisk import kernels
+out = {{}}
+for t in TYPES:
+    b = random_blocks(t, 12, 512, int(t))
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(int(t)))
+    out[t.name] = kernels.block_gemm(x, [b], [int(t)]).numpy().tobytes().hex()
+print(json.dumps({{"isa": kernels.CAPS.isa, "out": out}}))
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_every_isa_gives_the_same_bits(isa: str) -> None:
+    if kernels.CAPS.cpu_isa == "scalar" or (isa == "avx2" and kernels.CAPS.cpu_isa == "avx2" and
+                                            kernels.CAPS.isa == "avx2"):
+        pytest.skip("no higher ISA here to compare against")
+    here = os.path.dirname(__file__)
+    script = _ISA_SCRIPT.format(tests=here)
+    got = json.loads(subprocess.run([sys.executable, "-c", script], env={**os.environ, "BRISK_CPU_ISA": isa},
+                                    check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    assert got["isa"] == isa
+    for t in TYPES:
+        b = random_blocks(t, 12, 512, int(t))
+        x = torch.randn(5, 512, generator=torch.Generator().manual_seed(int(t)))
+        assert kernels.block_gemm(x, [b], [int(t)]).numpy().tobytes().hex() == got["out"][t.name], t.name
