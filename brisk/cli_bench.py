@@ -47,7 +47,11 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     thr.add_argument("--output-len", type=int, default=None, help="fixed output length (default: chat-like 20-400)")
     thr.add_argument("--shared-prefix", type=int, default=0, help="tokens of a prefix common to every prompt")
     thr.add_argument("--seed", type=int, default=0)
-    thr.add_argument("--compare", default="", help="peers to run side by side: hf, vllm (comma-separated)")
+    thr.add_argument("--compare", default="",
+                     help="peers to run side by side: hf, vllm, llamacpp (comma-separated; llamacpp runs the same "
+                          ".gguf sequentially, its binding's only mode)")
+    thr.add_argument("--llamacpp-python", default=os.environ.get("BRISK_LLAMACPP_PYTHON"),
+                     help="python of a venv with llama-cpp-python, for --compare llamacpp (env BRISK_LLAMACPP_PYTHON)")
     thr.add_argument("--vllm-python", default=os.environ.get("BRISK_VLLM_PYTHON"),
                      help="python of a venv with vllm installed, for --compare vllm (env BRISK_VLLM_PYTHON)")
     thr.add_argument("--hf-batch-size", type=int, default=None, help="HF generate() batch (default: all prompts)")
@@ -123,7 +127,7 @@ def _bench_parallel(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     compare = [c for c in getattr(args, "compare", "").split(",") if c]
-    peers = {"hf", "vllm"} if args.bench == "throughput" else {"hf", "plain", "llamacpp"}
+    peers = {"hf", "vllm", "llamacpp"} if args.bench == "throughput" else {"hf", "plain", "llamacpp"}
     unknown = set(compare) - peers
     if unknown:
         raise ValueError(f"unknown --compare peer(s): {', '.join(sorted(unknown))}; available: {', '.join(sorted(peers))}")
@@ -188,7 +192,7 @@ def _bench_throughput(args: argparse.Namespace, compare: list[str]) -> int:
         raise ValueError("--num-prompts must be >= 1")
     result = bench_throughput(args.model, args.dtype, args.num_prompts, args.input_len, args.output_len,
                               args.seed, args.shared_prefix, compare, args.hf_batch_size, engine_kwargs(args),
-                              args.vllm_python)
+                              args.vllm_python, args.llamacpp_python)
     print(json.dumps(result), flush=True)
     return 0
 

@@ -118,7 +118,8 @@ def bench_latency(model: str, dtype: str, prompt: str, chat: bool, new_tokens: i
     if compare and device != "cpu":
         raise ValueError(f"--compare runs the peer on the CPU: drop it with --device {device}")
     t0 = time.perf_counter()
-    llm = LLM(model, dtype=dtype, **(options or {}))
+    # no prefix caching: every repeat processes its prompt afresh (time to first token is prompt work)
+    llm = LLM(model, dtype=dtype, enable_prefix_caching=False, **(options or {}))
     load_s = time.perf_counter() - t0
     tok = llm.get_tokenizer()
     ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
@@ -151,7 +152,7 @@ def bench_latency(model: str, dtype: str, prompt: str, chat: bool, new_tokens: i
         result["brisk"]["load_s"] = round(load_s, 2)
         return result
     if "plain" in compare:  # the same weights without -q / speculation, interleaved
-        plain = LLM(model, dtype=dtype, device=device)
+        plain = LLM(model, dtype=dtype, device=device, enable_prefix_caching=False)
         (result["brisk"], brisk_tokens), (result["plain"], plain_tokens) = \
             _interleaved([(_brisk_run, llm), (_brisk_run, plain)], ids, new_tokens, repeats)
         del plain

@@ -141,9 +141,33 @@ def run_vllm(model_ref: str, dtype: str, work: Workload, python: str, max_model_
     return json.loads(lines[-1])
 
 
+def run_llamacpp(model_ref: str, work: Workload, python: str | None) -> dict[str, Any]:
+    """The same prompt ids and output lengths through llama-cpp-python (bench/llamacpp_peer.py):
+    its binding runs one sequence at a time, so the figure is sequential (`mode`)."""
+    from brisk.bench.latency import LlamaCppPeer
+    from brisk.loader.resolve import resolve_model
+
+    if not python:
+        raise ValueError("--compare llamacpp needs --llamacpp-python VENV/bin/python (env BRISK_LLAMACPP_PYTHON)")
+    path = str(resolve_model(model_ref).path)
+    if not path.endswith(".gguf"):
+        raise ValueError(f"--compare llamacpp runs a .gguf file; {model_ref} is not one")
+    max_len = max(len(p) + n for p, n in zip(work.prompts, work.output_lens))
+    peer = LlamaCppPeer(python, path, torch.get_num_threads(), max(2048, max_len + 8))
+    try:
+        peer.ask({"op": "latency", "ids": work.prompts[0][:16], "new_tokens": 4})  # warm-up
+        out = peer.ask({"op": "throughput", "prompts": work.prompts, "output_lens": work.output_lens})
+    finally:
+        peer.close()
+    out.pop("first_output_token_ids", None)
+    out["version"] = peer.version
+    return out
+
+
 def bench_throughput(model: str, dtype: str, num_prompts: int, input_len: int | None, output_len: int | None,
                      seed: int, shared_prefix: int, compare: list[str], hf_batch_size: int | None,
-                     engine_kwargs: dict[str, Any], vllm_python: str | None = None) -> dict[str, Any]:
+                     engine_kwargs: dict[str, Any], vllm_python: str | None = None,
+                     llamacpp_python: str | None = None) -> dict[str, Any]:
     llm = LLM(model, dtype=dtype, **engine_kwargs)
     work = make_workload(num_prompts, llm.model_config.vocab_size, seed, input_len, output_len,
                          shared_prefix=shared_prefix)
@@ -171,6 +195,10 @@ def bench_throughput(model: str, dtype: str, num_prompts: int, input_len: int | 
         result["vllm"] = peer
         result["output_speedup_vs_vllm"] = round(
             result["brisk"]["output_tokens_per_s"] / peer["output_tokens_per_s"], 3)
+    if "llamacpp" in compare:
+        result["llamacpp"] = run_llamacpp(model, work, llamacpp_python)
+        result["output_speedup_vs_llamacpp"] = round(
+            result["brisk"]["output_tokens_per_s"] / result["llamacpp"]["output_tokens_per_s"], 3)
     if "hf" in compare:
         del llm
         result["hf"] = run_hf(model, dtype, work, hf_batch_size or num_prompts)

@@ -184,6 +184,17 @@ def block_kernel_supported(types: list[int], x: torch.Tensor | None = None) -> b
     return all(t in _BLOCK_TYPES for t in types) and (x is None or x.device.type == "cpu")
 
 
+def block_dequantize_supported() -> bool:
+    """The tiled float path of batched block work (AVX2 or AVX-512)."""
+    return CAPS.has("block_dequantize") and CAPS.isa in ("avx2", "avx512")
+
+
+def block_dequantize(blocks: torch.Tensor, ggml_type: int, in_features: int, r0: int, r1: int) -> torch.Tensor:
+    """float32 [r1 - r0, in]: rows of GGUF blocks as the values d q - m the block kernels multiply."""
+    assert _C is not None
+    return _C.block_dequantize(blocks, ggml_type, in_features, r0, r1)
+
+
 def block_gemm(x: torch.Tensor, blocks: list[torch.Tensor], types: list[int],
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [M, out] = quantize_act_blocks(x, "int8") @ W^T (+ bias), W the row-stacked `blocks`

@@ -36,6 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_gemm", &block_gemm,
         "x[M,in] @ W^T (+bias), W row-stacked segments of GGUF blocks (any of brisk_blocks' types), x in int8 blocks",
         py::arg("x"), py::arg("blocks"), py::arg("types"), py::arg("bias") = py::none());
+  m.def("block_dequantize", &block_dequantize, "rows [r0, r1) of GGUF blocks as float32 (w = d q - m), AVX2+",
+        py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("r0"), py::arg("r1"));
   m.def("block_types", []() {
     std::vector<int64_t> t;
     for (int i = 0; i < 64; ++i)

@@ -30,7 +30,9 @@ struct Segment {
 // with a minimum or a bias (w = d q - m).
 struct BlockActs {
   std::vector<int8_t> q;
+  std::vector<uint8_t> qu;  // q + 128 as unsigned bytes: vpdpbusd's unsigned side for signed weights
   std::vector<float> a, c16, c32;
+  std::vector<float> a8;  // a repeated 8 times: one 256-bit load per block (the AVX-512 path)
   int64_t m = 0, in = 0;
 };
 

@@ -227,7 +227,8 @@ int64_t block_bytes(int type) {
 // quantize_act_blocks(x, "int8"), which the tests use as the reference.
 void quantize_acts(const float* x, int64_t m, int64_t in, BlockActs& out) {
   out.m = m, out.in = in;
-  out.q.resize(m * in), out.a.resize(m * in / 32), out.c16.resize(m * in / 16), out.c32.resize(m * in / 32);
+  out.q.resize(m * in), out.qu.resize(m * in), out.a.resize(m * in / 32), out.a8.resize(m * in / 4);
+  out.c16.resize(m * in / 16), out.c32.resize(m * in / 32);
   for (int64_t k = 0; k < m; ++k)
     for (int64_t b = 0; b < in / 32; ++b) {
       const float* xb = x + k * in + 32 * b;
@@ -239,9 +240,11 @@ void quantize_acts(const float* x, int64_t m, int64_t in, BlockActs& out) {
       for (int i = 0; i < 32; ++i) {
         const int v = a > 0.0f ? static_cast<int>(std::nearbyint(xb[i] / a)) : 0;
         q[i] = static_cast<int8_t>(std::clamp(v, -127, 127));
+        out.qu[k * in + 32 * b + i] = static_cast<uint8_t>(q[i] + 128);
         sums[i / 16] += q[i];
       }
       out.a[k * (in / 32) + b] = a;
+      for (int l = 0; l < 8; ++l) out.a8[(k * (in / 32) + b) * 8 + l] = a;
       out.c16[k * (in / 16) + 2 * b] = a * static_cast<float>(sums[0]);
       out.c16[k * (in / 16) + 2 * b + 1] = a * static_cast<float>(sums[1]);
       out.c32[k * (in / 32) + b] = a * static_cast<float>(sums[0] + sums[1]);
@@ -316,4 +319,21 @@ torch::Tensor block_gemm(const torch::Tensor& x, const std::vector<torch::Tensor
   });
   if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
   return y;
+}
+
+// Rows [r0, r1) of one segment's weight as float32 [r1 - r0, in]: w = d q - m, the values the
+// kernels' integer sums stand for (batched prompt work multiplies them in a float GEMM a tile at a
+// time). AVX2 or better: the portable build has no such path (brisk.kernels checks).
+torch::Tensor block_dequantize(const torch::Tensor& blocks, int64_t type, int64_t in, int64_t r0, int64_t r1) {
+  const auto segs = check_segments({blocks}, {type}, in);
+  TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= blocks.size(0), "brisk block_dequantize: rows out of range");
+  auto out = torch::empty({r1 - r0, in}, torch::dtype(torch::kFloat32));
+#ifdef BRISK_X86
+  TORCH_CHECK(brisk_isa::active() != brisk_isa::Level::kScalar, "brisk block_dequantize: needs AVX2");
+  float* o = out.data_ptr<float>();
+  at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t b) { brisk_blocks::avx2::dequant_rows(segs[0], o + (a - r0) * in, a, b); });
+#else
+  TORCH_CHECK(false, "brisk block_dequantize: needs an x86-64 CPU with AVX2");
+#endif
+  return out;
 }

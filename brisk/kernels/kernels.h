@@ -30,6 +30,7 @@ torch::Tensor group_dequantize_rows(const torch::Tensor& q, const torch::Tensor&
                                     const torch::Tensor& ids);
 torch::Tensor block_gemm(const torch::Tensor& x, const std::vector<torch::Tensor>& blocks,
                          const std::vector<int64_t>& types, const c10::optional<torch::Tensor>& bias);
+torch::Tensor block_dequantize(const torch::Tensor& blocks, int64_t type, int64_t in, int64_t r0, int64_t r1);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x, bool unsigned_offset);

@@ -93,6 +93,23 @@ def test_block_linear_torch_path_is_the_same_arithmetic(monkeypatch: pytest.Monk
     torch.testing.assert_close(layer(x), fast, rtol=0, atol=1e-5 * fast.abs().max().item())
 
 
+@pytest.mark.skipif(not kernels.block_dequantize_supported(), reason="the tiled float path needs AVX2")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_many_rows_multiply_the_same_weights_in_floats(qtype: GGMLQuantizationType) -> None:
+    """Past BLOCK_KERNEL_MAX_ROWS (prompt chunks) the weight is made float a tile at a time: the
+    dequantized weights times float x."""
+    from brisk.quant import gguf as native
+
+    blocks = random_blocks(qtype, 40, 512, seed=int(qtype) + 1)
+    layer = BlockLinear([(int(qtype), blocks[:24]), (int(qtype), blocks[24:])], 512, torch.randn(40), (24, 16),
+                        torch.float32)
+    x = torch.randn(native.BLOCK_KERNEL_MAX_ROWS + 7, 512, generator=torch.Generator().manual_seed(5))
+    w = dequantize(blocks, int(qtype), (40, 512))
+    assert torch.allclose(kernels.block_dequantize(blocks, int(qtype), 512, 3, 40), w[3:], rtol=1e-6, atol=1e-7)
+    ref = F.linear(x.double(), w.double(), layer.bias.double()).float()
+    torch.testing.assert_close(layer(x), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+
+
 def test_bad_row_bytes_are_a_clear_error() -> None:
     blocks = random_blocks(T.Q4_K, 4, 512, 0)[:, :-1].contiguous()
     with pytest.raises(RuntimeError, match="takes 288 bytes, got 287"):
