@@ -73,10 +73,13 @@ def to_group(ggml_type: int, raw: torch.Tensor) -> Parts:
 
 def _group_linear(parts: list[Parts], output_sizes: tuple[int, ...], bias: torch.Tensor | None,
                   dtype: torch.dtype) -> GroupLinear:
-    """The parts' rows stacked into one GroupLinear."""
-    q = torch.cat([p[0] for p in parts]).contiguous()
-    scale = torch.cat([p[1] for p in parts]).contiguous()
-    zero = None if parts[0][2] is None else torch.cat([p[2] for p in parts]).contiguous()  # type: ignore[misc]
+    """The parts' rows stacked into one GroupLinear (one part is used as it is: no second copy)."""
+    def stack(ts: list[torch.Tensor]) -> torch.Tensor:
+        return ts[0].contiguous() if len(ts) == 1 else torch.cat(ts)
+
+    q = stack([p[0] for p in parts])
+    scale = stack([p[1] for p in parts])
+    zero = None if parts[0][2] is None else stack([p[2] for p in parts])  # type: ignore[misc]
     return GroupLinear(q, scale, zero, GROUP, parts[0][3], bias, output_sizes, dtype)
 
 
