@@ -154,3 +154,50 @@ def test_bench_spec_prints_json(gguf_path, capsys) -> None:
     ngram = result["workloads"]["open_chat"]["methods"]["ngram"]
     assert ngram["identical_to_plain"] is True and ngram["tokens_per_s"] > 0
     assert result["workloads"]["open_chat"]["plain_tokens_per_s"] > 0
+
+
+def _patch_tensor_info(path: Path, name: bytes, dims0: int | None = None, type_id: int | None = None) -> None:
+    """Overwrite the first dimension or the type id of tensor `name` in a GGUF header."""
+    data = bytearray(path.read_bytes())
+    at = data.index(name) + len(name)  # then: u32 n_dims, u64 dims..., u32 type, u64 offset
+    n_dims = int.from_bytes(data[at:at + 4], "little")
+    if dims0 is not None:
+        data[at + 4:at + 12] = dims0.to_bytes(8, "little")
+    if type_id is not None:
+        t = at + 4 + 8 * n_dims
+        data[t:t + 4] = type_id.to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+
+
+def test_unknown_tensor_type_id_names_the_tensor(tmp_path, capsys) -> None:
+    f = _write_gguf(tmp_path / "odd.gguf", "llama", gguf.GGMLQuantizationType.Q8_0)
+    _patch_tensor_info(f, b"token_embd.weight", type_id=99)
+    code, _, err = _run(capsys, "generate", "--model", str(f), "--prompt", "hi")
+    assert code == 2 and "token_embd.weight" in err and "unknown GGML type id 99" in err and "Traceback" not in err
+
+
+def test_width_that_does_not_fit_the_block_names_the_tensor(tmp_path, capsys) -> None:
+    f = _write_gguf(tmp_path / "narrow.gguf", "llama", gguf.GGMLQuantizationType.Q4_K)
+    _patch_tensor_info(f, b"token_embd.weight", dims0=100)
+    code, _, err = _run(capsys, "generate", "--model", str(f), "--prompt", "hi")
+    assert code == 2 and "token_embd.weight" in err and "does not fit Q4_K" in err
+
+
+def test_metadata_that_disagrees_with_the_blocks_names_the_tensor(gguf_path, tmp_path, capsys) -> None:
+    """A layer width in the metadata that the stored blocks do not have: one line, no traceback."""
+    reader = gguf.GGUFReader(gguf_path)
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        value = 1024 if field.name == "llama.feed_forward_length" else field.contents()
+        w.add_key_value(field.name, value, field.types[0],
+                        sub_type=field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    code, _, err = _run(capsys, "generate", "--model", str(tmp_path / "bad.gguf"), "--prompt", "hi")
+    assert code == 2 and "mlp.gate_proj.weight" in err and "1024" in err and "Traceback" not in err

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from brisk.kernels import (
@@ -103,6 +103,17 @@ def native_module(segments: list[tuple[int, torch.Tensor]], in_features: int, bi
     return None
 
 
+def _check_shape(name: str, ggml_type: int, rows: torch.Tensor, out_features: int, in_features: int) -> None:
+    """The file's tensor has the shape the model's config gives its layer (ValueError naming it)."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    kind = GGMLQuantizationType(ggml_type).name
+    if in_features % block or rows.shape != (out_features, in_features // block * size):
+        cols = rows.shape[1] // size * block if rows.dim() == 2 else "?"
+        raise ValueError(f"GGUF tensor {name!r} ({kind}) holds {rows.shape[0]} x {cols} values, but the file's "
+                         f"metadata makes that layer {out_features} x {in_features}: the file is inconsistent; "
+                         "convert or download it again")
+
+
 def attach_blocks(model: nn.Module, blocks: Blocks, bias_of: Callable[[str], torch.Tensor | None],
                   release: Callable[[str], None] = lambda name: None) -> set[str]:
     """Swap in native modules for every Linear whose parts are all in `blocks` with a kernel, and
@@ -124,6 +135,8 @@ def attach_blocks(model: nn.Module, blocks: Blocks, bias_of: Callable[[str], tor
         if len(got) != len(linear.output_sizes):
             continue
         part_names = [got[i] for i in range(len(linear.output_sizes))]
+        for name, rows_expected in zip(part_names, linear.output_sizes):
+            _check_shape(name, *blocks[name], rows_expected, linear.in_features)
         biases = [bias_of(n) for n in part_names] if linear.bias is not None else []
         if any(b is None for b in biases):
             continue  # a part without its bias: the float loader reports what is missing
@@ -140,6 +153,7 @@ def attach_blocks(model: nn.Module, blocks: Blocks, bias_of: Callable[[str], tor
     embed_name = "model.embed_tokens.weight" if "model.embed_tokens.weight" in blocks else "embed_tokens.weight"
     if embed_name in blocks:
         ggml_type, rows = blocks[embed_name]
+        _check_shape(embed_name, ggml_type, rows, model.config.vocab_size, model.config.hidden_size)  # type: ignore[union-attr]
         dtype = model.embed_tokens.weight.dtype  # type: ignore[union-attr]
         if getattr(model, "lm_head", "absent") is None:  # tied: the head's blocks serve the lookups too
             head = native_module([(ggml_type, rows)], model.config.hidden_size, None, (rows.shape[0],),  # type: ignore[union-attr]
