@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace brisk_blocks {
@@ -13,6 +15,30 @@ enum Type : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
   kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23,
 };
+
+// fn(std::integral_constant<int, T>{}) for the block type T == type (the one switch over types);
+// `otherwise` when no kernel runs it.
+template <typename Fn, typename... Otherwise>
+auto visit_type(int type, Fn&& fn, Otherwise... otherwise) {
+  using R = decltype(fn(std::integral_constant<int, kQ4_0>{}));
+  switch (type) {
+    case kQ4_0: return fn(std::integral_constant<int, kQ4_0>{});
+    case kQ4_1: return fn(std::integral_constant<int, kQ4_1>{});
+    case kQ5_0: return fn(std::integral_constant<int, kQ5_0>{});
+    case kQ5_1: return fn(std::integral_constant<int, kQ5_1>{});
+    case kQ8_0: return fn(std::integral_constant<int, kQ8_0>{});
+    case kIQ4_NL: return fn(std::integral_constant<int, kIQ4_NL>{});
+    case kIQ4_XS: return fn(std::integral_constant<int, kIQ4_XS>{});
+    case kQ2_K: return fn(std::integral_constant<int, kQ2_K>{});
+    case kQ3_K: return fn(std::integral_constant<int, kQ3_K>{});
+    case kQ4_K: return fn(std::integral_constant<int, kQ4_K>{});
+    case kQ5_K: return fn(std::integral_constant<int, kQ5_K>{});
+    case kQ6_K: return fn(std::integral_constant<int, kQ6_K>{});
+    default:
+      if constexpr (sizeof...(otherwise) > 0) return R(otherwise...);
+      else return R();
+  }
+}
 
 bool supported(int type);
 int64_t block_cols(int type);   // 32 or 256

@@ -137,21 +137,7 @@ void segment_rows(const Segment& s, const BlockActs& x, float* y, int64_t out_to
 }
 
 void dispatch(const Segment& s, const BlockActs& x, float* y, int64_t out_total, int64_t r0, int64_t r1) {
-  switch (s.type) {
-    case kQ4_0: return segment_rows<kQ4_0>(s, x, y, out_total, r0, r1);
-    case kQ4_1: return segment_rows<kQ4_1>(s, x, y, out_total, r0, r1);
-    case kQ5_0: return segment_rows<kQ5_0>(s, x, y, out_total, r0, r1);
-    case kQ5_1: return segment_rows<kQ5_1>(s, x, y, out_total, r0, r1);
-    case kQ8_0: return segment_rows<kQ8_0>(s, x, y, out_total, r0, r1);
-    case kIQ4_NL: return segment_rows<kIQ4_NL>(s, x, y, out_total, r0, r1);
-    case kIQ4_XS: return segment_rows<kIQ4_XS>(s, x, y, out_total, r0, r1);
-    case kQ2_K: return segment_rows<kQ2_K>(s, x, y, out_total, r0, r1);
-    case kQ3_K: return segment_rows<kQ3_K>(s, x, y, out_total, r0, r1);
-    case kQ4_K: return segment_rows<kQ4_K>(s, x, y, out_total, r0, r1);
-    case kQ5_K: return segment_rows<kQ5_K>(s, x, y, out_total, r0, r1);
-    case kQ6_K: return segment_rows<kQ6_K>(s, x, y, out_total, r0, r1);
-    default: return;
-  }
+  visit_type(s.type, [&](auto t) { segment_rows<decltype(t)::value>(s, x, y, out_total, r0, r1); });
 }
 
 }  // namespace portable
@@ -160,12 +146,6 @@ void dispatch(const Segment& s, const BlockActs& x, float* y, int64_t out_total,
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
-inline float f16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-#include "cpu_blocks_format.inc"
 #define BRISK_BLOCKS_VNNI 0
 #include "cpu_blocks_simd.inc"
 #undef BRISK_BLOCKS_VNNI
@@ -175,12 +155,6 @@ inline float f16(const uint8_t* p) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
 namespace vnni {
-inline float f16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-#include "cpu_blocks_format.inc"
 #define BRISK_BLOCKS_VNNI 1
 #include "cpu_blocks_simd.inc"
 #undef BRISK_BLOCKS_VNNI
@@ -191,36 +165,15 @@ inline float f16(const uint8_t* p) {
 }  // namespace
 
 bool supported(int type) {
-  switch (type) {
-    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kIQ4_NL: case kIQ4_XS:
-    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: return true;
-    default: return false;
-  }
+  return visit_type(type, [](auto) { return true; }, false);
 }
 
 int64_t block_cols(int type) {
-  switch (type) {
-    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kIQ4_NL: return 32;
-    default: return 256;
-  }
+  return visit_type(type, [](auto t) { return int64_t{portable::Format<decltype(t)::value>::kCols}; }, int64_t{0});
 }
 
 int64_t block_bytes(int type) {
-  switch (type) {
-    case kQ4_0: return portable::Format<kQ4_0>::kBytes;
-    case kQ4_1: return portable::Format<kQ4_1>::kBytes;
-    case kQ5_0: return portable::Format<kQ5_0>::kBytes;
-    case kQ5_1: return portable::Format<kQ5_1>::kBytes;
-    case kQ8_0: return portable::Format<kQ8_0>::kBytes;
-    case kIQ4_NL: return portable::Format<kIQ4_NL>::kBytes;
-    case kIQ4_XS: return portable::Format<kIQ4_XS>::kBytes;
-    case kQ2_K: return portable::Format<kQ2_K>::kBytes;
-    case kQ3_K: return portable::Format<kQ3_K>::kBytes;
-    case kQ4_K: return portable::Format<kQ4_K>::kBytes;
-    case kQ5_K: return portable::Format<kQ5_K>::kBytes;
-    case kQ6_K: return portable::Format<kQ6_K>::kBytes;
-    default: return 0;
-  }
+  return visit_type(type, [](auto t) { return int64_t{portable::Format<decltype(t)::value>::kBytes}; }, int64_t{0});
 }
 
 // Plain C++ on every ISA: the rounding (x / a, to nearest even) is quant/grouped.py's
