@@ -49,7 +49,8 @@ def test_the_file_as_stored_is_measured_against_its_float_twin(text_file: Path) 
     ref = eval_ppl("smollm2-135m", "float32", text_file, window=96, max_tokens=250, quant={"dequantize": True})
     assert res["quantization"] == "gguf a16" and ref["quantization"] is None
     assert res["perplexity"] == pytest.approx(ref["perplexity"], rel=3e-3)
-    assert 0.0 < res["kl_vs_float32"] < 1e-3 and res["top1_agreement_vs_float32"] > 0.98
+    # Q4_1 in int16-activation kernels and the Q8_0 head in float ones: below 1e-6, KL rounds to 0.0
+    assert 0.0 <= res["kl_vs_float32"] < 1e-3 and res["top1_agreement_vs_float32"] > 0.98
     assert res["weight_mib"] < 0.2 * ref["weight_mib"]
 
 
