@@ -3,13 +3,13 @@ token embedding) keeps the file's bytes and is multiplied by brisk's kernels, as
 
 Two module kinds, chosen per Linear by `attach_blocks`:
 
-- `GroupLinear` for Q4_0, Q4_1 and Q8_0 (all parts one of the 4-bit pair, or all Q8_0): a GGUF
+- `GroupLinear` for Linears whose parts are all Q4_1 or all Q8_0 (`_as_group` says why): a GGUF
   Q4_1 block is 32 columns, fp16 d, fp16 m, 16 bytes of nibbles (low nibble = column j, high =
   column j + 16), w = q d + m; Q4_0 has no m and w = (q - 8) d; Q8_0 is fp16 d and 32 int8,
   w = q d. That is GroupLinear's layout with group 32 (scale d, zero m or -8 d), so the nibbles are
   used where they lie and float activations meet exactly the weights the dequantizing loader
   makes (q d is exact in float32, and the kernel's one fma rounds q d + m once, as ggml does).
-- `BlockLinear` for every other type with a block kernel (K-quants, Q5_0/Q5_1, IQ4_NL/IQ4_XS) and
+- `BlockLinear` for every other type with a block kernel (K-quants, Q4_0, Q5_0/Q5_1, IQ4_NL/IQ4_XS) and
   for stacked Linears that mix types (Q4_K_M's q|k|v): the blocks as stored, int8 activations in
   32-column blocks (kernels/cpu_blocks.cpp).
 
@@ -84,12 +84,16 @@ def _group_linear(parts: list[Parts], output_sizes: tuple[int, ...], bias: torch
 
 
 def _as_group(types: list[int]) -> bool:
-    """GroupLinear serves these parts: all Q4_0 / Q4_1 (4-bit), or all Q8_0, with float (or int16)
-    activations. Q8_0 as a BlockLinear decodes faster (SmolLM2's Q8_0 LM head: 1.67 -> 1.15 ms a
-    token; a Q6_K file of Q8_0 layers: 99-103 -> 112-119 tokens/s) but its int8 activations then
-    are the larger rounding: that file's perplexity went +0.56% over its float twin (window 64),
-    against +0.07% for Q4_K_M's Q5_0 layers. Exactness first: 8-bit weights keep float activations."""
-    return all(is_native(t) for t in types) and len({NATIVE[GGMLQuantizationType(t)][2] for t in types}) == 1
+    """GroupLinear serves these parts: all Q4_1, or all Q8_0, with float (or int16) activations.
+    - Q8_0 as a BlockLinear decodes faster (SmolLM2's Q8_0 LM head: 1.67 -> 1.15 ms a token; a Q6_K
+      file of Q8_0 layers: 99-103 -> 112-119 tokens/s), but its int8 activations then are the larger
+      rounding: that file's perplexity went +0.56% over its float twin (window 64), against +0.008%
+      for Q4_K_M's Q5_0 layers. Exactness first: 8-bit weights keep float activations.
+    - Q4_1 (the default model): the GroupLinear's int16 kernel decoded 133-171 tokens/s, blocks 123-132.
+    - Q4_0 runs as blocks: as fast or faster (Q3_K_M, 120 Q4_0 tensors: 166-179 against 161-168) and
+      read in place, where a GroupLinear is a repacked copy (that file's peak memory was 1.33x)."""
+    kinds = {GGMLQuantizationType(t) for t in types}
+    return kinds in ({GGMLQuantizationType.Q4_1}, {GGMLQuantizationType.Q8_0})
 
 
 def native_module(segments: list[tuple[int, torch.Tensor]], in_features: int, bias: torch.Tensor | None,
