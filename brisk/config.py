@@ -14,6 +14,8 @@ from typing import Any
 DTYPES = ("float32", "bfloat16", "float16")
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full", "sliding")
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,8 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder, in HF's terms."""
+    """Shape of a decoder-only transformer, in HF's terms. What differs between families beyond
+    these numbers (norm placement, embedding scale) lives in the architecture's file (model/)."""
 
     architecture: str = "llama"
     vocab_size: int = 32000
@@ -86,6 +89,14 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    # per layer: "full" or "sliding" (attends to the last `sliding_window` positions); () = all full
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+    qk_norm: bool = False  # RMSNorm over each query / key head before rotary (Qwen3, Gemma 3)
+    query_pre_attn_scalar: float = 0.0  # attention scale is its -1/2 power; 0: head_dim
+    rope_local_theta: float = 0.0  # rotary base of the sliding layers (Gemma 3: 10k); 0: rope_theta
+    final_logit_softcapping: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -101,6 +112,27 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"model config: head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"model config: hidden_act {self.hidden_act!r} is not supported; supported: "
+                             f"{', '.join(HIDDEN_ACTS)}")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types and (len(self.layer_types) != self.num_hidden_layers
+                                 or not set(self.layer_types) <= set(LAYER_TYPES)):
+            raise ValueError(f"model config: layer_types must name {self.num_hidden_layers} layers, each one of "
+                             f"{', '.join(LAYER_TYPES)}; got {list(self.layer_types)}")
+        if "sliding" in self.layer_types and self.sliding_window <= 0:
+            raise ValueError("model config: sliding layers need sliding_window > 0")
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else "full"
+
+    def window(self, layer: int) -> int:
+        """How many of the latest positions layer `layer` attends to; 0: all of them."""
+        return self.sliding_window if self.layer_type(layer) == "sliding" else 0
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def q_size(self) -> int:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from brisk.engine.llm import LLM
 from brisk.loader.load import load_model
-from brisk.model.llama import LlamaForCausalLM, forward_sequence
+from brisk.model.base import CausalLM, forward_sequence
 from brisk.request import SamplingParams
 from brisk.runtime.model_runner import sdpa_context
 
@@ -43,14 +43,14 @@ def read_tokens(llm: LLM, path: Path, max_tokens: int | None) -> list[int]:
 
 
 @torch.inference_mode()
-def _hidden(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+def _hidden(model: CausalLM, ids: list[int]) -> torch.Tensor:
     """Final hidden states of every position of one window: [n, hidden]."""
     with sdpa_context(model.device):
         return forward_sequence(model, ids)
 
 
 @torch.inference_mode()
-def score_window(model: LlamaForCausalLM, ids: list[int], reference: LlamaForCausalLM | None) -> WindowScore:
+def score_window(model: CausalLM, ids: list[int], reference: CausalLM | None) -> WindowScore:
     """NLL of tokens 1.. given the ones before, plus KL and top-1 agreement against `reference`."""
     h = _hidden(model, ids)
     h_ref = _hidden(reference, ids) if reference is not None else None
@@ -74,7 +74,7 @@ def _decode_tokens_per_s(llm: LLM, new_tokens: int = 64) -> float:
     return round(out.decode_tokens_per_second() or float("nan"), 2)
 
 
-def weight_bytes(model: LlamaForCausalLM) -> int:
+def weight_bytes(model: CausalLM) -> int:
     """Parameters and quantized buffers (int8 weights, scales); not the rotary tables."""
     tensors = [*model.parameters(), *(b for name, b in model.named_buffers() if not name.startswith("rope_"))]
     return sum(t.numel() * t.element_size() for t in tensors)

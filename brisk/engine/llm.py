@@ -28,7 +28,7 @@ from brisk.engine.outputs import RequestOutput
 from brisk.engine.workers import Cluster, WorkerArgs, start_cluster
 from brisk.loader.load import load_model
 from brisk.loader.resolve import DEFAULT_MODEL
-from brisk.model.llama import LlamaForCausalLM
+from brisk.model.base import CausalLM
 from brisk.request import SamplingParams
 
 # A prompt is text, or {"prompt_token_ids": [...]} for pre-tokenized input (as in vLLM).
@@ -163,7 +163,7 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _load_draft(self, spec: SpecConfig, dtype: str, device: str) -> LlamaForCausalLM:
+    def _load_draft(self, spec: SpecConfig, dtype: str, device: str) -> CausalLM:
         """The draft model of method "draft": same tokenizer as the target, or a ValueError."""
         assert spec.model is not None
         quant = None if spec.quantization is None else QuantConfig.parse(spec.quantization, spec.quantization_config)

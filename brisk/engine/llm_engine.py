@@ -27,7 +27,7 @@ from brisk.engine.detokenizer import IncrementalDetokenizer
 from brisk.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from brisk.engine.speculative import build_speculator
 from brisk.loader.tokenizer import Tokenizer
-from brisk.model.llama import LlamaForCausalLM
+from brisk.model.base import CausalLM
 from brisk.request import FinishReason, Request, RequestStatus, SamplingParams
 from brisk.runtime.paged_runner import PagedModelRunner, StepLogits, kv_block_bytes
 from brisk.runtime.parallel_runner import ParallelRunner
@@ -74,9 +74,9 @@ def num_kv_blocks(cache: CacheConfig, block_bytes: int) -> int:
 
 
 class LLMEngine:
-    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, cache: CacheConfig,
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, cache: CacheConfig,
                  scheduler: SchedulerConfig, seed: int = 0, pack_weights: bool = True,
-                 speculative: SpecConfig | None = None, draft_model: LlamaForCausalLM | None = None,
+                 speculative: SpecConfig | None = None, draft_model: CausalLM | None = None,
                  runner: ParallelRunner | None = None) -> None:
         """`speculative`: speculative decoding (spec/); `draft_model` is the loaded draft for method
         "draft" (the caller loads it: the engine never reads files). `runner`: a parallel runner

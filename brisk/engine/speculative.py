@@ -21,7 +21,7 @@ import torch
 from brisk.config import CacheConfig, SpecConfig
 from brisk.core.kv_cache_manager import KVCacheManager
 from brisk.core.outputs import ScheduledRequest, SchedulerOutput
-from brisk.model.llama import LlamaForCausalLM
+from brisk.model.base import CausalLM
 from brisk.request import Request
 from brisk.runtime.paged_runner import PagedModelRunner, StepLogits
 from brisk.runtime.parallel_runner import ParallelRunner
@@ -171,7 +171,7 @@ class Speculator:
 
 
 def build_speculator(config: SpecConfig, runner: PagedModelRunner | ParallelRunner, cache: CacheConfig,
-                     num_blocks: int, draft_model: LlamaForCausalLM | None, pack_weights: bool,
+                     num_blocks: int, draft_model: CausalLM | None, pack_weights: bool,
                      seed: int) -> Speculator:
     """The proposer `config.method` names, wired to what it needs from the engine. Over parallel
     workers only ngram drafts: the others need hidden states or KV that live on other ranks."""
@@ -204,7 +204,7 @@ def measure_verify_costs(runner: PagedModelRunner | ParallelRunner, max_k: int, 
     (each shape warmed up first, the fastest of `repeats`), interpolated between, made
     non-decreasing. It writes scratch KV into the first blocks, which hold no request yet."""
     default = [VERIFY_COST * k for k in range(max_k + 1)]
-    context = min(64, runner.model.rope_cos.shape[0] - max_k - 2)
+    context = min(64, runner.model.max_positions - max_k - 2)
     blocks = list(range(-(-(context + max_k + 1) // runner.block_size)))
     if runner.device.type != "cpu" or context < 1 or len(blocks) > runner.num_blocks:
         return default  # accelerators (launch-bound, flat) and tiny caches keep the default

@@ -29,7 +29,7 @@ from brisk.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig
 from brisk.loader.load import LoadedModel, load_model, model_config_of
 from brisk.loader.quantized import quantization_of
 from brisk.loader.resolve import resolve_model
-from brisk.model.llama import LlamaForCausalLM
+from brisk.model.base import CausalLM
 from brisk.parallel.groups import (
     ParallelFailure,
     ParallelState,
@@ -125,7 +125,7 @@ def build_rank(args: WorkerArgs, state: ParallelState) -> tuple[LoadedModel, ran
     quant = args.quant
     calibrated = quant is not None and quant.calibration is not None
 
-    def reshape(model: LlamaForCausalLM) -> None:
+    def reshape(model: CausalLM) -> None:
         if state.tp_size > 1:
             shard_model(model, state)
         if not calibrated:

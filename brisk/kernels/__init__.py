@@ -280,6 +280,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _C.silu_mul(gate_up)
 
 
+def gelu_tanh_mul_supported(gate_up: torch.Tensor) -> bool:
+    """True when `gelu_tanh_mul` can serve this [n, 2 * inter] tensor (as silu_mul_supported)."""
+    return CAPS.has("act_mul") and silu_mul_supported(gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up of a stacked [gate | up] float32 projection, one pass per row (the
+    decode plan's floats)."""
+    assert _C is not None
+    return _C.act_mul(gate_up, 1)
+
+
 def have_vnni() -> bool:
     """True when `int8_dot_u8s8` runs here: the extension is built and the CPU has AVX512-VNNI."""
     return _HAVE_VNNI
@@ -346,14 +358,17 @@ def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, query_start: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> None:
+                    block_tables: torch.Tensor, query_start: torch.Tensor, kv_lens: torch.Tensor, scale: float,
+                    window: int = 0) -> None:
     """Exact causal attention of q over a paged KV cache, written into `out` (model/paged_attention.py
-    builds the arguments and checks what it hands over)."""
+    builds the arguments and checks what it hands over); `window` > 0: each query sees only the
+    last `window` positions (a sliding layer)."""
     assert _C is not None
-    _C.paged_attention(out, q, k_cache, v_cache, block_tables, query_start, kv_lens, scale)
+    _C.paged_attention(out, q, k_cache, v_cache, block_tables, query_start, kv_lens, scale, window)
 
 
-def new_decode_plan(num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float) -> Any:
-    """An empty C++ DecodePlan (model/decode_plan.py fills it layer by layer)."""
+def new_decode_plan(num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
+                    act: int = 0) -> Any:
+    """An empty C++ DecodePlan (model/decode_plan.py fills it layer by layer); act 0: SwiGLU, 1: GeGLU."""
     assert _C is not None
-    return _C.DecodePlan(num_heads, num_kv_heads, head_dim, intermediate, eps)
+    return _C.DecodePlan(num_heads, num_kv_heads, head_dim, intermediate, eps, act)

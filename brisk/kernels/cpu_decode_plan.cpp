@@ -1,4 +1,6 @@
-// A Llama decoder layer stack for decode-sized steps, run in C++ (model/decode_plan.py).
+// A decoder layer stack for decode-sized steps, run in C++ (model/decode_plan.py): Llama's layer,
+// and Gemma 3's (norms after attention and MLP too, QK norm, GELU, sliding windows, two rotary
+// tables), which are the same steps with a few more row-wise pieces.
 //
 // The Python layer makes ~10 module calls and ~25 torch calls per layer, ~5 us each: about 3 ms of
 // a 9 ms int4 decode step on this CPU went to Python and dispatch, not to arithmetic. The plan
@@ -189,15 +191,22 @@ LinearOp parse_linear(const py::tuple& t) {
   return op;
 }
 
+// One layer. Undefined optional norms are absent: q_norm / k_norm (per head, before rotary: Qwen3,
+// Gemma 3), attn_out_norm / mlp_out_norm (on the attention / MLP output before it joins the
+// residual stream: Gemma 3). post_norm is the norm before the MLP. `window` > 0: a sliding layer;
+// `rope`: which of the step's rotary tables the layer rotates by.
 struct Layer {
   torch::Tensor input_norm, post_norm;
   LinearOp qkv, o, gate_up, down;
+  torch::Tensor q_norm, k_norm, attn_out_norm, mlp_out_norm;
+  int64_t window = 0, rope = 0;
 };
 
 // Rows private to one thread: the residual stream and what feeds the next Linear. Each thread
 // computes them whole (576 floats a token: cheaper than a barrier), the same floats on every thread.
+// `out` holds a normed Linear output (Gemma's post norms) where the module path norms it.
 struct ThreadRows {
-  std::vector<float> res, normed, act;
+  std::vector<float> res, normed, act, out, qk;
   brisk_range::QuantizedActs acts;
 };
 
@@ -213,8 +222,9 @@ class DecodePlan {
  public:
   static constexpr int64_t kMaxRows = 8;  // model/decode_plan.py PLAN_MAX_ROWS
 
-  DecodePlan(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate), eps_(eps) {
+  // act: the MLP's activation, 0 silu (SwiGLU), 1 gelu with tanh (GeGLU)
+  DecodePlan(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps, int64_t act)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate), eps_(eps), act_(act) {
 #ifdef BRISK_X86
     TORCH_CHECK(brisk_isa::avx512(), "brisk DecodePlan: needs AVX-512 (its kernels have no other path)");
 #else
@@ -222,21 +232,34 @@ class DecodePlan {
 #endif
     TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0 &&
                     intermediate > 0, "brisk DecodePlan: heads must be a multiple of kv_heads and head_dim even");
+    TORCH_CHECK(act == 0 || act == 1, "brisk DecodePlan: act must be 0 (silu) or 1 (gelu tanh)");
   }
 
-  // ops: qkv, o, gate_up, down as (kind, weight, scale, zero, bias, group, bits, tiled)
-  void add_layer(const torch::Tensor& input_norm, const torch::Tensor& post_norm, const std::vector<py::tuple>& ops) {
+  // ops: qkv, o, gate_up, down as (kind, weight, scale, zero, bias, group, bits, tiled); the
+  // optional norms (None: absent), window and rope as in `Layer`.
+  void add_layer(const torch::Tensor& input_norm, const torch::Tensor& post_norm, const std::vector<py::tuple>& ops,
+                 const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
+                 const c10::optional<torch::Tensor>& attn_out_norm, const c10::optional<torch::Tensor>& mlp_out_norm,
+                 int64_t window, int64_t rope) {
     TORCH_CHECK(ops.size() == 4, "brisk DecodePlan: a layer needs 4 linear ops (qkv, o, gate_up, down)");
+    const auto opt = [](const c10::optional<torch::Tensor>& t) { return t.has_value() ? t->contiguous() : torch::Tensor(); };
     Layer L{input_norm.contiguous(), post_norm.contiguous(), parse_linear(ops[0]), parse_linear(ops[1]),
-            parse_linear(ops[2]), parse_linear(ops[3])};
+            parse_linear(ops[2]), parse_linear(ops[3]), opt(q_norm), opt(k_norm), opt(attn_out_norm),
+            opt(mlp_out_norm), window, rope};
+    TORCH_CHECK(window >= 0 && rope >= 0, "brisk DecodePlan: window and rope must be >= 0");
+    TORCH_CHECK(L.q_norm.defined() == L.k_norm.defined(), "brisk DecodePlan: q_norm and k_norm come together");
+    for (const auto& w : {L.q_norm, L.k_norm})
+      TORCH_CHECK(!w.defined() || (w.scalar_type() == torch::kFloat32 && w.numel() == head_dim_ && w.device().is_cpu()),
+                  "brisk DecodePlan: q/k norm weights must be float32 [", head_dim_, "]");
     const int64_t hidden = L.o.out, qkv_width = (heads_ + 2 * kv_heads_) * head_dim_;
     TORCH_CHECK(L.qkv.out == qkv_width && L.qkv.in == hidden && L.o.in == heads_ * head_dim_ &&
                     L.gate_up.out == 2 * intermediate_ && L.gate_up.in == hidden && L.down.in == intermediate_ &&
                     L.down.out == hidden && (layers_.empty() || hidden == hidden_),
                 "brisk DecodePlan: the layer's Linears do not fit the plan's shapes");
-    for (const auto& w : {L.input_norm, L.post_norm})
-      TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.numel() == hidden && w.device().is_cpu(),
+    for (const auto& w : {L.input_norm, L.post_norm, L.attn_out_norm, L.mlp_out_norm})
+      TORCH_CHECK(!w.defined() || (w.scalar_type() == torch::kFloat32 && w.numel() == hidden && w.device().is_cpu()),
                   "brisk DecodePlan: norm weights must be float32 [", hidden, "]");
+    TORCH_CHECK(input_norm.defined() && post_norm.defined(), "brisk DecodePlan: a layer needs its two norms");
     hidden_ = hidden;
     layers_.push_back(std::move(L));
   }
@@ -245,8 +268,10 @@ class DecodePlan {
 
   // Layers [start, end) on (h, residual) [n, hidden] as LlamaDecoderLayer.forward runs them;
   // caches: k0, v0, k1, v1, ... for those layers. Returns the new (h, residual).
+  // cos, sin: one [n, head_dim] table pair per rotary base (a layer's `rope` picks its pair).
   std::tuple<torch::Tensor, torch::Tensor> run(torch::Tensor h, c10::optional<torch::Tensor> residual,
-                                               const torch::Tensor& cos, const torch::Tensor& sin,
+                                               const std::vector<torch::Tensor>& cos,
+                                               const std::vector<torch::Tensor>& sin,
                                                const std::vector<torch::Tensor>& caches,
                                                const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets,
                                                const torch::Tensor& block_tables, const torch::Tensor& query_start,
@@ -261,8 +286,14 @@ class DecodePlan {
                 " (longer steps take the module path, whose kernels differ)");
     check_float_rows(h, n, hidden_, "h");
     if (residual.has_value()) check_float_rows(*residual, n, hidden_, "residual");
-    check_float_rows(cos, n, head_dim_, "cos");
-    check_float_rows(sin, n, head_dim_, "sin");
+    TORCH_CHECK(!cos.empty() && cos.size() == sin.size(), "brisk DecodePlan: cos and sin come in pairs");
+    for (size_t r = 0; r < cos.size(); ++r) {
+      check_float_rows(cos[r], n, head_dim_, "cos");
+      check_float_rows(sin[r], n, head_dim_, "sin");
+    }
+    for (int64_t i = start; i < end; ++i)
+      TORCH_CHECK(layers_[i].rope < static_cast<int64_t>(cos.size()), "brisk DecodePlan: layer ", i, " rotates by table ",
+                  layers_[i].rope, " of ", cos.size());
     // k caches [blocks, kv_heads, head_dim, block_size], v caches [blocks, kv_heads, block_size, head_dim]
     const int64_t block_size = caches[0].dim() == 4 ? caches[0].size(3) : 0;
     const std::vector<int64_t> k_shape{caches[0].size(0), kv_heads_, head_dim_, block_size},
@@ -276,11 +307,23 @@ class DecodePlan {
     const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
     const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
     const int threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
-    const brisk_range::AttentionStep attn_step = brisk_range::attention_step(
-        heads_, kv_heads_, head_dim_, block_size, block_tables, query_start, kv_lens, scale, n, threads);
+    // one attention map per distinct window of these layers (the items split the same way)
+    std::vector<brisk_range::AttentionStep> attn_steps;
+    std::vector<int64_t> windows;
+    std::vector<size_t> attn_of(end - start);
+    for (int64_t i = start; i < end; ++i) {
+      const auto at = std::find(windows.begin(), windows.end(), layers_[i].window);
+      attn_of[i - start] = at - windows.begin();
+      if (at != windows.end()) continue;
+      windows.push_back(layers_[i].window);
+      attn_steps.push_back(brisk_range::attention_step(heads_, kv_heads_, head_dim_, block_size, block_tables,
+                                                       query_start, kv_lens, scale, n, threads, layers_[i].window));
+    }
+    std::vector<const float*> cos_p, sin_p;
+    for (size_t r = 0; r < cos.size(); ++r) cos_p.push_back(cos[r].data_ptr<float>()), sin_p.push_back(sin[r].data_ptr<float>());
 
     Step step{n, h.data_ptr<float>(), residual.has_value() ? residual->data_ptr<float>() : nullptr,
-              cos.data_ptr<float>(), sin.data_ptr<float>(), &caches, blocks, offsets, &attn_step, start, end};
+              cos_p, sin_p, &caches, blocks, offsets, &attn_steps, attn_of, start, end};
     step.shared(hidden_, heads_, kv_heads_, head_dim_, intermediate_);
     std::vector<ThreadRows> rows(threads);
     {
@@ -298,7 +341,8 @@ class DecodePlan {
       }
     }
     auto h_out = torch::empty({n, hidden_}, h.options()), res_out = torch::empty({n, hidden_}, h.options());
-    std::copy(step.h.begin(), step.h.end(), h_out.data_ptr<float>());
+    const std::vector<float>& last = layers_[end - 1].mlp_out_norm.defined() ? rows[0].out : step.h;
+    std::copy(last.begin(), last.begin() + n * hidden_, h_out.data_ptr<float>());
     std::copy(rows[0].res.begin(), rows[0].res.end(), res_out.data_ptr<float>());
     return {h_out, res_out};
   }
@@ -307,10 +351,12 @@ class DecodePlan {
   // One step's inputs and the rows the threads share (each Linear's output, written by slices).
   struct Step {
     int64_t n;
-    const float *h_in, *res_in, *cos, *sin;
+    const float *h_in, *res_in;
+    std::vector<const float*> cos, sin;  // per rotary table
     const std::vector<torch::Tensor>* caches;
     const int64_t *slot_blocks, *slot_offsets;
-    const brisk_range::AttentionStep* attn;
+    const std::vector<brisk_range::AttentionStep>* attn;  // per distinct window
+    std::vector<size_t> attn_of;                           // layer - start -> its entry in attn
     int64_t start, end;
     std::vector<float> h, qkv, q, k, attn_out, gate_up;
     SpinBarrier barrier;  // per step: two threads stepping one plan at once stay apart
@@ -340,58 +386,88 @@ class DecodePlan {
   // split between the threads, the small row-wise steps done by each thread for itself (or by
   // thread 0 where they write shared memory), a barrier wherever a step reads what all wrote.
   void layers(Step& s, ThreadRows& me, int tid, int team) {
-    const int64_t n = s.n, rotated = heads_ + kv_heads_, qkv_width = (rotated + kv_heads_) * head_dim_;
+    const int64_t n = s.n;
     me.res.resize(n * hidden_), me.normed.resize(n * hidden_), me.act.resize(n * intermediate_);
+    me.out.resize(n * hidden_), me.qk.resize((heads_ + kv_heads_) * head_dim_);
     if (s.res_in) std::copy(s.res_in, s.res_in + n * hidden_, me.res.begin());
     bool add = s.res_in != nullptr;
-    const int64_t items = s.attn->items, w0 = items * tid / team, w1 = items * (tid + 1) / team;
+    const float* h_in = s.h.data();  // the previous layer's output rows (Gemma: normed, this thread's)
+    const int64_t items = (*s.attn)[0].items, w0 = items * tid / team, w1 = items * (tid + 1) / team;
     for (int64_t i = s.start; i < s.end; ++i) {
       const Layer& L = layers_[i];
+      const brisk_range::AttentionStep& attn = (*s.attn)[s.attn_of[i - s.start]];
       float* k_cache = (*s.caches)[2 * (i - s.start)].data_ptr<float>();
       float* v_cache = (*s.caches)[2 * (i - s.start) + 1].data_ptr<float>();
-      add_norm(s.h.data(), me, L.input_norm, n, add);
+      add_norm(h_in, me, L.input_norm, n, add);
       add = true;
       linear(L.qkv, me.normed.data(), n, s.qkv.data(), me, tid, team);
       s.barrier.wait();
-      if (tid == 0) {  // rotary (rotary()'s floats) and the new keys and values into their slots
-        const int64_t block_size = s.attn->block_size;
-        for (int64_t t = 0; t < n; ++t) {
-          const float* row = s.qkv.data() + t * qkv_width;
-          const float *c = s.cos + t * head_dim_, *sn = s.sin + t * head_dim_;
-          brisk_range::rotate_heads(row, c, sn, s.q.data() + t * heads_ * head_dim_, heads_, head_dim_);
-          float* k = s.k.data() + t * kv_heads_ * head_dim_;
-          brisk_range::rotate_heads(row + heads_ * head_dim_, c, sn, k, kv_heads_, head_dim_);
-          brisk_range::kv_store_row(k_cache, v_cache, kv_heads_, head_dim_, block_size, k, row + rotated * head_dim_,
-                                    s.slot_blocks[t], s.slot_offsets[t]);
-        }
-      }
+      if (tid == 0) rotate_and_store(s, me, L, attn.block_size, k_cache, v_cache);
       s.barrier.wait();
-      brisk_range::attention_items(*s.attn, s.q.data(), s.attn_out.data(), k_cache, v_cache, w0, w1);
+      brisk_range::attention_items(attn, s.q.data(), s.attn_out.data(), k_cache, v_cache, w0, w1);
       s.barrier.wait();
       linear(L.o, s.attn_out.data(), n, s.h.data(), me, tid, team);
       s.barrier.wait();
-      add_norm(s.h.data(), me, L.post_norm, n, true);
+      add_norm(out_norm(s.h.data(), L.attn_out_norm, me, n), me, L.post_norm, n, true);
       linear(L.gate_up, me.normed.data(), n, s.gate_up.data(), me, tid, team);
       s.barrier.wait();
       for (int64_t r = 0; r < n; ++r) {
         const float* gu = s.gate_up.data() + r * 2 * intermediate_;
-        brisk_range::silu_mul_row(gu, gu + intermediate_, me.act.data() + r * intermediate_, intermediate_);
+        float* y = me.act.data() + r * intermediate_;
+        if (act_ == 0) brisk_range::silu_mul_row(gu, gu + intermediate_, y, intermediate_);
+        else brisk_range::gelu_tanh_mul_row(gu, gu + intermediate_, y, intermediate_);
       }
       linear(L.down, me.act.data(), n, s.h.data(), me, tid, team);
       s.barrier.wait();
+      h_in = out_norm(s.h.data(), L.mlp_out_norm, me, n);
+    }
+  }
+
+  // rms_norm of a Linear's output rows into this thread's `out` (Gemma's post norms); the rows
+  // themselves where the layer has no such norm.
+  const float* out_norm(const float* y, const torch::Tensor& w, ThreadRows& me, int64_t n) const {
+    if (!w.defined()) return y;
+    for (int64_t r = 0; r < n; ++r)
+      brisk_range::rms_norm_row(y + r * hidden_, w.data_ptr<float>(), me.out.data() + r * hidden_, hidden_,
+                                static_cast<float>(eps_));
+    return me.out.data();
+  }
+
+  // Every token's q and k heads (RMS-normed first where the layer has QK norm: rms_norm's floats)
+  // rotated by the layer's table (rotary()'s floats), and its new key and value into their slots.
+  void rotate_and_store(Step& s, ThreadRows& me, const Layer& L, int64_t block_size, float* k_cache,
+                        float* v_cache) const {
+    const int64_t rotated = heads_ + kv_heads_, qkv_width = (rotated + kv_heads_) * head_dim_;
+    for (int64_t t = 0; t < s.n; ++t) {
+      const float* row = s.qkv.data() + t * qkv_width;
+      if (L.q_norm.defined()) {
+        for (int64_t hd = 0; hd < rotated; ++hd)
+          brisk_range::rms_norm_row(row + hd * head_dim_, (hd < heads_ ? L.q_norm : L.k_norm).data_ptr<float>(),
+                                    me.qk.data() + hd * head_dim_, head_dim_, static_cast<float>(eps_));
+      }
+      const float* qk = L.q_norm.defined() ? me.qk.data() : row;
+      const float *c = s.cos[L.rope] + t * head_dim_, *sn = s.sin[L.rope] + t * head_dim_;
+      brisk_range::rotate_heads(qk, c, sn, s.q.data() + t * heads_ * head_dim_, heads_, head_dim_);
+      float* k = s.k.data() + t * kv_heads_ * head_dim_;
+      brisk_range::rotate_heads(qk + heads_ * head_dim_, c, sn, k, kv_heads_, head_dim_);
+      brisk_range::kv_store_row(k_cache, v_cache, kv_heads_, head_dim_, block_size, k, row + rotated * head_dim_,
+                                s.slot_blocks[t], s.slot_offsets[t]);
     }
   }
 
   int64_t heads_, kv_heads_, head_dim_, intermediate_, hidden_ = 0;
   double eps_;
+  int64_t act_;
   std::vector<Layer> layers_;
 };
 
 void bind_decode_plan(py::module& m) {
-  py::class_<DecodePlan>(m, "DecodePlan", "a Llama layer stack's decode steps in C++ (model/llama.py)")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, double>(), py::arg("heads"), py::arg("kv_heads"),
-           py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"))
-      .def("add_layer", &DecodePlan::add_layer, py::arg("input_norm"), py::arg("post_norm"), py::arg("ops"))
+  py::class_<DecodePlan>(m, "DecodePlan", "a decoder layer stack's decode steps in C++ (model/decode_plan.py)")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, int64_t>(), py::arg("heads"), py::arg("kv_heads"),
+           py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"), py::arg("act") = 0)
+      .def("add_layer", &DecodePlan::add_layer, py::arg("input_norm"), py::arg("post_norm"), py::arg("ops"),
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("attn_out_norm") = py::none(),
+           py::arg("mlp_out_norm") = py::none(), py::arg("window") = 0, py::arg("rope") = 0)
       .def("num_layers", &DecodePlan::num_layers)
       .def("run", &DecodePlan::run, py::arg("h"), py::arg("residual"), py::arg("cos"), py::arg("sin"),
            py::arg("caches"), py::arg("slot_blocks"), py::arg("slot_offsets"), py::arg("block_tables"),

@@ -15,7 +15,9 @@
 // float32 (flash-attention style), which is exact up to floating-point summation order and a
 // polynomial exp accurate to about one float ulp.
 // Query i of a sequence with n new tokens and kv_len cached-plus-new tokens sits at position
-// kv_len - n + i and sees keys 0 .. kv_len - n + i (causal).
+// p = kv_len - n + i and sees keys 0 .. p (causal), or p - window + 1 .. p on a sliding layer:
+// blocks wholly before the window are never read, the slots before it in its first block are
+// masked out.
 //
 // The hot function is compiled for AVX-512, AVX2 and baseline x86-64 (target_clones) and the
 // loader picks one for this CPU; plain loops are left to the compiler to vectorise.
@@ -78,8 +80,8 @@ inline float exp_nonpositive(float x) {
 template <typename T, int BS, int HD>
 inline __attribute__((always_inline)) void attend_token(const T* __restrict q, T* __restrict out,
                                                         const T* __restrict k_cache, const T* __restrict v_cache,
-                                                        const int32_t* block_table, int64_t ctx_len, int64_t kvh,
-                                                        int64_t g0, int64_t gn, const Shape& s) {
+                                                        const int32_t* block_table, int64_t first, int64_t ctx_len,
+                                                        int64_t kvh, int64_t g0, int64_t gn, const Shape& s) {
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t d = HD > 0 ? HD : s.head_dim;
   const int64_t bs = BS > 0 ? BS : s.block_size;
@@ -96,8 +98,9 @@ inline __attribute__((always_inline)) void attend_token(const T* __restrict q, T
     l[g] = 0.f;
   }
   const int64_t tile = bs * d;
-  for (int64_t j = 0; j * bs < ctx_len; ++j) {
+  for (int64_t j = first / bs; j * bs < ctx_len; ++j) {
     const int64_t n = std::min(bs, ctx_len - j * bs);
+    const int64_t r0 = std::max<int64_t>(0, first - j * bs);  // slots before the window: skipped
     const int64_t base = (static_cast<int64_t>(block_table[j]) * s.num_kv_heads + kvh) * tile;
     const T* kt = k_cache + base;
     const T* vt = v_cache + base;
@@ -111,15 +114,15 @@ inline __attribute__((always_inline)) void attend_token(const T* __restrict q, T
         for (int64_t r = 0; r < bs; ++r) pg[r] += qi * load(krow, r);
       }
       float block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t r = 0; r < n; ++r) block_max = std::max(block_max, pg[r]);
+      for (int64_t r = r0; r < n; ++r) block_max = std::max(block_max, pg[r]);
       const float new_m = std::max(m[g], block_max);
       const float rescale = exp_nonpositive(m[g] - new_m);  // 0 on the first block (m = -inf)
-      for (int64_t r = 0; r < n; ++r) p[g][r] = exp_nonpositive(p[g][r] - new_m);
+      for (int64_t r = r0; r < n; ++r) p[g][r] = exp_nonpositive(p[g][r] - new_m);
       float block_sum = 0.f;
-      for (int64_t r = 0; r < n; ++r) block_sum += p[g][r];
+      for (int64_t r = r0; r < n; ++r) block_sum += p[g][r];
       l[g] = l[g] * rescale + block_sum;
       for (int64_t i = 0; i < d; ++i) acc[g][i] *= rescale;
-      for (int64_t r = 0; r < n; ++r) {
+      for (int64_t r = r0; r < n; ++r) {
         const float pr = p[g][r];
         const T* vr = vt + r * d;
         for (int64_t i = 0; i < d; ++i) acc[g][i] += pr * load(vr, i);
@@ -147,8 +150,8 @@ inline __attribute__((always_inline)) void attend_token(const T* __restrict q, T
 // (one head alone waits on its chains most of the time), and K and V are read once for all G.
 template <typename T, int HD, int G>
 __attribute__((target("avx512f"))) void attend_heads_avx512(const T* q, T* out, const T* k_cache, const T* v_cache,
-                                                           const int32_t* block_table, int64_t ctx_len, int64_t kvh,
-                                                           int64_t g0, const Shape& s) {
+                                                           const int32_t* block_table, int64_t first, int64_t ctx_len,
+                                                           int64_t kvh, int64_t g0, const Shape& s) {
   using brisk_simd::load16;
   constexpr int kBs = 16, kNv = HD / 16;
   const int64_t group = s.num_heads / s.num_kv_heads;
@@ -165,9 +168,10 @@ __attribute__((target("avx512f"))) void attend_heads_avx512(const T* q, T* out, 
     l[g] = 0.f;
   }
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j * kBs < ctx_len; ++j) {
+  for (int64_t j = first / kBs; j * kBs < ctx_len; ++j) {
     const int64_t n = std::min<int64_t>(kBs, ctx_len - j * kBs);
-    const __mmask16 valid = static_cast<__mmask16>(n == kBs ? 0xFFFF : (1u << n) - 1);
+    const int64_t r0 = std::max<int64_t>(0, first - j * kBs);  // slots before the window: masked out
+    const __mmask16 valid = static_cast<__mmask16>((n == kBs ? 0xFFFFu : (1u << n) - 1) & ~((1u << r0) - 1));
     const int64_t base = (static_cast<int64_t>(block_table[j]) * s.num_kv_heads + kvh) * kBs * HD;
     const T* kt = k_cache + base;  // [HD][16]
     const T* vt = v_cache + base;  // [16][HD]
@@ -204,7 +208,7 @@ __attribute__((target("avx512f"))) void attend_heads_avx512(const T* q, T* out, 
       for (int v = 0; v < kNv; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], rs);
       m[g] = new_m;
     }
-    for (int64_t r = 0; r < n; ++r) {
+    for (int64_t r = r0; r < n; ++r) {
       __m512 vr[kNv];
       for (int v = 0; v < kNv; ++v) vr[v] = load16(vt + r * HD + 16 * v);
       for (int g = 0; g < G; ++g) {
@@ -225,42 +229,49 @@ __attribute__((target("avx512f"))) void attend_heads_avx512(const T* q, T* out, 
 // Heads g0 .. g0 + gn - 1 in passes of up to 4 (more would spill the accumulators at head dim 128).
 template <typename T, int HD>
 __attribute__((target("avx512f"))) void attend_token_avx512(const T* q, T* out, const T* k, const T* v,
-                                                           const int32_t* bt, int64_t ctx, int64_t kvh, int64_t g0,
-                                                           int64_t gn, const Shape& s) {
+                                                           const int32_t* bt, int64_t first, int64_t ctx, int64_t kvh,
+                                                           int64_t g0, int64_t gn, const Shape& s) {
+  // four heads' accumulators fit the 32 registers up to head dim 128; at 256 two do
+  constexpr int kMax = HD > 128 ? 2 : 4;
   for (int64_t g = g0; g < g0 + gn;) {
     const int64_t left = g0 + gn - g;
-    if (left >= 4) attend_heads_avx512<T, HD, 4>(q, out, k, v, bt, ctx, kvh, g, s), g += 4;
-    else if (left == 3) attend_heads_avx512<T, HD, 3>(q, out, k, v, bt, ctx, kvh, g, s), g += 3;
-    else if (left == 2) attend_heads_avx512<T, HD, 2>(q, out, k, v, bt, ctx, kvh, g, s), g += 2;
-    else attend_heads_avx512<T, HD, 1>(q, out, k, v, bt, ctx, kvh, g, s), g += 1;
+    if (left >= 4 && kMax >= 4) attend_heads_avx512<T, HD, 4>(q, out, k, v, bt, first, ctx, kvh, g, s), g += 4;
+    else if (left == 3 && kMax >= 3) attend_heads_avx512<T, HD, 3>(q, out, k, v, bt, first, ctx, kvh, g, s), g += 3;
+    else if (left >= 2) attend_heads_avx512<T, HD, 2>(q, out, k, v, bt, first, ctx, kvh, g, s), g += 2;
+    else attend_heads_avx512<T, HD, 1>(q, out, k, v, bt, first, ctx, kvh, g, s), g += 1;
   }
 }
 #endif
 
 template <typename T>
 inline __attribute__((always_inline)) void attend_token_any(const T* q, T* out, const T* k, const T* v,
-                                                            const int32_t* bt, int64_t ctx, int64_t kvh, int64_t g0,
-                                                            int64_t gn, const Shape& s) {
+                                                            const int32_t* bt, int64_t first, int64_t ctx, int64_t kvh,
+                                                            int64_t g0, int64_t gn, const Shape& s) {
 #ifdef BRISK_X86
   if (s.block_size == 16 && brisk_isa::avx512()) {
-    if (s.head_dim == 64) return attend_token_avx512<T, 64>(q, out, k, v, bt, ctx, kvh, g0, gn, s);
-    if (s.head_dim == 128) return attend_token_avx512<T, 128>(q, out, k, v, bt, ctx, kvh, g0, gn, s);
+    if (s.head_dim == 64) return attend_token_avx512<T, 64>(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
+    if (s.head_dim == 128) return attend_token_avx512<T, 128>(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
+    if (s.head_dim == 256) return attend_token_avx512<T, 256>(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
   }
 #endif
-  if (s.block_size == 16 && s.head_dim == 64) return attend_token<T, 16, 64>(q, out, k, v, bt, ctx, kvh, g0, gn, s);
-  if (s.block_size == 16 && s.head_dim == 128) return attend_token<T, 16, 128>(q, out, k, v, bt, ctx, kvh, g0, gn, s);
-  return attend_token<T, 0, 0>(q, out, k, v, bt, ctx, kvh, g0, gn, s);
+  if (s.block_size == 16 && s.head_dim == 64)
+    return attend_token<T, 16, 64>(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
+  if (s.block_size == 16 && s.head_dim == 128)
+    return attend_token<T, 16, 128>(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
+  if (s.block_size == 16 && s.head_dim == 256)
+    return attend_token<T, 16, 256>(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
+  return attend_token<T, 0, 0>(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
 }
 
 BRISK_CLONES void attend_token_f32(const float* q, float* out, const float* k, const float* v, const int32_t* bt,
-                                   int64_t ctx, int64_t kvh, int64_t g0, int64_t gn, const Shape& s) {
-  attend_token_any(q, out, k, v, bt, ctx, kvh, g0, gn, s);
+                                   int64_t first, int64_t ctx, int64_t kvh, int64_t g0, int64_t gn, const Shape& s) {
+  attend_token_any(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
 }
 
 BRISK_CLONES void attend_token_bf16(const c10::BFloat16* q, c10::BFloat16* out, const c10::BFloat16* k,
-                                    const c10::BFloat16* v, const int32_t* bt, int64_t ctx, int64_t kvh, int64_t g0,
-                                    int64_t gn, const Shape& s) {
-  attend_token_any(q, out, k, v, bt, ctx, kvh, g0, gn, s);
+                                    const c10::BFloat16* v, const int32_t* bt, int64_t first, int64_t ctx, int64_t kvh,
+                                    int64_t g0, int64_t gn, const Shape& s) {
+  attend_token_any(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
 }
 
 }  // namespace
@@ -269,7 +280,8 @@ namespace brisk_range {
 
 AttentionStep attention_step(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                              const torch::Tensor& block_tables, const torch::Tensor& query_start,
-                             const torch::Tensor& kv_lens, double scale, int64_t num_tokens, int64_t threads) {
+                             const torch::Tensor& kv_lens, double scale, int64_t num_tokens, int64_t threads,
+                             int64_t window) {
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && query_start.scalar_type() == torch::kInt32 &&
                   kv_lens.scalar_type() == torch::kInt32 && block_tables.is_contiguous() &&
                   query_start.is_contiguous() && kv_lens.is_contiguous(),
@@ -287,14 +299,17 @@ AttentionStep attention_step(int64_t num_heads, int64_t num_kv_heads, int64_t he
   TORCH_CHECK(qs[0] == 0 && qs[num_seqs] == num_tokens, "paged_attention: query_start does not span the ", num_tokens,
               " tokens");
   // token -> (sequence, its causal context length), so work items are flat and independent
-  a.seq_of.resize(num_tokens), a.ctx_of.resize(num_tokens);
+  TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: no sliding window)");
+  a.seq_of.resize(num_tokens), a.ctx_of.resize(num_tokens), a.first_of.resize(num_tokens);
   for (int64_t sq = 0; sq < num_seqs; ++sq) {
     const int64_t n = qs[sq + 1] - qs[sq];
     TORCH_CHECK(n >= 0 && lens[sq] >= n && (lens[sq] + block_size - 1) / block_size <= a.max_blocks,
                 "paged_attention: kv length does not fit the block table");
     for (int64_t i = 0; i < n; ++i) {
       a.seq_of[qs[sq] + i] = sq;
-      a.ctx_of[qs[sq] + i] = lens[sq] - n + i + 1;
+      const int64_t ctx = lens[sq] - n + i + 1;
+      a.ctx_of[qs[sq] + i] = ctx;
+      a.first_of[qs[sq] + i] = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
     }
   }
   // Work items: (token, KV head), all its query heads at once (K and V read once). With fewer
@@ -318,9 +333,10 @@ void attention_items_t(const AttentionStep& a, const T* q, T* out, const T* k_ca
     const int64_t gn = a.split == 1 ? group : (w % 2 == 0 ? first_half : group - first_half);
     const int32_t* table = a.block_tables + a.seq_of[t] * s.max_blocks;
     if constexpr (std::is_same_v<T, float>) {
-      attend_token_f32(q + t * row, out + t * row, k_cache, v_cache, table, a.ctx_of[t], kvh, g0, gn, s);
+      attend_token_f32(q + t * row, out + t * row, k_cache, v_cache, table, a.first_of[t], a.ctx_of[t], kvh, g0, gn, s);
     } else {
-      attend_token_bf16(q + t * row, out + t * row, k_cache, v_cache, table, a.ctx_of[t], kvh, g0, gn, s);
+      attend_token_bf16(q + t * row, out + t * row, k_cache, v_cache, table, a.first_of[t], a.ctx_of[t], kvh, g0, gn,
+                        s);
     }
   }
 }
@@ -336,7 +352,7 @@ void attention_items(const AttentionStep& a, const float* q, float* out, const f
 // query_start[s] .. query_start[s+1] of the flat token batch, each with kv_lens[s] keys.
 void paged_attention(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                     const torch::Tensor& query_start, const torch::Tensor& kv_lens, double scale) {
+                     const torch::Tensor& query_start, const torch::Tensor& kv_lens, double scale, int64_t window) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention: tensors must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
@@ -347,7 +363,7 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& q, const torch::Te
               "paged_attention: k_cache must be [blocks, kv_heads, head_dim, block_size]");
   const brisk_range::AttentionStep a =
       brisk_range::attention_step(q.size(1), v_cache.size(1), v_cache.size(3), v_cache.size(2), block_tables,
-                                  query_start, kv_lens, scale, q.size(0), at::get_num_threads());
+                                  query_start, kv_lens, scale, q.size(0), at::get_num_threads(), window);
   TORCH_CHECK(q.size(2) == a.head_dim, "paged_attention: q's head dim differs from the cache's");
   at::parallel_for(0, a.items, 1, [&](int64_t begin, int64_t end) {
     if (q.scalar_type() == torch::kFloat32) {

@@ -33,6 +33,7 @@ torch::Tensor block_gemm(const torch::Tensor& x, const std::vector<torch::Tensor
 torch::Tensor block_dequantize(const torch::Tensor& blocks, int64_t type, int64_t in, int64_t r0, int64_t r1);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
+torch::Tensor act_mul(const torch::Tensor& gate_up, int64_t act);
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x, bool unsigned_offset);
 torch::Tensor int8_epilogue(const torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& s,
                             const c10::optional<torch::Tensor>& bias);
@@ -42,7 +43,7 @@ torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& plus, co
                            const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias);
 void paged_attention(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                     const torch::Tensor& query_start, const torch::Tensor& kv_lens, double scale);
+                     const torch::Tensor& query_start, const torch::Tensor& kv_lens, double scale, int64_t window);
 torch::Tensor rotary(const torch::Tensor& qkv, int64_t heads, const torch::Tensor& cos, const torch::Tensor& sin);
 void kv_store(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& k, const torch::Tensor& v,
               const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets);
@@ -86,23 +87,26 @@ void group_qact_rows(const brisk_group::GroupWeights& w, const QuantizedActs& x,
                      int64_t r1);
 
 // Attention of one step: the token -> (sequence, context) map every layer shares, and the items
-// paged_attention splits over threads ((token, KV head), or halves of its query heads).
+// paged_attention splits over threads ((token, KV head), or halves of its query heads). With a
+// sliding window, token t sees keys first_of[t] .. ctx_of[t] - 1 (first_of is 0 without one).
 struct AttentionStep {
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0, block_size = 0, max_blocks = 0, num_tokens = 0;
   float scale = 0.0f;
   const int32_t* block_tables = nullptr;
-  std::vector<int64_t> seq_of, ctx_of;
+  std::vector<int64_t> seq_of, ctx_of, first_of;
   int64_t split = 1, items = 0;
 };
 AttentionStep attention_step(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                              const torch::Tensor& block_tables, const torch::Tensor& query_start,
-                             const torch::Tensor& kv_lens, double scale, int64_t num_tokens, int64_t threads);
+                             const torch::Tensor& kv_lens, double scale, int64_t num_tokens, int64_t threads,
+                             int64_t window = 0);
 void attention_items(const AttentionStep& a, const float* q, float* out, const float* k_cache, const float* v_cache,
                      int64_t w0, int64_t w1);
 
 // One row's pieces of the layer glue (cpu_norm.cpp, cpu_rope.cpp).
 void rms_norm_row(const float* x, const float* w, float* y, int64_t h, float eps);
 void silu_mul_row(const float* g, const float* u, float* y, int64_t n);
+void gelu_tanh_mul_row(const float* g, const float* u, float* y, int64_t n);
 void rotate_heads(const float* x, const float* cos, const float* sin, float* out, int64_t heads, int64_t head_dim);
 // slot_blocks, slot_offsets: contiguous int64 [n], every slot inside a cache of `num_blocks` blocks
 // of `block_size` (kv_store and the decode plan check their slots here; `who` names the caller).

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from brisk.config import ModelConfig, RopeScaling
-from brisk.model.registry import check_architecture
+from brisk.model.registry import canonical_architecture
 
 REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -37,19 +37,18 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def hf_model_config(path: Path) -> ModelConfig:
     raw = _read_json(path / "config.json")
-    arch = raw.get("model_type", "")
-    check_architecture(arch)
-    heads = raw["num_attention_heads"]
-    rope = raw.get("rope_scaling") or raw.get("rope_parameters")
-    theta = raw.get("rope_theta") or (rope or {}).get("rope_theta", 10000.0)
+    arch = canonical_architecture(raw.get("model_type", ""))
+    heads = raw.get("num_attention_heads")
     try:
+        rope = _rope_parameters(raw, arch)
+        theta = raw.get("rope_theta") or (rope or {}).get("rope_theta", 10000.0)
         return ModelConfig(
             architecture=arch,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
             num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=heads,
+            num_attention_heads=raw["num_attention_heads"],
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
@@ -58,12 +57,55 @@ def hf_model_config(path: Path) -> ModelConfig:
             rope_scaling=RopeScaling.from_hf(rope),
             # Qwen2 always has QKV bias; Llama says so with attention_bias.
             attention_bias=bool(raw.get("attention_bias", arch == "qwen2")),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch == "gemma3")),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw["eos_token_id"][0] if isinstance(raw.get("eos_token_id"), list) else raw.get("eos_token_id"),
+            **_family_fields(raw, arch),
         )
     except KeyError as exc:
         raise ValueError(f"{path / 'config.json'} lacks the field {exc.args[0]!r}") from None
+
+
+def _rope_parameters(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    """The (global layers') rope scaling dict: `rope_scaling`, or `rope_parameters` (newer
+    configs; Gemma 3 keys it by layer type)."""
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters")
+    if arch == "gemma3" and isinstance(rope, dict) and "full_attention" in rope:
+        return rope["full_attention"]
+    return rope
+
+
+_HF_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _family_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Config fields beyond Llama's: activation, per-layer attention kinds, QK norm, Gemma's scales."""
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+    if act not in _HF_ACTS:
+        raise ValueError(f"activation {act!r} is not supported; supported: {', '.join(sorted(_HF_ACTS))}")
+    out: dict[str, Any] = {"hidden_act": _HF_ACTS[act], "qk_norm": arch in ("qwen3", "gemma3")}
+    layers, window = raw["num_hidden_layers"], raw.get("sliding_window") or 0
+    types = raw.get("layer_types")
+    if arch == "gemma3":
+        pattern = raw.get("sliding_window_pattern", 6)
+        types = types or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        local = (raw.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta")
+        out.update(query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+                   rope_local_theta=float(raw.get("rope_local_base_freq") or local or 10000.0),
+                   final_logit_softcapping=float(raw.get("final_logit_softcapping") or 0.0))
+        if raw.get("attn_logit_softcapping"):
+            raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
+    elif arch == "mistral" and window and not types:
+        types = ["sliding_attention"] * layers  # Mistral slides every layer when its config has a window
+    elif arch in ("qwen2", "qwen3"):
+        # Qwen configs carry a window they use only with use_sliding_window, from max_window_layers on
+        first = raw.get("max_window_layers", layers)
+        types = (types or ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]) \
+            if raw.get("use_sliding_window", False) else None
+    if types and "sliding_attention" in types and window:
+        out.update(layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
+                   sliding_window=int(window))
+    return out
 
 
 def hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -79,10 +121,11 @@ def hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
     """The config.json HF transformers (and brisk) read back for `cfg`."""
-    arch_class = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+    arch_class = {"llama": "CausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
     out: dict[str, Any] = {
         "architectures": [arch_class[cfg.architecture]],
-        "model_type": cfg.architecture,
+        "model_type": "gemma3_text" if cfg.architecture == "gemma3" else cfg.architecture,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -96,9 +139,18 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, 
         "rope_scaling": cfg.rope_scaling.to_hf(),
         "attention_bias": cfg.attention_bias,
         "tie_word_embeddings": cfg.tie_word_embeddings,
-        "hidden_act": "silu",
+        "hidden_act": {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[cfg.hidden_act],
         "torch_dtype": torch_dtype,
     }
+    if cfg.layer_types:
+        out["layer_types"] = [f"{t}_attention" for t in cfg.layer_types]
+        out["sliding_window"] = cfg.sliding_window
+        out["use_sliding_window"] = True
+    if cfg.architecture == "gemma3":
+        scalar = cfg.query_pre_attn_scalar
+        out.update(hidden_activation=out["hidden_act"], query_pre_attn_scalar=int(scalar) if scalar.is_integer() else scalar,
+                   rope_local_base_freq=cfg.rope_local_theta,
+                   final_logit_softcapping=cfg.final_logit_softcapping or None)
     if cfg.bos_token_id is not None:
         out["bos_token_id"] = cfg.bos_token_id
     if cfg.eos_token_id is not None:

@@ -23,7 +23,7 @@ from brisk.loader.gguf_loader import (
 from brisk.loader.hf_loader import check_hf_dir, hf_model_config, hf_weights
 from brisk.loader.resolve import ModelSource, resolve_model
 from brisk.loader.tokenizer import Tokenizer
-from brisk.model.llama import LlamaForCausalLM
+from brisk.model.base import CausalLM
 from brisk.model.registry import build_model
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,7 +31,7 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     tokenizer: Tokenizer
     config: ModelConfig
     source: ModelSource
@@ -85,7 +85,7 @@ def keeps_blocks(source: ModelSource, file: GGUFFile | None, quant: QuantConfig 
 
 def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_len: int | None = None,
                quant: QuantConfig | None = None,
-               before_quant: Callable[[LlamaForCausalLM], None] | None = None,
+               before_quant: Callable[[CausalLM], None] | None = None,
                dequantize: bool = False) -> LoadedModel:
     """Resolve `ref`, build the architecture and stream the weights into it; quantize with `quant`.
 
@@ -143,7 +143,7 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
 
 
 def _load_blocks(file: GGUFFile, source: ModelSource, tdtype: torch.dtype, device: str, max_model_len: int | None,
-                 quant: QuantConfig, before_quant: Callable[[LlamaForCausalLM], None] | None) -> LoadedModel:
+                 quant: QuantConfig, before_quant: Callable[[CausalLM], None] | None) -> LoadedModel:
     """A quantized GGUF with its blocks kept: native modules first, then the float tensors left."""
     from brisk.quant import set_activations
     from brisk.quant.gguf import attach_blocks
@@ -165,7 +165,7 @@ def _load_blocks(file: GGUFFile, source: ModelSource, tdtype: torch.dtype, devic
     return LoadedModel(model.eval(), tokenizer, cfg, source, quant)
 
 
-def _quantize(model: LlamaForCausalLM, quant: QuantConfig, source: ModelSource, cfg: ModelConfig,
+def _quantize(model: CausalLM, quant: QuantConfig, source: ModelSource, cfg: ModelConfig,
               tokenizer: Tokenizer) -> None:
     from brisk.quant import apply
 

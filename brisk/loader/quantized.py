@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from brisk.config import QuantConfig
 from brisk.loader.hf_loader import hf_config_dict
-from brisk.model.llama import LlamaForCausalLM
+from brisk.model.base import CausalLM
 from brisk.quant import apply
 
 MARKER = "quantization.json"
@@ -39,7 +39,7 @@ def quantization_of(path: Path) -> QuantConfig | None:
         raise ValueError(f"{path} was quantized with {method!r}, which this brisk cannot load: {exc}") from None
 
 
-def save_quantized(model: LlamaForCausalLM, quant: QuantConfig, out: Path, dtype: str) -> None:
+def save_quantized(model: CausalLM, quant: QuantConfig, out: Path, dtype: str) -> None:
     """Write the quantized model's state next to its config (the caller writes the tokenizer)."""
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -57,7 +57,7 @@ def _options(quant: QuantConfig) -> dict[str, object]:
             "calibration_tokens": quant.calibration_tokens, **acts}
 
 
-def load_quantized_state(model: LlamaForCausalLM, path: Path, quant: QuantConfig) -> None:
+def load_quantized_state(model: CausalLM, path: Path, quant: QuantConfig) -> None:
     """Swap in the method's modules, then fill every parameter and buffer from the checkpoint."""
     apply(model, quant)  # the modules' shapes; their contents are replaced just below
     state = load_file(str(path / "model.safetensors"))

@@ -23,10 +23,11 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (keys, values), one pair per laye
 
 
 class AttentionMetadata(Protocol):
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
         """Store `k`, `v` for this step and return attention output shaped like `q`.
 
         q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+        `window` > 0 (a sliding layer): the query at position p sees keys p - window + 1 .. p.
         """
         ...
 
@@ -57,6 +58,29 @@ def _causal_mask(start: int, num_tokens: int, device: torch.device) -> torch.Ten
     return k_pos[None, :] <= q_pos[:, None]  # [num_tokens, start + num_tokens]
 
 
+def window_keys(kv_len: int, num_tokens: int, window: int) -> int:
+    """The first key any of the last `num_tokens` queries of `kv_len` positions sees through a
+    sliding `window` (0: no window, key 0)."""
+    return max(0, kv_len - num_tokens - window + 1) if window else 0
+
+
+def needs_window_mask(kv_len: int, num_tokens: int, window: int) -> bool:
+    """Some query of the last `num_tokens` of `kv_len` positions has a key, after the first one
+    any of them sees, outside its window: plain causal masking is not enough."""
+    return bool(window) and num_tokens > 1 and kv_len > window
+
+
+def window_mask(kv_len: int, num_tokens: int, window: int, first: int, device: torch.device) -> torch.Tensor:
+    """Queries: the last `num_tokens` of `kv_len` positions; keys: positions first..kv_len-1.
+    Causal and, with `window` > 0, only the last `window` positions each."""
+    q_pos = torch.arange(kv_len - num_tokens, kv_len, device=device)[:, None]
+    k_pos = torch.arange(first, kv_len, device=device)[None, :]
+    mask = k_pos <= q_pos  # [num_tokens, kv_len - first]
+    if window:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
 @dataclass
 class ContiguousAttention:
     """Metadata for the contiguous (one slot per sequence) KV layout."""
@@ -64,46 +88,42 @@ class ContiguousAttention:
     kv_caches: list[KVCache]
     seqs: list[SeqSpan]
     masks: list[torch.Tensor | None] = field(default_factory=list)
+    scale: float | None = None  # None: SDPA's 1/sqrt(head_dim)
 
     def __post_init__(self) -> None:
         if not self.masks:
             device = self.kv_caches[0][0].device
             self.masks = [_causal_mask(s.start, s.num_tokens, device) for s in self.seqs]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]  # [max_seqs, n_kv, max_len, head_dim]
         if len(self.seqs) == 1:
-            return self._attend_one(self.seqs[0], self.masks[0], q, k, v, k_cache, v_cache)
+            return self._attend_one(self.seqs[0], self.masks[0], q, k, v, k_cache, v_cache, window)
         out = torch.empty_like(q)
         for span, mask in zip(self.seqs, self.masks):
             rows = slice(span.query_start, span.query_start + span.num_tokens)
-            out[rows] = self._attend_one(span, mask, q[rows], k[rows], v[rows], k_cache, v_cache)
+            out[rows] = self._attend_one(span, mask, q[rows], k[rows], v[rows], k_cache, v_cache, window)
         return out
 
-    @staticmethod
-    def _attend_one(
-        span: SeqSpan,
-        mask: torch.Tensor | None,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-    ) -> torch.Tensor:
+    def _attend_one(self, span: SeqSpan, mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int) -> torch.Tensor:
         n, num_heads, head_dim = q.shape
         num_kv = k.shape[1]
         end = span.start + n
         k_cache[span.slot, :, span.start:end] = k.transpose(0, 1)  # [n_kv, n, head_dim]
         v_cache[span.slot, :, span.start:end] = v.transpose(0, 1)
-        keys = k_cache[span.slot:span.slot + 1, :, :end]  # [1, n_kv, end, head_dim]
-        values = v_cache[span.slot:span.slot + 1, :, :end]
+        first = window_keys(end, n, window)  # keys before it are outside every query's window
+        if n > 1 and (first or needs_window_mask(end, n, window)):
+            mask = window_mask(end, n, window, first, q.device)
+        keys = k_cache[span.slot:span.slot + 1, :, first:end]  # [1, n_kv, end - first, head_dim]
+        values = v_cache[span.slot:span.slot + 1, :, first:end]
         if n == 1:
             # GQA without copies: the query heads of one KV head become that head's query rows.
             qg = q.view(1, num_kv, num_heads // num_kv, head_dim)
-            out = F.scaled_dot_product_attention(qg, keys, values)  # [1, n_kv, group, head_dim]
+            out = F.scaled_dot_product_attention(qg, keys, values, scale=self.scale)  # [1, n_kv, group, head_dim]
             return out.reshape(1, num_heads, head_dim)
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, num_heads, n, head_dim]
         out = F.scaled_dot_product_attention(
-            qh, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=num_kv != num_heads
+            qh, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=num_kv != num_heads, scale=self.scale
         )  # [1, num_heads, n, head_dim]
         return out[0].transpose(0, 1)

@@ -1,4 +1,4 @@
-"""Decode steps of a Llama layer stack in C++ (brisk/kernels/cpu_decode_plan.cpp).
+"""Decode steps of a Llama or Gemma 3 layer stack in C++ (brisk/kernels/cpu_decode_plan.cpp).
 
 A decode step on the CPU made ~270 nn.Module calls and ~4,300 Python function calls a token; on int4
 Python and dispatch were about a third of the step. `build_decode_plan` hands each layer's tensors
@@ -8,7 +8,7 @@ parallel region (the threads split each Linear's rows and meet at spin barriers)
 pool is not forked and joined around every kernel either. It is
 the CPU counterpart of capturing a CUDA graph: built on the first step it can serve (putting the
 quantized weights in their kernel layouts first, as their first kernel call would), and dropped
-whenever the modules may change (`LlamaForCausalLM.drop_decode_plan`: `.to()`, `load_weights`,
+whenever the modules may change (`DecoderLM.drop_decode_plan`: `.to()`, `load_weights`,
 `load_state_dict`, `quant.apply`, `quant.set_activations`). Code that edits modules in place
 otherwise (assigning `GroupLinear.activations`, forward hooks, which the plan never calls) must
 drop the plan itself or run with `use_decode_plan = False` (`LLM(enforce_eager=True)`).
@@ -21,6 +21,7 @@ kernel (decode batches, speculative verify steps), never long prefill chunks.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -78,36 +79,75 @@ def linear_op(m: torch.nn.Module) -> LinearOp | None:
     return None
 
 
+def plan_refusal(model: torch.nn.Module) -> str | None:
+    """Why no plan can ever serve this architecture (None: it can, given the kernels)."""
+    kinds = {type(layer).__name__ for layer in model.layers if type(layer) not in _layer_kinds()}
+    kinds.discard("Dropped")  # another pipeline stage's layers
+    if kinds:
+        return f"{', '.join(sorted(kinds))} has no C++ decode plan yet"
+    return None
+
+
+def _layer_kinds() -> dict[type, tuple[str, str, str | None, str | None]]:
+    """Layer class -> its norms by role: (before attention, before the MLP, on the attention
+    output, on the MLP output); None where the layer has none."""
+    from brisk.model.gemma3 import Gemma3DecoderLayer
+    from brisk.model.llama import LlamaDecoderLayer
+
+    return {LlamaDecoderLayer: ("input_layernorm", "post_attention_layernorm", None, None),
+            Gemma3DecoderLayer: ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
+                                 "post_feedforward_layernorm")}
+
+
 def build_decode_plan(model: torch.nn.Module) -> Any | None:
     """A `brisk._C.DecodePlan` over all of `model.layers`, or None when any piece lacks a kernel."""
-    from brisk.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
-
     if not plan_supported():
+        return None
+    refusal = plan_refusal(model)
+    if refusal is not None:
+        logging.getLogger("brisk").warning("decode steps run module by module (slower): %s", refusal)
         return None
     cfg = model.config
     plan = kernels.new_decode_plan(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                   cfg.intermediate_size, float(cfg.rms_norm_eps))
+                                   cfg.intermediate_size, float(cfg.rms_norm_eps), 0 if cfg.hidden_act == "silu" else 1)
     for layer in model.layers:
-        if not (type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
-                and type(layer.mlp) is LlamaMLP):
+        args = _layer_args(layer, cfg)
+        if args is None:
             return None
-        attn, norms = layer.self_attn, (layer.input_layernorm, layer.post_attention_layernorm)
-        if (attn.num_heads, attn.num_kv_heads) != (cfg.num_attention_heads, cfg.num_key_value_heads):
-            return None
-        if not all(type(n) is RMSNorm and n.eps == cfg.rms_norm_eps and n.weight.dtype == torch.float32
-                   and n.weight.is_cpu for n in norms):
-            return None
-        linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        # the widths the C++ loop slices by: q | k | v and gate | up as the config says
-        widths = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, cfg.hidden_size,
-                  2 * cfg.intermediate_size, cfg.hidden_size)
-        if any(getattr(m, "out_features", None) != w for m, w in zip(linears, widths)):
-            return None
-        ops = [linear_op(m) for m in linears]
-        if any(op is None for op in ops):
-            return None
-        plan.add_layer(norms[0].weight, norms[1].weight, ops)
+        plan.add_layer(*args)
     return plan
+
+
+def _layer_args(layer: torch.nn.Module, cfg: Any) -> tuple | None:
+    """DecodePlan.add_layer's arguments for one layer; None when a piece has no kernel here."""
+    from brisk.model.llama import LlamaAttention, LlamaMLP
+
+    roles = _layer_kinds().get(type(layer))
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if roles is None or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
+        return None
+    if (attn.num_heads, attn.num_kv_heads) != (cfg.num_attention_heads, cfg.num_key_value_heads):
+        return None
+    norms = [None if r is None else getattr(layer, r) for r in roles]
+    qk = [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else [None, None]
+    if not all(n is None or _plain_norm(n, cfg) for n in (*norms, *qk)):
+        return None
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    # the widths the C++ loop slices by: q | k | v and gate | up as the config says
+    widths = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, cfg.hidden_size,
+              2 * cfg.intermediate_size, cfg.hidden_size)
+    if any(getattr(m, "out_features", None) != w for m, w in zip(linears, widths)):
+        return None
+    ops = [linear_op(m) for m in linears]
+    if any(op is None for op in ops):
+        return None
+    w = [None if n is None else n.weight for n in (*qk, norms[2], norms[3])]
+    return (norms[0].weight, norms[1].weight, ops, *w, attn.window, layer.rope_index)
+
+
+def _plain_norm(norm: torch.nn.Module, cfg: Any) -> bool:
+    return (type(norm) is RMSNorm and norm.eps == cfg.rms_norm_eps and norm.weight.dtype == torch.float32
+            and norm.weight.is_cpu)
 
 
 def plan_applies(h: torch.Tensor, meta: object) -> bool:
@@ -117,7 +157,7 @@ def plan_applies(h: torch.Tensor, meta: object) -> bool:
             and not meta.gather_spans)
 
 
-def run_plan(plan: Any, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+def run_plan(plan: Any, h: torch.Tensor, residual: torch.Tensor | None, ropes: list[tuple[torch.Tensor, torch.Tensor]],
              meta: PagedAttention, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Layers start..end-1 through the plan; None when their caches are not all plain CPU float32
     tensors here (the module path then runs)."""
@@ -131,6 +171,8 @@ def run_plan(plan: Any, h: torch.Tensor, residual: torch.Tensor | None, cos: tor
         return None
     n = h.shape[0]
     residual = None if residual is None else residual.contiguous()
-    return plan.run(h.contiguous(), residual, cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous(), caches,
+    cos = [c.reshape(n, -1).contiguous() for c, _ in ropes]
+    sin = [s.reshape(n, -1).contiguous() for _, s in ropes]
+    return plan.run(h.contiguous(), residual, cos, sin, caches,
                     meta.slot_blocks, meta.slot_offsets, meta.block_tables, meta.query_start, meta.kv_lens,
                     meta.scale, start, end)

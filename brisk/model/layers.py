@@ -14,6 +14,8 @@ from torch import nn
 
 from brisk.kernels import (
     SMALL_GEMM_ROWS_BY_DTYPE,
+    gelu_tanh_mul,
+    gelu_tanh_mul_supported,
     gemv,
     gemv_supported,
     pack_supported,
@@ -140,3 +142,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (tanh-approximated GELU, HF's gelu_pytorch_tanh) on a stacked [gate | up] projection;
+    one C++ pass for float32 CPU rows, the decode plan's floats (torch's to float rounding)."""
+    if gelu_tanh_mul_supported(gate_up):
+        return gelu_tanh_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

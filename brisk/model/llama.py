@@ -1,50 +1,63 @@
-"""Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2 (QKV bias).
+"""Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2 (QKV bias), Qwen3 (QK norm).
 
-The model is a function (habit 3): `forward(input_ids, positions, attn_metadata) -> hidden` over a
-flat `[num_tokens]` batch of any mix of sequences; the attention metadata carries the KV cache.
-`compute_logits` is separate so callers project only the rows they sample from.
+One layer: pre-norm attention and pre-norm gated MLP, each added to the residual stream. The
+shared stack (embedding, head, rotary tables, weight loading, decode plan) is model/base.py.
 """
 
 from __future__ import annotations
-
-import re
-from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from brisk.config import ModelConfig
-from brisk.kernels import pack_supported, pack_weight, rotary, rotary_supported
-from brisk.model.attention import AttentionMetadata, ContiguousAttention, SeqSpan
-from brisk.model.decode_plan import build_decode_plan, plan_applies, run_plan
-from brisk.model.layers import Embedding, Linear, RMSNorm, linear, silu_and_mul
-from brisk.model.rotary import apply_rotary, rope_tables
+from brisk.kernels import rotary, rotary_supported
+from brisk.model.attention import AttentionMetadata
+from brisk.model.base import DecoderLM, Rope, forward_sequence
+from brisk.model.layers import Linear, RMSNorm, gelu_tanh_and_mul, silu_and_mul
+from brisk.model.rotary import apply_rotary
+
+__all__ = ["LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "forward_sequence"]
 
 
 class LlamaAttention(nn.Module):
+    """q|k|v in one Linear, rotary on q and k (after a per-head RMSNorm where the config has
+    one), exact attention over the cache (the last `window` positions on a sliding layer)."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
+        self.window = cfg.window(layer_idx)
         self.qkv_proj = Linear(cfg.hidden_size, (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.attention_bias, dtype)
         self.o_proj = Linear(cfg.q_size, (cfg.hidden_size,), False, dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
-        n = x.shape[0]
+        n, hd = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)  # [n, (heads + 2 * kv_heads) * head_dim]
-        # q and k rotate together: one rotary call for both.
         rotated = self.num_heads + self.num_kv_heads
-        if rotary_supported(qkv, cos):
-            qk = rotary(qkv, rotated, cos, sin)  # one C++ pass, the same floats as apply_rotary
+        qk_in = self._normed_qk(qkv) if hasattr(self, "q_norm") else qkv
+        # q and k rotate together: one rotary call for both.
+        if rotary_supported(qk_in, cos):
+            qk = rotary(qk_in, rotated, cos, sin)  # one C++ pass, the same floats as apply_rotary
         else:
-            qk = apply_rotary(qkv[:, : rotated * self.head_dim].view(n, rotated, self.head_dim), cos, sin)
+            qk = apply_rotary(qk_in[:, : rotated * hd].view(n, rotated, hd), cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # [n, heads, hd], [n, kv_heads, hd]
-        v = qkv[:, rotated * self.head_dim:].view(n, self.num_kv_heads, self.head_dim)
-        out = attn_metadata.attend(self.layer_idx, q, k, v)  # [n, heads, head_dim]
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        v = qkv[:, rotated * hd:].view(n, self.num_kv_heads, hd)
+        out = attn_metadata.attend(self.layer_idx, q, k, v, self.window)  # [n, heads, head_dim]
+        return self.o_proj(out.reshape(n, self.num_heads * hd))
+
+    def _normed_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """[n, q | k] with every query and key head RMS-normed over head_dim (Qwen3, Gemma 3)."""
+        n, hd = qkv.shape[0], self.head_dim
+        q = self.q_norm(qkv[:, : self.num_heads * hd].reshape(-1, hd))  # [n * heads, hd]
+        k = self.k_norm(qkv[:, self.num_heads * hd: (self.num_heads + self.num_kv_heads) * hd].reshape(-1, hd))
+        return torch.cat((q.view(n, -1), k.view(n, -1)), dim=1)  # [n, (heads + kv_heads) * hd]
 
 
 class LlamaMLP(nn.Module):
@@ -52,227 +65,31 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, (cfg.intermediate_size, cfg.intermediate_size), False, dtype)
         self.down_proj = Linear(cfg.intermediate_size, (cfg.hidden_size,), False, dtype)
+        self.act_and_mul = silu_and_mul if cfg.hidden_act == "silu" else gelu_tanh_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
+        self.rope_index = 0
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(cfg, layer_idx, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, dtype)
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, ropes: list[Rope],
                 attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual stream is carried separately so each add happens once, right before a norm.
         residual = h if residual is None else h + residual
+        cos, sin = ropes[self.rope_index]
         h = self.self_attn(self.input_layernorm(residual), cos, sin, attn_metadata)
         residual = h + residual
         return self.mlp(self.post_attention_layernorm(residual)), residual
 
 
-# HF checkpoint names of projections that we stack into one Linear: name -> (our module, part).
-_STACKED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
-_STACKED_RE = re.compile(r"^(layers\.\d+\.(?:self_attn|mlp))\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
-
-
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, max_positions: int | None = None) -> None:
-        super().__init__()
-        self.config = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, (cfg.vocab_size,), False, dtype)
-        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
-                               max_positions or cfg.max_position_embeddings)
-        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)  # [max_positions, head_dim]
-        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
-        self._tied_head_packed: torch.Tensor | None = None  # the tied LM head's packed weight
-        # decode steps in C++ (model/decode_plan.py): None until built, False where none applies
-        self.use_decode_plan = True
-        self._decode_plan: object | None = None
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The compute dtype, also after `.to(...)` and with quantized modules swapped in."""
-        return self.norm.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.norm.weight.device
-
-    def linear_part(self, name: str) -> tuple[str, int] | None:
-        """The Linear module and part an HF checkpoint weight fills (e.g. k_proj -> qkv_proj, 1);
-        None for tensors that are not Linear weights (norms, embedding, biases)."""
-        name = name.removeprefix("model.")
-        m = _STACKED_RE.match(name)
-        if m:
-            module_name, part = _STACKED[m.group(2)]
-            return (f"{m.group(1)}.{module_name}", part) if m.group(3) == "weight" else None
-        module_name, _, leaf = name.rpartition(".")
-        try:
-            module = self.get_submodule(module_name) if module_name else None
-        except AttributeError:
-            return None
-        return (module_name, 0) if leaf == "weight" and isinstance(module, Linear) else None
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden].
-
-        `num_layers`: run only the first that many layers, then the final norm (early-exit
-        self-speculation); their KV is written to the cache as in a full pass."""
-        h = self.embed_tokens(input_ids)  # [n, hidden]
-        end = len(self.layers) if num_layers is None else num_layers
-        return self.final_norm(*self.run_layers(h, None, positions, attn_metadata, 0, end))
-
-    def run_layers(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                   attn_metadata: AttentionMetadata, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Layers start..end-1 on (h, residual) [n, hidden] each: one pipeline stage's share of
-        `forward`, whose (h, residual) travel to the next stage."""
-        cos = self.rope_cos[positions].unsqueeze(1)  # [n, 1, head_dim]
-        sin = self.rope_sin[positions].unsqueeze(1)
-        plan = self._plan_for(h, attn_metadata)
-        if plan is not None:
-            out = run_plan(plan, h, residual, cos, sin, attn_metadata, start, end)  # type: ignore[arg-type]
-            if out is not None:
-                return out
-        layers = self.layers
-        for i in range(start, end):
-            h, residual = layers[i](h, residual, cos, sin, attn_metadata)
-        return h, residual
-
-    def _plan_for(self, h: torch.Tensor, attn_metadata: AttentionMetadata) -> object | None:
-        """The C++ decode plan when this step can use it (built on first use)."""
-        if not self.use_decode_plan or self._decode_plan is False or not plan_applies(h, attn_metadata):
-            return None
-        if self._decode_plan is None:
-            self._decode_plan = build_decode_plan(self) or False
-        return self._decode_plan or None
-
-    def load_state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        self.drop_decode_plan()  # the quantized modules replace their buffers (untiled, new values)
-        return super().load_state_dict(*args, **kwargs)
-
-    def drop_decode_plan(self) -> None:
-        """Forget the C++ decode plan: the modules it captured may change (rebuilt on next use)."""
-        self._decode_plan = None
-
-    def final_norm(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        return self.norm(h if residual is None else h + residual)
-
-    def kv_heads_per_layer(self) -> list[int | None]:
-        """KV heads this process keeps for each layer (fewer under tensor parallelism); None for a
-        layer it does not hold (another pipeline stage runs it)."""
-        return [layer.self_attn.num_kv_heads if isinstance(layer, LlamaDecoderLayer) else None
-                for layer in self.layers]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden] -> [rows, vocab] float32 logits."""
-        if self.lm_head is None:
-            return linear(hidden, self.embed_tokens.weight, None, self._tied_head_packed).float()
-        return self.lm_head(hidden).float()
-
-    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of the LM head's effective weight for token `ids`: [len(ids), hidden] float32
-        (dequantized when the head is quantized). Draft heads project onto such a subset."""
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        dequantize = getattr(head, "dequantize_rows", None)
-        if dequantize is not None:
-            return dequantize(ids).float()
-        return head.weight.index_select(0, ids).float()
-
-    def pack_weights(self) -> int:
-        """oneDNN-packed copies of every Linear and of a tied LM head, for batched rows on CPU
-        (kernels.pack_weight). Returns the bytes the copies take; 0 where packing does not apply."""
-        # Linear and the quantized modules that keep a packed copy (W8A8) share the pack() protocol
-        nbytes = sum(m.pack() for m in self.modules() if m is not self and callable(getattr(m, "pack", None)))
-        if self.lm_head is None:  # tied, not quantized: the head is the embedding matrix
-            tied = self.embed_tokens.weight
-            self._tied_head_packed = pack_weight(tied) if pack_supported(tied) else None
-            if self._tied_head_packed is not None:
-                nbytes += tied.numel() * tied.element_size()
-        return nbytes
-
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        self.unpack_weights()  # .to(device/dtype) would leave the packed copies behind
-        return super()._apply(fn, recurse)
-
-    def unpack_weights(self) -> None:
-        """Drop the packed copies and the decode plan (they go stale when weights change or the
-        model moves)."""
-        self.drop_decode_plan()
-        for m in self.modules():
-            if hasattr(m, "packed"):
-                m.packed = None
-        self._tied_head_packed = None
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Fill parameters from HF-named tensors; every parameter must be provided exactly once."""
-        self.unpack_weights()
-        params = dict(self.named_parameters())
-        expected = set(params)
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: some checkpoints store a copy of the embedding
-            m = _STACKED_RE.match(name)
-            if m:
-                module_name, part = _STACKED[m.group(2)]
-                target = f"{m.group(1)}.{module_name}"
-                linear = self.get_submodule(target)
-                assert isinstance(linear, Linear)
-                if m.group(3) == "weight":
-                    linear.load_part(part, tensor)
-                else:
-                    linear.load_part_bias(part, tensor)
-                loaded.add(f"{target}.{m.group(3)}#{part}")
-                continue
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in a {self.config.architecture} model")
-            if tuple(params[name].shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the config expects "
-                    f"{tuple(params[name].shape)}"
-                )
-            params[name].copy_(tensor)
-            loaded.add(name)
-        missing = _missing(expected, loaded, self)
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors: {', '.join(sorted(missing)[:8])}"
-                             f"{' …' if len(missing) > 8 else ''}")
-
-
-@torch.inference_mode()
-def forward_sequence(model: LlamaForCausalLM, ids: list[int], num_layers: int | None = None) -> torch.Tensor:
-    """One whole sequence through a fresh contiguous KV cache (evaluation, calibration, training
-    data for heads): the final-normed hidden state of every position, [len(ids), hidden]."""
-    cfg, n, device, dtype = model.config, len(ids), model.device, model.dtype
-    shape = (1, cfg.num_key_value_heads, n, cfg.head_dim)
-    caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-              for _ in range(cfg.num_hidden_layers)]
-    return model(torch.tensor(ids, device=device), torch.arange(n, device=device),
-                 ContiguousAttention(caches, [SeqSpan(0, 0, n, 0)]), num_layers)
-
-
-def _missing(expected: set[str], loaded: set[str], model: nn.Module) -> set[str]:
-    """Parameters not filled; a stacked Linear counts as filled when all its parts are."""
-    missing = set()
-    for name in expected:
-        if name in loaded:
-            continue
-        module_name, _, kind = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        if isinstance(module, Linear) and len(module.output_sizes) > 1:
-            if all(f"{name}#{i}" in loaded for i in range(len(module.output_sizes))):
-                continue
-        missing.add(name)
-    return missing
+class LlamaForCausalLM(DecoderLM):
+    def make_layer(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+        return LlamaDecoderLayer(cfg, layer_idx, dtype)

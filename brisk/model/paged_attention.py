@@ -18,13 +18,14 @@ gather path: the same numbers, fewer tokens/s.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from brisk.kernels import CAPS, kv_store, kv_store_supported, paged_attention
-from brisk.model.attention import KVCache
+from brisk.model.attention import KVCache, needs_window_mask, window_keys, window_mask
 
 KERNEL_MAX_QUERY = 16  # spans with at most this many new tokens use the paged kernel
 HAVE_PAGED_KERNEL = CAPS.has("paged_attention")  # every ISA level: AVX-512 blocks, portable C++ otherwise
@@ -50,6 +51,12 @@ class PaddedSpans:
     rows: torch.Tensor  # [num_short_tokens] long: flat token -> span * max_query + offset
     max_query: int
     mask: torch.Tensor  # [S, 1, max_query, max_blocks * block_size] bool
+    query_pos: torch.Tensor  # [S, 1, max_query, 1] long: each query's position (padding: its span's last)
+    key_pos: torch.Tensor  # [1, 1, 1, max_blocks * block_size] long
+
+    def windowed(self, window: int) -> torch.Tensor:
+        """`mask` limited to each query's last `window` positions."""
+        return self.mask & (self.key_pos > self.query_pos - window)
 
 
 def padded_spans(block_tables: list[list[int]], query_lens: list[int], kv_lens: list[int], block_size: int,
@@ -63,8 +70,10 @@ def padded_spans(block_tables: list[list[int]], query_lens: list[int], kv_lens: 
     # causal within the span and nothing past the sequence; a padding query row (offset >= its
     # span's length) sees every valid key, so it never softmaxes an empty row into NaN
     mask = (key_pos < kv) & (key_pos <= start + query_off)  # [S, max_q, keys]
+    query_pos = torch.minimum(start + query_off, kv - 1)  # [S, max_q, 1]
     return PaddedSpans(torch.tensor(block_tables, dtype=torch.long, device=device),
-                       torch.tensor(rows, dtype=torch.long, device=device), max_q, mask.unsqueeze(1))
+                       torch.tensor(rows, dtype=torch.long, device=device), max_q, mask.unsqueeze(1),
+                       query_pos.unsqueeze(1), key_pos.unsqueeze(1))
 
 
 @dataclass
@@ -81,8 +90,10 @@ class PagedAttention:
     gather_spans: list[GatherSpan]
     scale: float
     padded: PaddedSpans | None = None  # set: the short spans take the padded SDPA path, not the kernel
+    # masks of sliding layers, built on the first such layer of the step: (span or -1, window) -> mask
+    _window_masks: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]  # [blocks, n_kv, hd, bs], [blocks, n_kv, bs, hd]
         if kv_store_supported(k_cache) and k.stride(-1) == 1 and v.stride(-1) == 1:
             kv_store(k_cache, v_cache, k, v, self.slot_blocks, self.slot_offsets)
@@ -92,18 +103,31 @@ class PagedAttention:
         out = torch.empty_like(q)  # [num_tokens, heads, head_dim]
         nk = self.num_kernel_tokens
         if nk and self.padded is not None:
-            out[:nk] = _padded_attend(q[:nk], k_cache, v_cache, self.padded, self.scale)
+            mask = self.padded.mask if not window else self._mask(-1, window, lambda: self.padded.windowed(window))
+            out[:nk] = _padded_attend(q[:nk], k_cache, v_cache, self.padded, mask, self.scale)
         elif nk:
             paged_attention(out[:nk], q[:nk].contiguous(), k_cache, v_cache, self.block_tables,
-                            self.query_start, self.kv_lens, self.scale)
-        for span in self.gather_spans:
+                            self.query_start, self.kv_lens, self.scale, window)
+        for i, span in enumerate(self.gather_spans):
             rows = slice(span.query_start, span.query_start + span.num_tokens)
-            out[rows] = _gather_attend(q[rows], k_cache, v_cache, span)
+            first = window_keys(span.kv_len, span.num_tokens, window)
+            mask = span.mask if span.num_tokens > 1 else None  # one query: every key it is given
+            if span.num_tokens > 1 and (first or needs_window_mask(span.kv_len, span.num_tokens, window)):
+                mask = self._mask(i, window, lambda s=span, f=first: window_mask(s.kv_len, s.num_tokens, window, f,
+                                                                                 q.device))
+            out[rows] = _gather_attend(q[rows], k_cache, v_cache, span, first, mask, self.scale)
         return out
+
+    def _mask(self, key: int, window: int, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A sliding layer's mask, built once per step and window."""
+        mask = self._window_masks.get((key, window))
+        if mask is None:
+            mask = self._window_masks[(key, window)] = build()
+        return mask
 
 
 def _padded_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: PaddedSpans,
-                   scale: float) -> torch.Tensor:
+                   mask: torch.Tensor, scale: float) -> torch.Tensor:
     num_spans, width = p.block_tables.shape
     num_kv, block_size, head_dim = v_cache.shape[1:]
     num_heads = q.shape[1]
@@ -113,21 +137,27 @@ def _padded_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     qp = q.new_zeros(num_spans * p.max_query, num_heads, head_dim)
     qp[p.rows] = q
     qp = qp.view(num_spans, p.max_query, num_heads, head_dim).transpose(1, 2)  # [S, heads, max_q, head_dim]
-    out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=p.mask, scale=scale,
+    out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=scale,
                                          enable_gqa=num_kv != num_heads)  # [S, heads, max_q, head_dim]
     return out.transpose(1, 2).reshape(num_spans * p.max_query, num_heads, head_dim)[p.rows]
 
 
-def _gather_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, span: GatherSpan) -> torch.Tensor:
+def _gather_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, span: GatherSpan, first: int,
+                   mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """The span's keys first..kv_len-1 (0.. unless a sliding window starts later) gathered from
+    their blocks, through SDPA."""
     num_kv, block_size, head_dim = v_cache.shape[1:]
     n, num_heads, _ = q.shape
-    k_blocks = k_cache.index_select(0, span.block_ids).permute(1, 0, 3, 2)  # [n_kv, nb, bs, head_dim]
-    v_blocks = v_cache.index_select(0, span.block_ids).transpose(0, 1)  # [n_kv, nb, bs, head_dim]
-    keys = k_blocks.reshape(1, num_kv, -1, head_dim)[:, :, : span.kv_len]  # [1, n_kv, kv_len, head_dim]
-    values = v_blocks.reshape(1, num_kv, -1, head_dim)[:, :, : span.kv_len]
+    ids = span.block_ids[first // block_size:]  # blocks wholly before the window are not read
+    skip = first - first // block_size * block_size
+    k_blocks = k_cache.index_select(0, ids).permute(1, 0, 3, 2)  # [n_kv, nb, bs, head_dim]
+    v_blocks = v_cache.index_select(0, ids).transpose(0, 1)  # [n_kv, nb, bs, head_dim]
+    count = span.kv_len - first
+    keys = k_blocks.reshape(1, num_kv, -1, head_dim)[:, :, skip:skip + count]  # [1, n_kv, count, head_dim]
+    values = v_blocks.reshape(1, num_kv, -1, head_dim)[:, :, skip:skip + count]
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
-    out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=span.mask, is_causal=span.mask is None,
-                                         enable_gqa=num_kv != num_heads)
+    out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, is_causal=mask is None and n > 1,
+                                         enable_gqa=num_kv != num_heads, scale=scale)
     return out[0].transpose(0, 1)  # [n, heads, head_dim]
 
 

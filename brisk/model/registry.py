@@ -1,29 +1,40 @@
-"""Architectures brisk can run, by HF `model_type` (and GGUF `general.architecture`)."""
+"""Architectures brisk can run, by HF `model_type` and GGUF `general.architecture`: one line each."""
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from brisk.config import ModelConfig
+from brisk.model.base import CausalLM, DecoderLM
+from brisk.model.gemma3 import Gemma3ForCausalLM
 from brisk.model.llama import LlamaForCausalLM
 
-# Mistral and Qwen2 are Llama-shaped; Qwen2's QKV bias is a config flag, not a new class.
-ARCHITECTURES: dict[str, type[nn.Module]] = {
+# Mistral, Qwen2 and Qwen3 are Llama-shaped: QKV bias and QK norm are config flags, not classes.
+ARCHITECTURES: dict[str, type[DecoderLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
 }
+# HF model_type -> the name above, where they differ
+ALIASES = {"gemma3_text": "gemma3"}
 
 
-def check_architecture(name: str) -> None:
+def canonical_architecture(name: str) -> str:
+    """The registry name of an HF model_type or GGUF architecture; a clear error when unknown."""
+    name = ALIASES.get(name, name)
     if name not in ARCHITECTURES:
         raise ValueError(
             f"model architecture {name!r} is not supported; brisk runs: {', '.join(sorted(ARCHITECTURES))}"
         )
+    return name
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, max_positions: int | None = None) -> LlamaForCausalLM:
-    check_architecture(cfg.architecture)
-    cls = ARCHITECTURES[cfg.architecture]
-    return cls(cfg, dtype=dtype, max_positions=max_positions)  # type: ignore[call-arg,return-value]
+def check_architecture(name: str) -> None:
+    canonical_architecture(name)
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, max_positions: int | None = None) -> CausalLM:
+    cls = ARCHITECTURES[canonical_architecture(cfg.architecture)]
+    return cls(cfg, dtype=dtype, max_positions=max_positions)

@@ -19,7 +19,7 @@ from typing import TypeVar
 from torch import nn
 
 from brisk.config import ModelConfig
-from brisk.model.llama import LlamaForCausalLM
+from brisk.model.base import CausalLM
 
 T = TypeVar("T")
 
@@ -60,7 +60,7 @@ def stage_layers(cfg: ModelConfig, stages: int) -> list[range]:
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
-def keep_stage(model: LlamaForCausalLM, layers: range, first: bool) -> None:
+def keep_stage(model: CausalLM, layers: range, first: bool) -> None:
     """Drop what this stage does not run: other stages' layers; unless first, the embedding and
     the LM head (which live together on the first stage; every stage keeps the small final norm)."""
     for i in range(len(model.layers)):

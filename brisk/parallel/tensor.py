@@ -26,7 +26,7 @@ from torch import nn
 
 from brisk.config import ModelConfig
 from brisk.model.layers import Linear
-from brisk.model.llama import LlamaForCausalLM
+from brisk.model.base import CausalLM
 from brisk.parallel.groups import ParallelState
 
 
@@ -111,7 +111,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.state.all_reduce(h.masked_fill(outside.unsqueeze(1), 0.0))
 
 
-def tie_vocab_parallel_head(model: LlamaForCausalLM) -> None:
+def tie_vocab_parallel_head(model: CausalLM) -> None:
     """After quantization: a tied embedding shard looks tokens up in the quantized head shard."""
     embed, head = model.embed_tokens, model.lm_head
     if isinstance(embed, VocabParallelEmbedding) and embed.tied and hasattr(head, "dequantize_rows"):
@@ -144,7 +144,7 @@ def _check_float(module: nn.Module, name: str) -> Linear:
     return module
 
 
-def shard_model(model: LlamaForCausalLM, state: ParallelState) -> None:
+def shard_model(model: CausalLM, state: ParallelState) -> None:
     """Keep this rank's slice of every weight, in place (float weights, before quantization)."""
     cfg, tp, rank = model.config, state.tp_size, state.tp_rank
     split = head_split(cfg, tp, rank)
@@ -176,7 +176,7 @@ def vocab_shard(vocab_size: int, tp: int, rank: int) -> range:
     return range(rank * size, (rank + 1) * size)
 
 
-def _shard_vocab(model: LlamaForCausalLM, state: ParallelState) -> None:
+def _shard_vocab(model: CausalLM, state: ParallelState) -> None:
     cfg = model.config
     shard = vocab_shard(cfg.vocab_size, state.tp_size, state.tp_rank)
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from brisk.model.layers import Linear
-from brisk.model.llama import forward_sequence
+from brisk.model.base import forward_sequence
 
 WINDOW = 1024  # tokens per calibration forward (fewer when the model's positions are fewer)
 
@@ -42,7 +42,7 @@ class InputStats:
 @torch.inference_mode()
 def collect_stats(model: nn.Module, ids: list[int], keep_xtx: bool = False) -> dict[Linear, InputStats]:
     """Input statistics of every decoder Linear over `ids`, forwarded in windows of <= WINDOW."""
-    positions = int(model.rope_cos.shape[0])  # type: ignore[attr-defined]
+    positions = model.max_positions
     window = min(WINDOW, positions)
     stats: dict[Linear, InputStats] = {}
     linears = [m for name, m in model.named_modules() if isinstance(m, Linear) and name != "lm_head"]

@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from brisk.config import ModelConfig
 from brisk.model.attention import ContiguousAttention, KVCache, SeqSpan
-from brisk.model.llama import LlamaForCausalLM
+from brisk.model.base import CausalLM
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def sdpa_context(device: torch.device) -> contextlib.AbstractContextManager[obje
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, max_seqs: int, max_len: int) -> None:
+    def __init__(self, model: CausalLM, max_seqs: int, max_len: int) -> None:
         self.model = model
         self.max_len = max_len
         self.device = model.device

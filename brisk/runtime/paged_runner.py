@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from brisk.model.attention import KVCache
-from brisk.model.llama import LlamaForCausalLM
+from brisk.model.base import CausalLM
 from brisk.model.paged_attention import (
     HAVE_PAGED_KERNEL,
     KERNEL_MAX_QUERY,
@@ -35,7 +35,7 @@ class ScheduledStep(Protocol):
     sample: bool  # this step reaches the end of the known tokens: produce logits
 
 
-def kv_block_bytes(model: LlamaForCausalLM, block_size: int) -> int:
+def kv_block_bytes(model: CausalLM, block_size: int) -> int:
     """Bytes of one block across the layers (and KV heads) this process holds, keys and values."""
     cfg = model.config
     itemsize = torch.tensor([], dtype=model.dtype).element_size()
@@ -43,7 +43,7 @@ def kv_block_bytes(model: LlamaForCausalLM, block_size: int) -> int:
     return 2 * heads * block_size * cfg.head_dim * itemsize
 
 
-def allocate_paged_kv(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> list[KVCache | None]:
+def allocate_paged_kv(model: CausalLM, num_blocks: int, block_size: int) -> list[KVCache | None]:
     """Per layer held: keys [blocks, kv_heads, head_dim, block_size], values [blocks, kv_heads,
     block_size, head_dim]; None for a layer another pipeline stage holds."""
     hd, dtype, device = model.config.head_dim, model.dtype, model.device
@@ -78,7 +78,7 @@ class StepInputs:
 
 
 class PagedModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, pack_weights: bool = True) -> None:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, pack_weights: bool = True) -> None:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -147,7 +147,7 @@ class PagedModelRunner:
             query_start=torch.tensor(query_start, dtype=torch.int32, device=dev),
             kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
             gather_spans=spans,
-            scale=self.model.config.head_dim ** -0.5,
+            scale=self.model.config.attn_scale,
             padded=padded_spans(tables, [len(s.token_ids) for s in kernel], kv_lens, bs, dev)
             if kernel and self.short_spans == "padded" else None,
         )

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from brisk.model.llama import LlamaForCausalLM
+from brisk.model.base import CausalLM
 from brisk.parallel.groups import ParallelFailure, ParallelState
 from brisk.parallel.pipeline import split_micro_batches
 from brisk.runtime.model_runner import sdpa_context
@@ -65,7 +65,7 @@ class _Part:
 class StageRunner:
     """This rank's share of a step: its layers, its shard of their weights, its KV."""
 
-    def __init__(self, model: LlamaForCausalLM, state: ParallelState, layers: range, num_blocks: int,
+    def __init__(self, model: CausalLM, state: ParallelState, layers: range, num_blocks: int,
                  block_size: int, pack_weights: bool = True) -> None:
         self.local = PagedModelRunner(model, num_blocks, block_size, pack_weights)
         self.model = model
@@ -126,7 +126,7 @@ class StageRunner:
         n = inputs.input_ids.shape[0]
         residual: torch.Tensor | None = None
         if state.is_first_stage:
-            h = model.embed_tokens(inputs.input_ids)  # [n, hidden]
+            h = model.embed(inputs.input_ids)  # [n, hidden]
         else:
             both = state.recv((2, n, model.config.hidden_size), model.dtype, state.peer(state.pp_rank - 1))
             h, residual = both[0], both[1]
@@ -147,7 +147,7 @@ class StageRunner:
         return None if full is None else full[:, :self.model.config.vocab_size].contiguous()
 
 
-def _assemble(parts: list[_Part], model: LlamaForCausalLM) -> StepLogits:
+def _assemble(parts: list[_Part], model: CausalLM) -> StepLogits:
     """One StepLogits from the micro-batches' pieces, rows renumbered in part order."""
     rows: dict[str, tuple[int, int]] = {}
     sample_ids: list[str] = []

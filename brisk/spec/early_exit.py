@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from brisk.model.llama import LlamaForCausalLM
+from brisk.model.base import CausalLM
 from brisk.spec.base import Draft, DraftRequest, DraftStep, pick_draft_token
 from brisk.spec.heads import DraftVocab, ResidualHeads
 
@@ -27,7 +27,7 @@ class ExitRunner(Protocol):
 class EarlyExitProposer:
     name = "early_exit"
 
-    def __init__(self, model: LlamaForCausalLM, runner: ExitRunner, exit_layer: int,
+    def __init__(self, model: CausalLM, runner: ExitRunner, exit_layer: int,
                  head: ResidualHeads | None = None, vocab: DraftVocab | None = None) -> None:
         layers = model.config.num_hidden_layers
         if not 1 <= exit_layer < layers:

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from brisk.model.layers import linear
-from brisk.model.llama import LlamaForCausalLM
+from brisk.model.base import CausalLM
 
 KINDS = ("medusa", "early_exit")
 
@@ -69,7 +69,7 @@ class DraftVocab:
     then reads a fraction of the vocabulary matrix; verification still scores the full vocabulary,
     so a token outside the subset is simply never drafted (nothing is lost but acceptance)."""
 
-    def __init__(self, token_ids: torch.Tensor, model: LlamaForCausalLM) -> None:
+    def __init__(self, token_ids: torch.Tensor, model: CausalLM) -> None:
         self.vocab_size = model.config.vocab_size
         self.token_ids = token_ids.to(model.device)  # [N] long
         self.weight = model.head_rows(self.token_ids).to(model.dtype).contiguous()  # [N, hidden]
@@ -95,7 +95,7 @@ def save_heads(path: str | Path, heads: ResidualHeads, kind: str, base_model: st
     save_file(tensors, str(path), metadata=meta)
 
 
-def load_heads(path: str | Path, kind: str, model: LlamaForCausalLM) -> tuple[ResidualHeads, dict[str, str],
+def load_heads(path: str | Path, kind: str, model: CausalLM) -> tuple[ResidualHeads, dict[str, str],
                                                                              DraftVocab | None]:
     """Heads of `kind` for `model`, their metadata and their draft vocabulary (None: all tokens),
     from one read of the file; ValueError for a wrong file."""
@@ -123,7 +123,7 @@ def load_heads(path: str | Path, kind: str, model: LlamaForCausalLM) -> tuple[Re
     return heads.to(model.device).eval().requires_grad_(False), meta, _draft_vocab(path, tensors.get("vocab"), model)
 
 
-def _draft_vocab(path: Path, ids: torch.Tensor | None, model: LlamaForCausalLM) -> DraftVocab | None:
+def _draft_vocab(path: Path, ids: torch.Tensor | None, model: CausalLM) -> DraftVocab | None:
     if ids is None:
         return None
     vocab_size = model.config.vocab_size

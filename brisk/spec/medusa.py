@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from brisk.model.llama import LlamaForCausalLM
+from brisk.model.base import CausalLM
 from brisk.spec.base import Draft, DraftRequest, pick_draft_token
 from brisk.spec.heads import DraftVocab, ResidualHeads
 
@@ -22,7 +22,7 @@ class MedusaProposer:
     name = "medusa"
     wants_hidden = True  # the engine hands over each request's newest hidden state (observe)
 
-    def __init__(self, model: LlamaForCausalLM, heads: ResidualHeads, vocab: DraftVocab | None = None) -> None:
+    def __init__(self, model: CausalLM, heads: ResidualHeads, vocab: DraftVocab | None = None) -> None:
         self.model = model
         self.heads = heads
         self.vocab = vocab
@@ -49,7 +49,7 @@ class MedusaProposer:
             # one head at a time: each reads the token just drafted (t_last for the first)
             g, last = hidden, [requests[i].token_ids[-1] for i in have]
             for k in range(k_max):
-                emb = self.model.embed_tokens(torch.tensor(last, device=hidden.device))  # [B, hidden]
+                emb = self.model.embed(torch.tensor(last, device=hidden.device))  # [B, hidden]
                 g = self.heads.head(k, g, emb.to(g.dtype))
                 logits = self._project(g)  # [B, vocab]
                 for row, i in enumerate(have):

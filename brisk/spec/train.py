@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from brisk.model.llama import LlamaForCausalLM, forward_sequence
+from brisk.model.base import CausalLM, forward_sequence
 from brisk.spec.heads import ResidualHeads
 
 IGNORE = -100
@@ -53,7 +53,7 @@ class Features:
         return self.hidden.shape[0]
 
 
-def features(model: LlamaForCausalLM, sequences: list[tuple[list[int], int]], cfg: HeadTraining) -> Features:
+def features(model: CausalLM, sequences: list[tuple[list[int], int]], cfg: HeadTraining) -> Features:
     """Rows over the generated positions of (token ids, prompt length) pairs."""
     k = cfg.num_heads if cfg.kind == "medusa" else 1
     offset = 2 if cfg.kind == "medusa" else 1  # head 1 of Medusa guesses x[t+2]; an exit head x[t+1]
@@ -80,13 +80,13 @@ class _Trainer:
     """The heads, the frozen LM head rows they project onto (the draft vocabulary), the frozen
     embeddings sequential heads read, and the target ids mapped into the vocabulary."""
 
-    def __init__(self, model: LlamaForCausalLM, heads: ResidualHeads, vocab: torch.Tensor | None) -> None:
+    def __init__(self, model: CausalLM, heads: ResidualHeads, vocab: torch.Tensor | None) -> None:
         vocab_size = model.config.vocab_size
         self.vocab = torch.arange(vocab_size) if vocab is None else vocab.cpu()
         with torch.no_grad():
             self.head_weight = model.head_rows(self.vocab.to(model.device)).cpu()  # [N, hidden]
             # sequential heads read token embeddings; the others never do
-            self.embed = model.embed_tokens(torch.arange(vocab_size, device=model.device)).float().cpu() \
+            self.embed = model.embed(torch.arange(vocab_size, device=model.device)).float().cpu() \
                 if heads.sequential else None
         self.index = torch.full((vocab_size,), IGNORE, dtype=torch.long)  # token id -> row, or IGNORE
         self.index[self.vocab] = torch.arange(len(self.vocab))
@@ -123,7 +123,7 @@ class _Trainer:
         return [round(float(h / max(1.0, s)), 4) for h, s in zip(hits, seen)]
 
 
-def train_heads(model: LlamaForCausalLM, train: Features, held_out: Features, cfg: HeadTraining,
+def train_heads(model: CausalLM, train: Features, held_out: Features, cfg: HeadTraining,
                 vocab: torch.Tensor | None = None,
                 log: Callable[[dict[str, object]], None] = lambda _: None) -> tuple[ResidualHeads, dict[str, object]]:
     """Fit heads on `train`; returns them and a report with held-out top-1 agreement. `vocab`: the

@@ -91,7 +91,7 @@ def test_plan_rejects_bad_inputs_with_clear_errors(gguf_path: Path) -> None:
     assert plan
     cfg = llm.model.config
     h = torch.zeros(1, cfg.hidden_size)
-    cos = sin = torch.zeros(1, cfg.head_dim)
+    cos = sin = [torch.zeros(1, cfg.head_dim)]  # one rotary table (Gemma 3 has two)
     k = torch.zeros(4, cfg.num_key_value_heads, cfg.head_dim, 16)
     v = torch.zeros(4, cfg.num_key_value_heads, 16, cfg.head_dim)
     tables, starts, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), \
@@ -119,3 +119,5 @@ def test_plan_rejects_bad_inputs_with_clear_errors(gguf_path: Path) -> None:
         run(h=torch.zeros(1, cfg.hidden_size + 1))
     with pytest.raises(RuntimeError, match="the plan serves 1 to 8"):
         run(h=torch.zeros(9, cfg.hidden_size))
+    with pytest.raises(RuntimeError, match="cos and sin come in pairs"):
+        run(cos=[], sin=[])

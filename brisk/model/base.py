@@ -1,0 +1,321 @@
+"""What every architecture shares: the `CausalLM` protocol the runtime speaks, and `DecoderLM`,
+the machinery of a decoder-only stack that each architecture file builds on.
+
+The runner, the parallel runner, speculation (early exit, Medusa, draft heads), tensor and
+pipeline parallelism, quantization and the loaders use only what `CausalLM` names; an
+architecture file (model/llama.py, model/gemma3.py) says how one layer computes, how tokens are
+embedded and which rotary tables its layers use, nothing more.
+
+The model is a function (habit 3): `forward(input_ids, positions, attn_metadata) -> hidden` over a
+flat `[num_tokens]` batch of any mix of sequences; the attention metadata carries the KV cache.
+`compute_logits` is separate so callers project only the rows they sample from.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from brisk.config import ModelConfig
+from brisk.kernels import pack_supported, pack_weight
+from brisk.model.attention import AttentionMetadata, ContiguousAttention, SeqSpan
+from brisk.model.decode_plan import build_decode_plan, plan_applies, run_plan
+from brisk.model.layers import Embedding, Linear, RMSNorm, linear
+from brisk.model.rotary import rope_tables
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of this step's positions: [n, 1, head_dim] each
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """What the rest of brisk needs from an architecture."""
+
+    config: ModelConfig
+    layers: nn.ModuleList  # each layer: forward(h, residual, ropes, attn_metadata) -> (h, residual)
+    embed_tokens: nn.Module
+    lm_head: nn.Module | None  # None: tied to embed_tokens
+    norm: nn.Module
+    use_decode_plan: bool
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def max_positions(self) -> int: ...
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                num_layers: int | None = None) -> torch.Tensor: ...
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+    def run_layers(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                   attn_metadata: AttentionMetadata, start: int, end: int
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def final_norm(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor: ...
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor: ...
+    def kv_heads_per_layer(self) -> list[int | None]: ...
+    def linear_part(self, name: str) -> tuple[str, int] | None: ...
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    def pack_weights(self) -> int: ...
+    def unpack_weights(self) -> None: ...
+    def drop_decode_plan(self) -> None: ...
+
+
+# HF checkpoint names of projections that we stack into one Linear: name -> (our module, part).
+_STACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+_STACKED_RE = re.compile(r"^(layers\.\d+\.(?:self_attn|mlp))\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+
+
+class DecoderLM(nn.Module):
+    """A decoder-only stack: embedding, `num_hidden_layers` layers made by `make_layer`, a final
+    norm, a tied or untied head. Subclasses set how a layer computes and may override `embed`,
+    `rope_bases` and `load_tensor`."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(self.make_layer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, (cfg.vocab_size,), False, dtype)
+        positions = max_positions or cfg.max_position_embeddings
+        # rotary tables, one pair per base (`rope_bases`); a layer's `rope_index` picks its pair
+        for i, (base, scaling) in enumerate(self.rope_bases()):
+            cos, sin = rope_tables(cfg.head_dim, base, scaling, cfg.max_position_embeddings, positions)
+            suffix = "" if i == 0 else f"_{i}"
+            self.register_buffer(f"rope_cos{suffix}", cos.to(dtype), persistent=False)  # [max_positions, head_dim]
+            self.register_buffer(f"rope_sin{suffix}", sin.to(dtype), persistent=False)
+        self._num_ropes = len(self.rope_bases())
+        self._tied_head_packed: torch.Tensor | None = None  # the tied LM head's packed weight
+        # decode steps in C++ (model/decode_plan.py): None until built, False where none applies
+        self.use_decode_plan = True
+        self._decode_plan: object | None = None
+
+    # ---- what an architecture file provides -----------------------------------------------
+    def make_layer(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+        raise NotImplementedError
+
+    def rope_bases(self) -> list[tuple[float, object]]:
+        """(base, RopeScaling) of each rotary table; layers pick one by `rope_index` (default 0)."""
+        return [(self.config.rope_theta, self.config.rope_scaling)]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[n] token ids -> [n, hidden] inputs of the first layer."""
+        return self.embed_tokens(input_ids)
+
+    def load_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """An HF checkpoint tensor as this model stores it (Gemma keeps 1 + w in its norms)."""
+        return tensor
+
+    # ---- the protocol ---------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype, also after `.to(...)` and with quantized modules swapped in."""
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the rotary tables cover (the longest sequence this instance can run)."""
+        return int(self.rope_cos.shape[0])
+
+    def linear_part(self, name: str) -> tuple[str, int] | None:
+        """The Linear module and part an HF checkpoint weight fills (e.g. k_proj -> qkv_proj, 1);
+        None for tensors that are not Linear weights (norms, embedding, biases)."""
+        name = name.removeprefix("model.")
+        m = _STACKED_RE.match(name)
+        if m:
+            module_name, part = _STACKED[m.group(2)]
+            return (f"{m.group(1)}.{module_name}", part) if m.group(3) == "weight" else None
+        module_name, _, leaf = name.rpartition(".")
+        try:
+            module = self.get_submodule(module_name) if module_name else None
+        except AttributeError:
+            return None
+        return (module_name, 0) if leaf == "weight" and isinstance(module, Linear) else None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden].
+
+        `num_layers`: run only the first that many layers, then the final norm (early-exit
+        self-speculation); their KV is written to the cache as in a full pass."""
+        h = self.embed(input_ids)  # [n, hidden]
+        end = len(self.layers) if num_layers is None else num_layers
+        return self.final_norm(*self.run_layers(h, None, positions, attn_metadata, 0, end))
+
+    def step_ropes(self, positions: torch.Tensor) -> list[Rope]:
+        """Every rotary table looked up once for this step's positions."""
+        out = []
+        for i in range(self._num_ropes):
+            suffix = "" if i == 0 else f"_{i}"
+            cos, sin = getattr(self, f"rope_cos{suffix}"), getattr(self, f"rope_sin{suffix}")
+            out.append((cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)))  # [n, 1, head_dim] each
+        return out
+
+    def run_layers(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                   attn_metadata: AttentionMetadata, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layers start..end-1 on (h, residual) [n, hidden] each: one pipeline stage's share of
+        `forward`, whose (h, residual) travel to the next stage."""
+        ropes = self.step_ropes(positions)
+        plan = self._plan_for(h, attn_metadata)
+        if plan is not None:
+            out = run_plan(plan, h, residual, ropes, attn_metadata, start, end)  # type: ignore[arg-type]
+            if out is not None:
+                return out
+        layers = self.layers
+        for i in range(start, end):
+            h, residual = layers[i](h, residual, ropes, attn_metadata)
+        return h, residual
+
+    def _plan_for(self, h: torch.Tensor, attn_metadata: AttentionMetadata) -> object | None:
+        """The C++ decode plan when this step can use it (built on first use)."""
+        if not self.use_decode_plan or self._decode_plan is False or not plan_applies(h, attn_metadata):
+            return None
+        if self._decode_plan is None:
+            self._decode_plan = build_decode_plan(self) or False
+        return self._decode_plan or None
+
+    def load_state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.drop_decode_plan()  # the quantized modules replace their buffers (untiled, new values)
+        return super().load_state_dict(*args, **kwargs)
+
+    def drop_decode_plan(self) -> None:
+        """Forget the C++ decode plan: the modules it captured may change (rebuilt on next use)."""
+        self._decode_plan = None
+
+    def final_norm(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        return self.norm(h if residual is None else h + residual)
+
+    def kv_heads_per_layer(self) -> list[int | None]:
+        """KV heads this process keeps for each layer (fewer under tensor parallelism); None for a
+        layer it does not hold (another pipeline stage runs it)."""
+        return [layer.self_attn.num_kv_heads if hasattr(layer, "self_attn") else None for layer in self.layers]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> [rows, vocab] float32 logits."""
+        if self.lm_head is None:
+            logits = linear(hidden, self.embed_tokens.weight, None, self._tied_head_packed).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if not cap else torch.tanh(logits / cap) * cap
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the LM head's effective weight for token `ids`: [len(ids), hidden] float32
+        (dequantized when the head is quantized). Draft heads project onto such a subset."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        dequantize = getattr(head, "dequantize_rows", None)
+        if dequantize is not None:
+            return dequantize(ids).float()
+        return head.weight.index_select(0, ids).float()
+
+    def pack_weights(self) -> int:
+        """oneDNN-packed copies of every Linear and of a tied LM head, for batched rows on CPU
+        (kernels.pack_weight). Returns the bytes the copies take; 0 where packing does not apply."""
+        # Linear and the quantized modules that keep a packed copy (W8A8) share the pack() protocol
+        nbytes = sum(m.pack() for m in self.modules() if m is not self and callable(getattr(m, "pack", None)))
+        if self.lm_head is None:  # tied, not quantized: the head is the embedding matrix
+            tied = self.embed_tokens.weight
+            self._tied_head_packed = pack_weight(tied) if pack_supported(tied) else None
+            if self._tied_head_packed is not None:
+                nbytes += tied.numel() * tied.element_size()
+        return nbytes
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        self.unpack_weights()  # .to(device/dtype) would leave the packed copies behind
+        return super()._apply(fn, recurse)
+
+    def unpack_weights(self) -> None:
+        """Drop the packed copies and the decode plan (they go stale when weights change or the
+        model moves)."""
+        self.drop_decode_plan()
+        for m in self.modules():
+            if hasattr(m, "packed"):
+                m.packed = None
+        self._tied_head_packed = None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill parameters from HF-named tensors; every parameter must be provided exactly once."""
+        self.unpack_weights()
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store a copy of the embedding
+            tensor = self.load_tensor(name, tensor)
+            m = _STACKED_RE.match(name)
+            if m:
+                loaded.add(self._load_stacked(m, tensor))
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in a {self.config.architecture} model")
+            if tuple(params[name].shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the config expects "
+                    f"{tuple(params[name].shape)}"
+                )
+            params[name].copy_(tensor)
+            loaded.add(name)
+        missing = _missing(set(params), loaded, self)
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {', '.join(sorted(missing)[:8])}"
+                             f"{' …' if len(missing) > 8 else ''}")
+
+    def _load_stacked(self, m: re.Match[str], tensor: torch.Tensor) -> str:
+        """One part of a stacked Linear (q of qkv, up of gate|up); returns its loaded-name key."""
+        module_name, part = _STACKED[m.group(2)]
+        target = f"{m.group(1)}.{module_name}"
+        stacked = self.get_submodule(target)
+        assert isinstance(stacked, Linear)
+        if m.group(3) == "weight":
+            stacked.load_part(part, tensor)
+        else:
+            stacked.load_part_bias(part, tensor)
+        return f"{target}.{m.group(3)}#{part}"
+
+
+@functools.cache
+def embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
+    """sqrt(hidden) rounded to `dtype` first, as HF's scaled embeddings multiply by it."""
+    return float(torch.tensor(math.sqrt(hidden_size), dtype=dtype))
+
+
+@torch.inference_mode()
+def forward_sequence(model: CausalLM, ids: list[int], num_layers: int | None = None) -> torch.Tensor:
+    """One whole sequence through a fresh contiguous KV cache (evaluation, calibration, training
+    data for heads): the final-normed hidden state of every position, [len(ids), hidden]."""
+    cfg, n, device, dtype = model.config, len(ids), model.device, model.dtype
+    shape = (1, cfg.num_key_value_heads, n, cfg.head_dim)
+    caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+              for _ in range(cfg.num_hidden_layers)]
+    return model(torch.tensor(ids, device=device), torch.arange(n, device=device),
+                 ContiguousAttention(caches, [SeqSpan(0, 0, n, 0)], scale=cfg.attn_scale), num_layers)
+
+
+def _missing(expected: set[str], loaded: set[str], model: nn.Module) -> set[str]:
+    """Parameters not filled; a stacked Linear counts as filled when all its parts are."""
+    missing = set()
+    for name in expected:
+        if name in loaded:
+            continue
+        module_name, _, kind = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if isinstance(module, Linear) and len(module.output_sizes) > 1:
+            if all(f"{name}#{i}" in loaded for i in range(len(module.output_sizes))):
+                continue
+        missing.add(name)
+    return missing
