@@ -280,6 +280,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _C.silu_mul(gate_up)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of a 2-D float tensor (the first maximum; NaN ranks highest), in one
+    C++ pass a row for contiguous float32 CPU rows (torch's reduction reads ~1 GB/s: 0.2 ms of a
+    262k-vocabulary decode step)."""
+    if not (CAPS.has("argmax_rows") and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+            and x.is_contiguous() and x.shape[1] > 0):
+        return x.argmax(dim=-1)
+    out = _C.argmax_rows(x)
+    if bool((out < 0).any()):  # a row with a NaN: torch's rule for it
+        return x.argmax(dim=-1)
+    return out
+
+
 def gelu_tanh_mul_supported(gate_up: torch.Tensor) -> bool:
     """True when `gelu_tanh_mul` can serve this [n, 2 * inter] tensor (as silu_mul_supported)."""
     return CAPS.has("act_mul") and silu_mul_supported(gate_up)

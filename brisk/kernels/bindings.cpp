@@ -46,6 +46,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "GGML type ids the block kernels run");
   m.def("group_tile_rows", []() { return 4; }, "rows per tile of the group kernels' tiled layout (tiled=True)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for float32 rows of [gate | up]", py::arg("gate_up"));
+  m.def("argmax_rows", &argmax_rows, "first maximum's index of every float32 row (-1: the row has a NaN)",
+        py::arg("x"));
   m.def("act_mul", &act_mul, "act(gate) * up for float32 rows of [gate | up]; act 0: silu, 1: gelu (tanh)",
         py::arg("gate_up"), py::arg("act"));
   m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w for float32 rows", py::arg("x"), py::arg("w"),

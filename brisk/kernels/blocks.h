@@ -40,6 +40,15 @@ auto visit_type(int type, Fn&& fn, Otherwise... otherwise) {
   }
 }
 
+// The constant zero point of the types that have one (w = d (q - z), q unsigned); 0 for the
+// others. The dot products fold it in as integers: sum (q - z) x = sum q x - z sum x, with
+// -z sum x per 4 columns precomputed with the activations (BlockActs::zsum), so the weights are
+// never shifted and the unsigned q meet signed x directly.
+template <int T>
+constexpr int kZeroPoint = T == kQ4_0 ? 8 : T == kQ5_0 ? 16 : T == kQ6_K ? 32 : T == kQ3_K ? 4 : 0;
+constexpr int kZeroPoints[4] = {4, 8, 16, 32};  // BlockActs::zsum's order
+constexpr int zero_slot(int z) { return z == 4 ? 0 : z == 8 ? 1 : z == 16 ? 2 : 3; }
+
 bool supported(int type);
 int64_t block_cols(int type);   // 32 or 256
 int64_t block_bytes(int type);
@@ -59,6 +68,9 @@ struct BlockActs {
   std::vector<uint8_t> qu;  // q + 128 as unsigned bytes: vpdpbusd's unsigned side for signed weights
   std::vector<float> a, c16, c32;
   std::vector<float> a8;  // a repeated 8 times: one 256-bit load per block (the AVX-512 path)
+  // zsum[zero_slot(z)][row * in / 4 + l] = -z * (q[4 l] + ... + q[4 l + 3]): vpdpbusd's starting
+  // lanes for weights with the constant zero point z
+  std::vector<int32_t> zsum[4];
   int64_t m = 0, in = 0;
 };
 

@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <limits>
 
 #include "kernels.h"
 #include "simd.h"
@@ -144,6 +145,53 @@ void gelu_tanh_mul_row_any(const float* g, const float* u, float* y, int64_t n) 
   gelu_tanh_mul_row_portable(g, u, y, n);
 }
 
+// Index of the first maximum of a row (torch.argmax's tie rule). Returns -1 when the row holds a
+// NaN (torch ranks NaN highest; the caller asks torch then).
+#ifdef BRISK_X86
+__attribute__((target("avx512f"))) int64_t argmax_row_avx512(const float* x, int64_t n) {
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i at = _mm512_set1_epi32(-1), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 nan = 0;
+  int64_t i = 0;
+  for (; i + 16 <= n && i + 16 <= (int64_t{1} << 31); i += 16, idx = _mm512_add_epi32(idx, step)) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 more = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strictly: the first one stays
+    best = _mm512_mask_mov_ps(best, more, v);
+    at = _mm512_mask_mov_epi32(at, more, idx);
+  }
+  if (nan) return -1;
+  alignas(64) float bv[16];
+  alignas(64) int32_t bi[16];
+  _mm512_store_ps(bv, best);
+  _mm512_store_si512(bi, at);
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t arg = -1;
+  for (int l = 0; l < 16; ++l)  // the lanes' maxima: the larger, then the earlier index
+    if (bi[l] >= 0 && (bv[l] > m || (bv[l] == m && bi[l] < arg))) m = bv[l], arg = bi[l];
+  if (arg < 0 && i > 0) arg = 0;  // the vectors held only -inf: the first of them
+  for (; i < n; ++i) {
+    if (std::isnan(x[i])) return -1;
+    if (x[i] > m || arg < 0) m = x[i], arg = i;
+  }
+  return arg;
+}
+#endif
+
+int64_t argmax_row(const float* x, int64_t n) {
+#ifdef BRISK_X86
+  if (brisk_isa::avx512()) return argmax_row_avx512(x, n);
+#endif
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t arg = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(x[i])) return -1;
+    if (x[i] > m || arg < 0) m = x[i], arg = i;
+  }
+  return arg;
+}
+
 void check_rows(const torch::Tensor& x, const char* what) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "brisk ",
               what, ": x must be a contiguous float32 CPU [n, h]");
@@ -171,6 +219,18 @@ torch::Tensor act_mul(const torch::Tensor& gate_up, int64_t act) {
 
 // silu(gate_up[:, :inter]) * gate_up[:, inter:] for float32 rows (model/layers.py silu_and_mul).
 torch::Tensor silu_mul(const torch::Tensor& gate_up) { return act_mul(gate_up, 0); }
+
+// The first maximum's index of every row of x [n, V] float32 (torch.argmax(x, -1) up to NaN rows,
+// which come back as -1). One pass a row: torch's generic reduction reads ~1 GB/s here.
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  check_rows(x, "argmax_rows");
+  const int64_t n = x.size(0), v = x.size(1);
+  auto out = torch::empty({n}, x.options().dtype(torch::kInt64));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) op[r] = argmax_row(xp + r * v, v);
+  return out;
+}
 
 // y = x / sqrt(mean(x^2) + eps) * w over the last dimension; x [n, h], w [h], float32.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {

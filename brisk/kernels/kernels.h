@@ -34,6 +34,7 @@ torch::Tensor block_dequantize(const torch::Tensor& blocks, int64_t type, int64_
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 torch::Tensor act_mul(const torch::Tensor& gate_up, int64_t act);
+torch::Tensor argmax_rows(const torch::Tensor& x);
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x, bool unsigned_offset);
 torch::Tensor int8_epilogue(const torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& s,
                             const c10::optional<torch::Tensor>& bias);

@@ -26,6 +26,7 @@ from typing import overload
 
 import torch
 
+from brisk.kernels import argmax_rows
 from brisk.request import SamplingParams
 from brisk.sample import processors as P
 from brisk.sample.logprobs import TokenLogprobs, token_logprobs
@@ -96,7 +97,7 @@ def _sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     penalised = penalise(logits, batch)  # [B, V]; `logits` itself when no row needs any of it
     greedy = [p.greedy for p in batch.params]
     if all(greedy):
-        token_ids = penalised.argmax(dim=-1)  # [B]
+        token_ids = argmax_rows(penalised)  # [B]
     else:
         token_ids = _sample_rows(penalised, batch, greedy)
     return SamplerOutput(token_ids.tolist(), _logprobs(logits, token_ids, batch.params))
@@ -146,7 +147,7 @@ def _sample_rows(penalised: torch.Tensor, batch: SamplingBatch, greedy: list[boo
     drawn = draw(probs, [batch.generators[i] for i in rows])  # [S]
     if every_row:
         return drawn
-    return penalised.argmax(dim=-1).index_copy_(0, index, drawn)
+    return argmax_rows(penalised).index_copy_(0, index, drawn)
 
 
 def probabilities(penalised: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
