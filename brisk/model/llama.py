@@ -12,11 +12,11 @@ from torch import nn
 from brisk.config import ModelConfig
 from brisk.kernels import rotary, rotary_supported
 from brisk.model.attention import AttentionMetadata
-from brisk.model.base import DecoderLM, Rope, forward_sequence
+from brisk.model.base import DecoderLM, Rope
 from brisk.model.layers import Linear, RMSNorm, gelu_tanh_and_mul, silu_and_mul
 from brisk.model.rotary import apply_rotary
 
-__all__ = ["LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "forward_sequence"]
+__all__ = ["LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP"]
 
 
 class LlamaAttention(nn.Module):
