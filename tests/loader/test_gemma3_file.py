@@ -100,3 +100,21 @@ def test_file_as_stored_runs_the_decode_plan_with_the_module_path_numbers(gemma_
         if use_plan:
             assert llm.model._decode_plan, "the plan should serve the file as stored"
     assert results[0] == results[1]
+
+
+def test_lossless_speculation_keeps_greedy_tokens(gemma_path: Path) -> None:
+    """n-gram lookup and early exit (through `embed`, the sliding layers' windows and the plan)
+    change nothing in greedy output."""
+    from brisk.engine.llm import LLM
+    from brisk.request import SamplingParams
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS[:2]
+
+    def greedy(**kw: object) -> list[list[int]]:
+        llm = LLM(str(gemma_path), max_model_len=512, num_kv_blocks=64, **kw)
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    plain = greedy()
+    assert greedy(speculative_config={"method": "ngram", "num_speculative_tokens": 3}) == plain
+    assert greedy(speculative_config={"method": "early_exit", "exit_layer": 9, "num_speculative_tokens": 2}) == plain
