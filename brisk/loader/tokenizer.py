@@ -74,15 +74,26 @@ def _inverse_byte_alphabet() -> dict[str, int]:
 
 def _derive_merges(vocab: dict[str, int], scores: dict[str, float] | None) -> list[tuple[str, str]]:
     """Merges implied by a vocabulary that ships none: every split of a token into two known
-    tokens, best score first (or lowest id first without scores), as transformers does."""
+    tokens, best score first (or lowest id first without scores), as transformers does: its
+    order is a stable sort by (rank, len(left), len(right)) of the splits listed token by token,
+    each token's by (id of left, id of right). One sort of plain tuples here, the listing index
+    breaking ties (a 262k vocabulary: 1.6 s -> 1.1 s)."""
     ranked = scores if scores is not None else vocab
-    found = []
+    get = vocab.get
+    sign = -1 if scores is not None else 1  # best score first: ascending in -rank
+    found: list[tuple[float, int, int, int, str, str]] = []
     for token, rank in ranked.items():
-        splits = ((token[:i], token[i:]) for i in range(1, len(token)))
-        pairs = [(a, b, rank) for a, b in splits if a in vocab and b in vocab]
-        found.extend(sorted(pairs, key=lambda p: (vocab[p[0]], vocab[p[1]])))
-    found.sort(key=lambda p: (p[2], len(p[0]), len(p[1])), reverse=scores is not None)
-    return [(a, b) for a, b, _ in found]
+        n = len(token)
+        local = []
+        for i in range(1, n):
+            a = get(token[:i])
+            if a is not None and (b := get(token[i:])) is not None:
+                local.append((a, b, i))
+        local.sort()
+        for _, _, i in local:
+            found.append((sign * rank, sign * i, sign * (n - i), len(found), token[:i], token[i:]))
+    found.sort()
+    return [(f[4], f[5]) for f in found]
 
 
 def _merges(meta: Mapping[str, Any], vocab: dict[str, int], scores: dict[str, float] | None) -> list[tuple[str, str]]:
