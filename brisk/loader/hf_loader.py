@@ -121,7 +121,7 @@ def hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
     """The config.json HF transformers (and brisk) read back for `cfg`."""
-    arch_class = {"llama": "CausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    arch_class = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
     out: dict[str, Any] = {
         "architectures": [arch_class[cfg.architecture]],

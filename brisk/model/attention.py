@@ -64,21 +64,17 @@ def window_keys(kv_len: int, num_tokens: int, window: int) -> int:
     return max(0, kv_len - num_tokens - window + 1) if window else 0
 
 
-def needs_window_mask(kv_len: int, num_tokens: int, window: int) -> bool:
-    """Some query of the last `num_tokens` of `kv_len` positions has a key, after the first one
-    any of them sees, outside its window: plain causal masking is not enough."""
-    return bool(window) and num_tokens > 1 and kv_len > window
-
-
-def window_mask(kv_len: int, num_tokens: int, window: int, first: int, device: torch.device) -> torch.Tensor:
-    """Queries: the last `num_tokens` of `kv_len` positions; keys: positions first..kv_len-1.
-    Causal and, with `window` > 0, only the last `window` positions each."""
+def window_mask(kv_len: int, num_tokens: int, window: int, device: torch.device) -> torch.Tensor | None:
+    """For the last `num_tokens` of `kv_len` positions through a sliding `window`: the mask over
+    keys window_keys(...)..kv_len-1, causal and each query's last `window` positions only; None
+    when plain causal masking from the first key is enough (one query, or a window that covers
+    every key: the caller's causal mask then serves)."""
+    first = window_keys(kv_len, num_tokens, window)
+    if num_tokens == 1 or not (first or (window and kv_len > window)):
+        return None
     q_pos = torch.arange(kv_len - num_tokens, kv_len, device=device)[:, None]
     k_pos = torch.arange(first, kv_len, device=device)[None, :]
-    mask = k_pos <= q_pos  # [num_tokens, kv_len - first]
-    if window:
-        mask &= k_pos > q_pos - window
-    return mask
+    return (k_pos <= q_pos) & (k_pos > q_pos - window)  # [num_tokens, kv_len - first]
 
 
 @dataclass
@@ -113,8 +109,8 @@ class ContiguousAttention:
         k_cache[span.slot, :, span.start:end] = k.transpose(0, 1)  # [n_kv, n, head_dim]
         v_cache[span.slot, :, span.start:end] = v.transpose(0, 1)
         first = window_keys(end, n, window)  # keys before it are outside every query's window
-        if n > 1 and (first or needs_window_mask(end, n, window)):
-            mask = window_mask(end, n, window, first, q.device)
+        windowed = window_mask(end, n, window, q.device) if window else None
+        mask = mask if windowed is None else windowed
         keys = k_cache[span.slot:span.slot + 1, :, first:end]  # [1, n_kv, end - first, head_dim]
         values = v_cache[span.slot:span.slot + 1, :, first:end]
         if n == 1:

@@ -89,12 +89,13 @@ class DecoderLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, (cfg.vocab_size,), False, dtype)
         positions = max_positions or cfg.max_position_embeddings
         # rotary tables, one pair per base (`rope_bases`); a layer's `rope_index` picks its pair
+        self._rope_names: list[tuple[str, str]] = []  # buffer names of each (cos, sin) pair
         for i, (base, scaling) in enumerate(self.rope_bases()):
             cos, sin = rope_tables(cfg.head_dim, base, scaling, cfg.max_position_embeddings, positions)
-            suffix = "" if i == 0 else f"_{i}"
-            self.register_buffer(f"rope_cos{suffix}", cos.to(dtype), persistent=False)  # [max_positions, head_dim]
-            self.register_buffer(f"rope_sin{suffix}", sin.to(dtype), persistent=False)
-        self._num_ropes = len(self.rope_bases())
+            names = ("rope_cos", "rope_sin") if i == 0 else (f"rope_cos_{i}", f"rope_sin_{i}")
+            self.register_buffer(names[0], cos.to(dtype), persistent=False)  # [max_positions, head_dim]
+            self.register_buffer(names[1], sin.to(dtype), persistent=False)
+            self._rope_names.append(names)
         self._tied_head_packed: torch.Tensor | None = None  # the tied LM head's packed weight
         # decode steps in C++ (model/decode_plan.py): None until built, False where none applies
         self.use_decode_plan = True
@@ -159,9 +160,8 @@ class DecoderLM(nn.Module):
     def step_ropes(self, positions: torch.Tensor) -> list[Rope]:
         """Every rotary table looked up once for this step's positions."""
         out = []
-        for i in range(self._num_ropes):
-            suffix = "" if i == 0 else f"_{i}"
-            cos, sin = getattr(self, f"rope_cos{suffix}"), getattr(self, f"rope_sin{suffix}")
+        for cos_name, sin_name in self._rope_names:
+            cos, sin = getattr(self, cos_name), getattr(self, sin_name)
             out.append((cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)))  # [n, 1, head_dim] each
         return out
 

@@ -81,7 +81,8 @@ def linear_op(m: torch.nn.Module) -> LinearOp | None:
 
 def plan_refusal(model: torch.nn.Module) -> str | None:
     """Why no plan can ever serve this architecture (None: it can, given the kernels)."""
-    kinds = {type(layer).__name__ for layer in model.layers if type(layer) not in _layer_kinds()}
+    known = _layer_kinds()
+    kinds = {type(layer).__name__ for layer in model.layers if type(layer) not in known}
     kinds.discard("Dropped")  # another pipeline stage's layers
     if kinds:
         return f"{', '.join(sorted(kinds))} has no C++ decode plan yet"
@@ -110,19 +111,21 @@ def build_decode_plan(model: torch.nn.Module) -> Any | None:
     cfg = model.config
     plan = kernels.new_decode_plan(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                    cfg.intermediate_size, float(cfg.rms_norm_eps), 0 if cfg.hidden_act == "silu" else 1)
+    roles = _layer_kinds()
     for layer in model.layers:
-        args = _layer_args(layer, cfg)
+        args = _layer_args(layer, roles.get(type(layer)), cfg)
         if args is None:
             return None
         plan.add_layer(*args)
     return plan
 
 
-def _layer_args(layer: torch.nn.Module, cfg: Any) -> tuple | None:
-    """DecodePlan.add_layer's arguments for one layer; None when a piece has no kernel here."""
+def _layer_args(layer: torch.nn.Module, roles: tuple[str, str, str | None, str | None] | None,
+                cfg: Any) -> tuple | None:
+    """DecodePlan.add_layer's arguments for one layer (its norms by `roles`); None when a piece has
+    no kernel here."""
     from brisk.model.llama import LlamaAttention, LlamaMLP
 
-    roles = _layer_kinds().get(type(layer))
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if roles is None or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
         return None

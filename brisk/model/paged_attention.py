@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from brisk.kernels import CAPS, kv_store, kv_store_supported, paged_attention
-from brisk.model.attention import KVCache, needs_window_mask, window_keys, window_mask
+from brisk.model.attention import KVCache, window_keys, window_mask
 
 KERNEL_MAX_QUERY = 16  # spans with at most this many new tokens use the paged kernel
 HAVE_PAGED_KERNEL = CAPS.has("paged_attention")  # every ISA level: AVX-512 blocks, portable C++ otherwise
@@ -112,18 +112,17 @@ class PagedAttention:
             rows = slice(span.query_start, span.query_start + span.num_tokens)
             first = window_keys(span.kv_len, span.num_tokens, window)
             mask = span.mask if span.num_tokens > 1 else None  # one query: every key it is given
-            if span.num_tokens > 1 and (first or needs_window_mask(span.kv_len, span.num_tokens, window)):
-                mask = self._mask(i, window, lambda s=span, f=first: window_mask(s.kv_len, s.num_tokens, window, f,
-                                                                                 q.device))
+            windowed = self._mask(i, window, lambda s=span: window_mask(s.kv_len, s.num_tokens, window, q.device)) \
+                if window else None
+            mask = mask if windowed is None else windowed
             out[rows] = _gather_attend(q[rows], k_cache, v_cache, span, first, mask, self.scale)
         return out
 
-    def _mask(self, key: int, window: int, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _mask(self, key: int, window: int, build: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
         """A sliding layer's mask, built once per step and window."""
-        mask = self._window_masks.get((key, window))
-        if mask is None:
-            mask = self._window_masks[(key, window)] = build()
-        return mask
+        if (key, window) not in self._window_masks:
+            self._window_masks[(key, window)] = build()
+        return self._window_masks[(key, window)]
 
 
 def _padded_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: PaddedSpans,

@@ -31,10 +31,6 @@ def canonical_architecture(name: str) -> str:
     return name
 
 
-def check_architecture(name: str) -> None:
-    canonical_architecture(name)
-
-
 def build_model(cfg: ModelConfig, dtype: torch.dtype, max_positions: int | None = None) -> CausalLM:
     cls = ARCHITECTURES[canonical_architecture(cfg.architecture)]
     return cls(cfg, dtype=dtype, max_positions=max_positions)

@@ -97,9 +97,19 @@ def test_config_round_trips_through_hf_config_json(tmp_path: Path) -> None:
 
     (out / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
     assert hf_model_config(out) == cfg
+    assert hasattr(transformers, hf_config_dict(cfg)["architectures"][0])
     hf_again = transformers.AutoConfig.from_pretrained(out)
     assert hf_again.layer_types == ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
     assert hf_again.query_pre_attn_scalar == 24
+
+
+def test_llama_config_names_hfs_llama_class() -> None:
+    """What `brisk convert` writes for the Llama family names HF's class, so HF loads the folder."""
+    from brisk.config import ModelConfig
+
+    out = hf_config_dict(ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2))
+    assert out["architectures"] == ["LlamaForCausalLM"] and hasattr(transformers, out["architectures"][0])
 
 
 def _engine(model: CausalLM, budget: int, caching: bool = True) -> LLMEngine:
