@@ -13,7 +13,7 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 HIDDEN_ACTS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full", "sliding")
 
@@ -33,15 +33,33 @@ class RopeScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
-    attention_factor: float | None = None
+    attention_factor: float | None = None  # yarn, longrope: cos/sin scale; None: the paper's formula
+    # longrope (Phi-3 "su"): per-frequency divisors within / beyond the original window
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    # Per-frequency divisors applied after any type (a GGUF file's `rope_freqs.weight`: Llama 3.1's
+    # scaling as llama.cpp's converter precomputes it); () for none.
+    freq_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("short_factor", "long_factor", "freq_factors"):
+            object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(
                 f"unsupported rope scaling type {self.rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
             )
         if self.factor <= 0:
             raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
+        if self.rope_type == "longrope" and not (self.short_factor and self.long_factor
+                                                 and self.original_max_position_embeddings):
+            raise ValueError("longrope scaling needs short_factor, long_factor and original_max_position_embeddings")
+
+    def check_dim(self, head_dim: int) -> None:
+        """Per-frequency lists must give one value per rotated pair of dims."""
+        for name in ("short_factor", "long_factor", "freq_factors"):
+            got = len(getattr(self, name))
+            if got and got != head_dim // 2:
+                raise ValueError(f"rope scaling {name} has {got} values; head_dim {head_dim} needs {head_dim // 2}")
 
     @staticmethod
     def from_hf(d: dict[str, Any] | None) -> RopeScaling:
@@ -49,11 +67,15 @@ class RopeScaling:
         if not d:
             return RopeScaling()
         kind = d.get("rope_type", d.get("type", "default"))
-        known = {f for f in RopeScaling.__dataclass_fields__ if f != "rope_type"}
+        kind = "longrope" if kind == "su" else kind  # Phi-3's first configs named it "su"
+        known = {f for f in RopeScaling.__dataclass_fields__ if f not in ("rope_type", "freq_factors")}
         kwargs = {k: v for k, v in d.items() if k in known and v is not None}
         return RopeScaling(rope_type=kind, **kwargs)
 
     def to_hf(self) -> dict[str, Any] | None:
+        if self.freq_factors:
+            raise ValueError("this model's rotary frequencies come as a GGUF file's precomputed factors "
+                             "(rope_freqs.weight), which an HF config cannot express; run the GGUF file itself")
         if self.rope_type == "default":
             return None
         out: dict[str, Any] = {"rope_type": self.rope_type, "factor": self.factor}
@@ -63,8 +85,10 @@ class RopeScaling:
             out.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor)
         if self.rope_type == "yarn":
             out.update(beta_fast=self.beta_fast, beta_slow=self.beta_slow)
-            if self.attention_factor is not None:
-                out["attention_factor"] = self.attention_factor
+        if self.rope_type == "longrope":
+            out.update(short_factor=list(self.short_factor), long_factor=list(self.long_factor))
+        if self.attention_factor is not None and self.rope_type in ("yarn", "longrope"):
+            out["attention_factor"] = self.attention_factor
         return out
 
 
@@ -122,6 +146,7 @@ class ModelConfig:
                              f"{', '.join(LAYER_TYPES)}; got {list(self.layer_types)}")
         if "sliding" in self.layer_types and self.sliding_window <= 0:
             raise ValueError("model config: sliding layers need sliding_window > 0")
+        self.rope_scaling.check_dim(self.head_dim)
 
     def layer_type(self, layer: int) -> str:
         return self.layer_types[layer] if self.layer_types else "full"

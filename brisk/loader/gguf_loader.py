@@ -46,7 +46,11 @@ _GEMMA3_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_NAMES_BY_ARCH = {"gemma3": _GEMMA3_NAMES}
+# Phi-3 stores q|k|v and gate|up fused, as its HF checkpoints do.
+_PHI3_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_NAMES_BY_ARCH = {"gemma3": _GEMMA3_NAMES, "phi3": _PHI3_NAMES}
+# Rotary frequency factors: part of the config (read by `_rope_scaling`), not weights.
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w; HF names hold w.
 _NORM_SHIFTED = {"gemma3"}
 _GLOBAL_NAMES = {
@@ -100,13 +104,28 @@ def _check_tensor_types(file: GGUFFile) -> None:
                          f"load; supported: {names}. Use a file quantized to one of those")
 
 
+def _rope_factors(reader: GGUFHeader) -> dict[str, tuple[float, ...]]:
+    """The file's rotary factor tensors (float32 [head_dim / 2] each), by tensor name."""
+    return {t.name: tuple(dequantize(t.data, t.tensor_type, (int(t.shape.prod()),)).tolist())
+            for t in reader.tensors if t.name in _ROPE_TENSORS}
+
+
 def _rope_scaling(meta: dict[str, Any], arch: str, reader: GGUFHeader) -> RopeScaling:
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
     factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
     orig = meta.get(f"{arch}.rope.scaling.original_context_length")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ValueError("this GGUF stores precomputed rope frequency factors (rope_freqs.weight, Llama 3.1 "
-                         "style), which brisk does not read yet; load the model's HF directory instead")
+    factors = _rope_factors(reader)
+    if "rope_factors_long.weight" in factors:  # Phi-3's LongRoPE, as llama.cpp's converter writes it
+        attn = meta.get(f"{arch}.rope.scaling.attn_factor")
+        return RopeScaling(rope_type="longrope", original_max_position_embeddings=int(orig) if orig else None,
+                           short_factor=factors["rope_factors_short.weight"],
+                           long_factor=factors["rope_factors_long.weight"],
+                           attention_factor=float(attn) if attn is not None else None)
+    if "rope_freqs.weight" in factors:  # Llama 3.1's scaling, precomputed per frequency
+        if kind not in ("none", None) and factor != 1.0:
+            raise ValueError(f"this GGUF has both rope_freqs.weight and rope scaling {kind!r}; brisk applies "
+                             "one or the other, not both")
+        return RopeScaling(freq_factors=factors["rope_freqs.weight"])
     if kind in ("none", None) or factor == 1.0:
         return RopeScaling()
     if kind not in ("linear", "yarn"):
@@ -164,7 +183,13 @@ def _family_fields(meta: dict[str, Any], arch: str, hidden: int, heads: int) -> 
                 # the 27B model (62 layers) scales by hidden / heads, the others by head_dim
                 "query_pre_attn_scalar": float(hidden // heads if layers == 62 else head_dim),
                 "final_logit_softcapping": float(meta.get(f"{arch}.final_logit_softcapping") or 0.0)}
-    if arch == "mistral" and window:
+    rot = meta.get(f"{arch}.rope.dimension_count")
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+    if rot is not None and int(rot) != head_dim:
+        raise ValueError(f"this {arch} GGUF rotates {rot} of each head's {head_dim} dims (partial rotary, as "
+                         "Phi-4-mini does); brisk rotates whole heads only")
+    if arch in ("mistral", "phi3") and 0 < window < int(meta[f"{arch}.context_length"]):
+        # Mistral and Phi-3 slide every layer when the file gives a window (HF does too)
         return {"sliding_window": window, "layer_types": ("sliding",) * int(meta[f"{arch}.block_count"])}
     return {}
 
@@ -204,6 +229,8 @@ def gguf_weights(file: GGUFFile, cfg: ModelConfig, skip: frozenset[str] = frozen
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor) for every tensor not in `skip`, dequantized one at a time."""
     for t in file.reader.tensors:
+        if t.name in _ROPE_TENSORS:
+            continue
         name = _hf_name(t.name, cfg.architecture)
         if name not in skip:
             yield name, _float_tensor(file, t, name, cfg)
@@ -212,7 +239,7 @@ def gguf_weights(file: GGUFFile, cfg: ModelConfig, skip: frozenset[str] = frozen
 def gguf_tensor(file: GGUFFile, cfg: ModelConfig, hf_name: str) -> torch.Tensor | None:
     """The tensor of HF name `hf_name` as float32, None when the file has none."""
     for t in file.reader.tensors:
-        if _hf_name(t.name, cfg.architecture) == hf_name:
+        if t.name not in _ROPE_TENSORS and _hf_name(t.name, cfg.architecture) == hf_name:
             return _float_tensor(file, t, hf_name, cfg)
     return None
 
@@ -233,7 +260,7 @@ def gguf_blocks(file: GGUFFile, cfg: ModelConfig) -> dict[str, tuple[int, torch.
     permuted = cfg.architecture in _PERMUTED_QK
     out: dict[str, tuple[int, torch.Tensor]] = {}
     for t in file.reader.tensors:
-        if len(t.shape) != 2 or t.tensor_type in _FLOAT_TYPES:
+        if len(t.shape) != 2 or t.tensor_type in _FLOAT_TYPES or t.name in _ROPE_TENSORS:
             continue
         name = _hf_name(t.name, cfg.architecture)
         rows = _byte_rows(t)
@@ -250,7 +277,7 @@ def gguf_blocks(file: GGUFFile, cfg: ModelConfig) -> dict[str, tuple[int, torch.
 def release_tensor(file: GGUFFile, hf_name: str) -> None:
     """Let go of the map's pages of the tensor of HF name `hf_name` (it was copied)."""
     for t in file.reader.tensors:
-        if _hf_name(t.name, file.architecture) == hf_name:
+        if t.name not in _ROPE_TENSORS and _hf_name(t.name, file.architecture) == hf_name:
             file.reader.release(t)
 
 

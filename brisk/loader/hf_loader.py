@@ -72,6 +72,18 @@ def _rope_parameters(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
     rope = raw.get("rope_scaling") or raw.get("rope_parameters")
     if arch == "gemma3" and isinstance(rope, dict) and "full_attention" in rope:
         return rope["full_attention"]
+    partial = raw.get("partial_rotary_factor") or (rope or {}).get("partial_rotary_factor") or 1.0
+    if partial != 1.0:
+        raise ValueError(f"this {arch} model rotates a part ({partial}) of each head (partial rotary, as "
+                         "Phi-4-mini does); brisk rotates whole heads only")
+    kind = (rope or {}).get("rope_type", (rope or {}).get("type"))
+    if kind in ("longrope", "su"):
+        # Phi-3 keeps the pretrained window beside the config; the default factor is their ratio (HF's rule)
+        orig = rope.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+        if not orig:
+            raise ValueError("longrope scaling needs original_max_position_embeddings in config.json")
+        rope = {**rope, "original_max_position_embeddings": orig,
+                "factor": rope.get("factor") or raw.get("max_position_embeddings", orig) / orig}
     return rope
 
 
@@ -95,13 +107,15 @@ def _family_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
                    final_logit_softcapping=float(raw.get("final_logit_softcapping") or 0.0))
         if raw.get("attn_logit_softcapping"):
             raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
-    elif arch == "mistral" and window and not types:
-        types = ["sliding_attention"] * layers  # Mistral slides every layer when its config has a window
+    elif arch in ("mistral", "phi3") and window and not types:
+        types = ["sliding_attention"] * layers  # Mistral, Phi-3: every layer slides when the config has a window
     elif arch in ("qwen2", "qwen3"):
         # Qwen configs carry a window they use only with use_sliding_window, from max_window_layers on
         first = raw.get("max_window_layers", layers)
         types = (types or ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]) \
             if raw.get("use_sliding_window", False) else None
+    if window >= raw.get("max_position_embeddings", window + 1):
+        types = None  # a window as long as the context (Phi-3.5's 262144) never slides
     if types and "sliding_attention" in types and window:
         out.update(layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
                    sliding_window=int(window))
@@ -122,7 +136,7 @@ def hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
     """The config.json HF transformers (and brisk) read back for `cfg`."""
     arch_class = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
     out: dict[str, Any] = {
         "architectures": [arch_class[cfg.architecture]],
         "model_type": "gemma3_text" if cfg.architecture == "gemma3" else cfg.architecture,
@@ -151,6 +165,8 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, 
         out.update(hidden_activation=out["hidden_act"], query_pre_attn_scalar=int(scalar) if scalar.is_integer() else scalar,
                    rope_local_base_freq=cfg.rope_local_theta,
                    final_logit_softcapping=cfg.final_logit_softcapping or None)
+    if cfg.rope_scaling.rope_type == "longrope":
+        out["original_max_position_embeddings"] = cfg.rope_scaling.original_max_position_embeddings
     if cfg.bos_token_id is not None:
         out["bos_token_id"] = cfg.bos_token_id
     if cfg.eos_token_id is not None:

@@ -26,7 +26,7 @@ from brisk.config import ModelConfig
 from brisk.kernels import pack_supported, pack_weight
 from brisk.model.attention import AttentionMetadata, ContiguousAttention, SeqSpan
 from brisk.model.decode_plan import build_decode_plan, plan_applies, run_plan
-from brisk.model.layers import Embedding, Linear, RMSNorm, linear
+from brisk.model.layers import WHOLE, Embedding, Linear, RMSNorm, linear
 from brisk.model.rotary import rope_tables
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of this step's positions: [n, 1, head_dim] each
@@ -133,8 +133,9 @@ class DecoderLM(nn.Module):
         return int(self.rope_cos.shape[0])
 
     def linear_part(self, name: str) -> tuple[str, int] | None:
-        """The Linear module and part an HF checkpoint weight fills (e.g. k_proj -> qkv_proj, 1);
-        None for tensors that are not Linear weights (norms, embedding, biases)."""
+        """The Linear module and part an HF checkpoint weight fills (e.g. k_proj -> qkv_proj, 1;
+        Phi-3's fused qkv_proj -> qkv_proj, WHOLE); None for tensors that are not Linear weights
+        (norms, embedding, biases)."""
         name = name.removeprefix("model.")
         m = _STACKED_RE.match(name)
         if m:
@@ -145,7 +146,9 @@ class DecoderLM(nn.Module):
             module = self.get_submodule(module_name) if module_name else None
         except AttributeError:
             return None
-        return (module_name, 0) if leaf == "weight" and isinstance(module, Linear) else None
+        if leaf != "weight" or not isinstance(module, Linear):
+            return None
+        return (module_name, 0 if len(module.output_sizes) == 1 else WHOLE)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:

@@ -28,6 +28,9 @@ from brisk.kernels import (
     small_gemm,
 )
 
+# The part of a stacked Linear that a fused checkpoint tensor fills: all of them (Phi-3's qkv_proj).
+WHOLE = -1
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b), with W made of `output_sizes` stacked parts."""

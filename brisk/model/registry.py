@@ -9,13 +9,15 @@ from brisk.model.base import CausalLM, DecoderLM
 from brisk.model.gemma3 import Gemma3ForCausalLM
 from brisk.model.llama import LlamaForCausalLM
 
-# Mistral, Qwen2 and Qwen3 are Llama-shaped: QKV bias and QK norm are config flags, not classes.
+# Mistral, Qwen2, Qwen3 and Phi-3 are Llama-shaped: QKV bias and QK norm are config flags, not
+# classes; Phi-3's fused qkv_proj / gate_up_proj tensors fill brisk's stacked Linears whole.
 ARCHITECTURES: dict[str, type[DecoderLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "phi3": LlamaForCausalLM,
 }
 # HF model_type -> the name above, where they differ
 ALIASES = {"gemma3_text": "gemma3"}

@@ -62,6 +62,24 @@ def _yarn_inv_freq(base: float, dim: int, s: RopeScaling, max_pos: int) -> tuple
     return interpolation * (1 - keep) + extrapolation * keep, attn
 
 
+def _longrope_inv_freq(base: float, dim: int, s: RopeScaling, max_positions: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): each frequency divided by a learned factor, the short list within the
+    original window, the long one beyond it; cos/sin scaled by `attention_factor`.
+
+    Which list is chosen once, by the positions this instance serves (`max_positions`), as llama.cpp
+    chooses by its context size: HF switches per forward call once a sequence passes the original
+    window, so there a token's rotation depends on how its sequence was batched. A run whose context
+    fits the original window gets HF's short-factor rotation exactly; one beyond it rotates every
+    position with the long factors (HF's result for a whole sequence longer than the window)."""
+    orig = s.original_max_position_embeddings or max_positions
+    attn = s.attention_factor
+    if attn is None:
+        attn = 1.0 if s.factor <= 1.0 else math.sqrt(1 + math.log(s.factor) / math.log(orig))
+    factors = torch.tensor(s.long_factor if max_positions > orig else s.short_factor, dtype=torch.float32)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (factors * base ** exponents), attn  # HF's float32 order of operations
+
+
 def _dynamic_angles(base: float, dim: int, s: RopeScaling, max_pos: int, n: int) -> torch.Tensor:
     """Dynamic NTK, per position.
 
@@ -93,6 +111,10 @@ def rope_tables(
             inv_freq = _llama3_inv_freq(inv_freq, scaling, max_position_embeddings)
         elif scaling.rope_type == "yarn":
             inv_freq, attn_factor = _yarn_inv_freq(base, head_dim, scaling, max_position_embeddings)
+        elif scaling.rope_type == "longrope":
+            inv_freq, attn_factor = _longrope_inv_freq(base, head_dim, scaling, max_positions)
+        if scaling.freq_factors:  # llama.cpp's rope_freqs: theta_i / factor_i
+            inv_freq = inv_freq / torch.tensor(scaling.freq_factors, dtype=inv_freq.dtype)
         # HF computes inv_freq in float32 before the outer product; match it for identical logits.
         inv32 = inv_freq.to(torch.float32)
         angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv32[None, :]

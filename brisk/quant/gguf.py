@@ -34,6 +34,7 @@ from brisk.kernels import (
     block_types,
 )
 from brisk.loader.dequant import dequantize
+from brisk.model.layers import WHOLE
 from brisk.quant.base import QuantizedLinear
 from brisk.quant.grouped import GroupLinear, quantize_act_blocks
 
@@ -136,10 +137,13 @@ def attach_blocks(model: nn.Module, blocks: Blocks, bias_of: Callable[[str], tor
     names = {id(m): n for n, m in model.named_modules()}
     for parent, attr, linear in quantizable(model):
         got = parts.get(names[id(linear)], {})
-        if len(got) != len(linear.output_sizes):
+        if WHOLE in got:  # one fused tensor (Phi-3's qkv_proj) fills every part
+            part_names, part_rows = [got[WHOLE]], [linear.out_features]
+        elif len(got) == len(linear.output_sizes):
+            part_names, part_rows = [got[i] for i in range(len(linear.output_sizes))], list(linear.output_sizes)
+        else:
             continue
-        part_names = [got[i] for i in range(len(linear.output_sizes))]
-        for name, rows_expected in zip(part_names, linear.output_sizes):
+        for name, rows_expected in zip(part_names, part_rows):
             _check_shape(name, *blocks[name], rows_expected, linear.in_features)
         biases = [bias_of(n) for n in part_names] if linear.bias is not None else []
         if any(b is None for b in biases):

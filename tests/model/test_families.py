@@ -1,4 +1,4 @@
-"""Families beyond Llama (Gemma 3, Qwen3) and sliding-window attention, built from tiny random HF
+"""Families beyond Llama (Gemma 3, Qwen3, Phi-3) and sliding-window attention, built from tiny random HF
 configs in the test (no download): logits equal HF transformers' at every position, and greedy
 continuations through the paged engine (chunked prefill, prefix caching, the paged kernel and the
 gather path) equal HF's `generate`."""
@@ -48,17 +48,33 @@ def _mistral_config() -> object:
         num_key_value_heads=2, max_position_embeddings=256, sliding_window=WINDOW)
 
 
+# LongRoPE factors, one per rotated pair (head_dim 16): short within the original window, long beyond
+SHORT, LONG = [1.0 + 0.1 * i for i in range(8)], [1.5 + 0.3 * i for i in range(8)]
+
+
+def _phi3_config(sliding_window: int | None = WINDOW) -> object:
+    # fused qkv_proj / gate_up_proj, LongRoPE with an original window of 256 in a 512 context (so
+    # HF's attention factor is sqrt(1 + ln 2 / ln 256)), every layer sliding
+    return transformers.Phi3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, original_max_position_embeddings=256,
+        rope_scaling={"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG},
+        sliding_window=sliding_window, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 CONFIGS = {"gemma3": (_gemma3_config, transformers.Gemma3ForCausalLM),
            "qwen3": (_qwen3_config, transformers.Qwen3ForCausalLM),
-           "mistral": (_mistral_config, transformers.MistralForCausalLM)}
+           "mistral": (_mistral_config, transformers.MistralForCausalLM),
+           "phi3": (_phi3_config, transformers.Phi3ForCausalLM)}
 
 
-def _pair(family: str, tmp_path: Path) -> tuple[CausalLM, torch.nn.Module]:
+def _pair(family: str, tmp_path: Path, max_positions: int = 256, config: object = None
+          ) -> tuple[CausalLM, torch.nn.Module]:
     """A brisk model and an HF model holding the same random weights; brisk reads the config
     through its own HF config parser."""
     make_config, hf_class = CONFIGS[family]
     torch.manual_seed(0)
-    hf = hf_class(make_config()).float().eval()
+    hf = hf_class(config or make_config()).float().eval()
     with torch.no_grad():  # random norms too (Gemma's init at 0 would hide a missing 1 + w)
         for name, p in hf.named_parameters():
             if "norm" in name:
@@ -67,7 +83,7 @@ def _pair(family: str, tmp_path: Path) -> tuple[CausalLM, torch.nn.Module]:
                 p.normal_(0, 0.3)
     hf.config.save_pretrained(tmp_path)
     cfg = hf_model_config(tmp_path)
-    ours = build_model(cfg, torch.float32, max_positions=256)
+    ours = build_model(cfg, torch.float32, max_positions=max_positions)
     with torch.no_grad():
         ours.load_weights(hf.state_dict().items())
     return ours.eval(), hf
@@ -83,6 +99,19 @@ def test_logits_match_hf_at_every_position(family: str, tmp_path: Path) -> None:
     with torch.no_grad():
         ref = hf(torch.tensor([IDS])).logits[0].float()
     torch.testing.assert_close(got, ref, atol=5e-5, rtol=1e-4)
+
+
+def test_longrope_beyond_the_original_window_uses_the_long_factors(tmp_path: Path) -> None:
+    """A Phi-3 run whose context passes the original window (256) rotates with the long factors:
+    a 300-token sequence gives HF's logits (HF too picks the long factors for a sequence that long)."""
+    ours, hf = _pair("phi3", tmp_path, max_positions=512, config=_phi3_config(sliding_window=None))
+    ids = [int(i) for i in torch.randint(3, VOCAB, (300,), generator=torch.Generator().manual_seed(3))]
+    got = ours.compute_logits(forward_sequence(ours, ids))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    short, _ = _pair("phi3", tmp_path, max_positions=256, config=_phi3_config(sliding_window=None))
+    assert not torch.allclose(short.compute_logits(forward_sequence(short, ids[:256]))[-1], ref[255], atol=1e-3)
 
 
 def test_config_round_trips_through_hf_config_json(tmp_path: Path) -> None:
@@ -101,6 +130,20 @@ def test_config_round_trips_through_hf_config_json(tmp_path: Path) -> None:
     hf_again = transformers.AutoConfig.from_pretrained(out)
     assert hf_again.layer_types == ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
     assert hf_again.query_pre_attn_scalar == 24
+
+
+def test_phi3_config_round_trips_with_its_longrope(tmp_path: Path) -> None:
+    import json
+
+    ours, _ = _pair("phi3", tmp_path)
+    cfg = ours.config
+    assert cfg.rope_scaling.factor == 2.0 and cfg.rope_scaling.short_factor == tuple(SHORT)
+    out = tmp_path / "again"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
+    assert hf_model_config(out) == cfg
+    hf_again = transformers.AutoConfig.from_pretrained(out)
+    assert hf_again.rope_parameters["long_factor"] == LONG and hf_again.sliding_window == WINDOW
 
 
 def test_llama_config_names_hfs_llama_class() -> None:
@@ -123,14 +166,15 @@ def _run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def _hf_greedy(hf: torch.nn.Module, prompt: list[int]) -> list[int]:
+    hf.generation_config.eos_token_id = None  # like ignore_eos: EOS is neither a stop nor masked
     with torch.no_grad():
         ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32,
-                          do_sample=False, pad_token_id=0)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                          pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+@pytest.mark.parametrize("family", ["gemma3", "mistral", "phi3"])
 def test_greedy_through_the_paged_engine_equals_hf(family: str, tmp_path: Path) -> None:
     """Prompts longer than the window, fed in chunks of 12 (gather path) or as one span of at most
     16 (the paged kernel); a shared prefix is served from the cache the second time."""
