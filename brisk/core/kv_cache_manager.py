@@ -10,6 +10,15 @@ Each hash covers its block's tokens AND, through the parent hash, every token be
 the same four tokens after a different prefix get a different hash. Hashes are SHA-256 (a
 collision would need a SHA-256 collision) and a hit is additionally verified against the
 block's stored token ids.
+
+With several KV groups (core/kv_groups.py) a request holds one table per group, all covering
+the same positions; a group's cached blocks are keyed by the hash and the group. A sliding
+group's table lets go of the blocks wholly before the window of the next token to compute
+(`NO_BLOCK` takes their place), and a prefix hit there needs only the blocks of the window
+before the hit's end:
+
+    sliding, window 6   | t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 t10 t11 | t12 ..   next query: t12
+    table                 NO_BLOCK      [   b3     ][     b9       ][  b12     sees t7 .. t12
 """
 
 from __future__ import annotations
@@ -44,8 +53,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+NO_BLOCK = -1  # a table entry whose block was let go: wholly before a sliding group's window
+
+
 class KVCacheManager:
-    """Per-request block tables over a `BlockPool`, plus prefix-cache lookups and statistics.
+    """Per-request block tables (one per KV group) over one `BlockPool`, plus prefix-cache lookups
+    and statistics.
 
     Capacity is a return value: `allocate_slots` answers None and changes nothing when the pool is
     short. Blocks of a request are cached (published) as soon as the step that fills them is
@@ -53,17 +66,38 @@ class KVCacheManager:
     runner must write each layer's KV for all scheduled tokens before attention reads the cache.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 windows: Sequence[int] = (0,)) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not windows or any(w < 0 for w in windows):
+            raise ValueError(f"KV groups need windows >= 0 (0: full attention), got {list(windows)}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.windows = tuple(windows)  # per KV group: 0 full, else its sliding window
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
-        self._blocks: dict[str, list[KVBlock]] = {}  # request id -> block table
+        self._blocks: dict[str, list[list[KVBlock | None]]] = {}  # request id -> a table per group
         self._hashes: dict[str, list[BlockHash]] = {}  # request id -> hashes of its full blocks
         self._num_cached: dict[str, int] = {}  # request id -> leading blocks already published
         self.prefix_cache_queries = 0  # tokens looked up, once per admission
         self.prefix_cache_hits = 0  # of which found in the cache
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    # ----------------------------------------------------------------------------- sizes
+
+    def window_blocks(self, window: int, chunk: int) -> int:
+        """The most blocks a sliding group holds for a request computing up to `chunk` tokens a
+        step: the window before the step's first token, the step's tokens, one partial block."""
+        return cdiv(window - 1 + chunk, self.block_size) + 1
+
+    def blocks_needed(self, num_tokens: int, chunk: int) -> int:
+        """Blocks one request of `num_tokens` may hold at once over all groups, computing up to
+        `chunk` tokens a step (the scheduler's liveness bound and prompt check)."""
+        n = cdiv(num_tokens, self.block_size)
+        return sum(n if not w else min(n, self.window_blocks(w, chunk)) for w in self.windows)
 
     # ----------------------------------------------------------------------------- hashing
 
@@ -76,55 +110,106 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, request_tokens(request, i * bs, (i + 1) * bs)))
         return hashes
 
+    @staticmethod
+    def _key(block_hash: BlockHash, group: int) -> BlockHash:
+        """The cache key of a block of `group`: the same tokens hold other layers' KV in another group."""
+        return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
+
     # ----------------------------------------------------------------------------- lookup
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """Longest chain of cached full blocks matching the start of the request's tokens.
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[int]], int]:
+        """Longest run of cached full blocks at the start of the request's tokens that every group
+        can serve (a sliding group: the blocks of the window before its end).
 
-        Returns (block ids, number of tokens they hold). At least one token is always left to
-        compute, so the step produces logits: the hit is capped at num_tokens - 1, rounded down
-        to a block.
+        Returns (per group, the block ids of the hit, NO_BLOCK where a sliding group needs none;
+        the number of tokens they hold). At least one token is always left to compute, so the step
+        produces logits: the hit is capped at num_tokens - 1, rounded down to a block.
         """
+        empty: list[list[int]] = [[] for _ in self.windows]
         if not self.enable_prefix_caching:
-            return [], 0
+            return empty, 0
         assert request.request_id not in self._blocks, "prefix lookup is for requests holding no blocks"
         bs = self.block_size
         hashes = self._block_hashes(request)
-        hit: list[int] = []
-        for i in range(min(len(hashes), (request.num_tokens - 1) // bs)):
-            block = self.pool.get_cached_block(hashes[i], request_tokens(request, i * bs, (i + 1) * bs))
-            if block is None:
-                break
-            hit.append(block.block_id)
-        return hit, len(hit) * bs
+        limit = min(len(hashes), (request.num_tokens - 1) // bs)
+        found: list[list[KVBlock | None]] = [[] for _ in self.windows]
+        for i in range(limit):
+            tokens = request_tokens(request, i * bs, (i + 1) * bs)
+            for g, w in enumerate(self.windows):
+                found[g].append(self.pool.get_cached_block(self._key(hashes[i], g), tokens))
+            if any(found[g][i] is None for g, w in enumerate(self.windows) if not w):
+                break  # a full group's chain ends here
+        num = self._hit_blocks(found)
+        hit = [[NO_BLOCK if i < self._window_start(w, num * bs) else blocks[i].block_id  # type: ignore[union-attr]
+                for i in range(num)] for blocks, w in zip(found, self.windows)]
+        return (hit, num * bs) if num else (empty, 0)
+
+    def _hit_blocks(self, found: list[list[KVBlock | None]]) -> int:
+        """The most leading blocks every group can serve, given what each found cached."""
+        num = min(len(f) for f in found)
+        for f, w in zip(found, self.windows):
+            if not w:
+                num = min(num, next((i for i, b in enumerate(f) if b is None), len(f)))
+        while num > 0:
+            if all(all(b is not None for b in f[self._window_start(w, num * self.block_size):num])
+                   for f, w in zip(found, self.windows) if w):
+                return num
+            num -= 1
+        return 0
+
+    def _window_start(self, window: int, first_pos: int) -> int:
+        """The first block a sliding group needs when the next token to compute is at `first_pos`
+        (0 for a full group): the queries from `first_pos` on see keys from first_pos - window + 1."""
+        return max(0, first_pos - window + 1) // self.block_size if window else 0
 
     # ----------------------------------------------------------------------------- allocation
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence[int] = ()) -> list[int] | None:
+                       new_computed_blocks: Sequence[Sequence[int]] = ()) -> list[list[int]] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones (and the hit blocks).
 
-        Returns the request's whole block table, or None, changing nothing, when the pool lacks
-        the blocks. Then publishes the blocks that this step fills.
+        Returns the request's block tables (one per group, NO_BLOCK where a sliding group let a
+        block go), or None, changing nothing that matters, when the pool lacks the blocks (blocks
+        no query will read again may have been let go). Then publishes the blocks that this step fills.
         """
         rid, bs = request.request_id, self.block_size
-        held = self._blocks.get(rid, [])
-        hits = [self.pool.blocks[i] for i in new_computed_blocks]
-        assert not hits or (not held and request.num_computed_tokens == 0), "hits only at admission"
-        num_tokens_after = request.num_computed_tokens + len(hits) * bs + num_new_tokens
-        num_needed = max(0, cdiv(num_tokens_after, bs) - len(held) - len(hits))
+        tables = self._blocks.get(rid)
+        hit_ids = list(new_computed_blocks) or [[] for _ in self.windows]
+        num_hit = len(hit_ids[0])
+        assert not num_hit or (tables is None and request.num_computed_tokens == 0), "hits only at admission"
+        first_pos = request.num_computed_tokens + num_hit * bs  # the first token computed this step
+        num_tokens_after = first_pos + num_new_tokens
+        if tables is not None:
+            self._release_outside_windows(tables, first_pos)
+        hits = [[None if i == NO_BLOCK else self.pool.blocks[i] for i in ids] for ids in hit_ids]
+        held = [len(t) for t in tables] if tables is not None else [0] * self.num_groups
+        num_needed = sum(max(0, cdiv(num_tokens_after, bs) - n - num_hit) for n in held)
         # A hit on a free block pulls it out of the free queue: it is not available for new blocks.
-        num_revived = sum(1 for b in hits if b.ref_cnt == 0)
+        num_revived = sum(1 for group in hits for b in group if b is not None and b.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_revived:
             return None
-        if rid not in self._blocks:
-            self._admit(rid, len(hits), request.num_tokens)
-            self._blocks[rid] = held
-        self.pool.touch(hits)
-        held.extend(hits)
-        held.extend(self.pool.get_new_blocks(num_needed))
-        self._cache_full_blocks(request, held, num_tokens_after)
-        return [b.block_id for b in held]
+        if tables is None:
+            self._admit(rid, num_hit, request.num_tokens)
+            tables = self._blocks[rid] = [[] for _ in self.windows]
+        for table, group_hits, n in zip(tables, hits, held):
+            self.pool.touch(b for b in group_hits if b is not None)
+            table.extend(group_hits)
+            table.extend(self.pool.get_new_blocks(max(0, cdiv(num_tokens_after, bs) - n - num_hit)))
+        self._cache_full_blocks(request, tables, num_tokens_after)
+        return [[NO_BLOCK if b is None else b.block_id for b in table] for table in tables]
+
+    def _release_outside_windows(self, tables: list[list[KVBlock | None]], first_pos: int) -> None:
+        """Let go of each sliding group's blocks that no query from `first_pos - 1` on can see
+        (one token early: draft slots are allocated after their step's decode token, whose query
+        is at `first_pos - 1`). They stay in the prefix cache: a later hit's window may need them."""
+        for table, w in zip(tables, self.windows):
+            if not w:
+                continue
+            cut = self._window_start(w, max(0, first_pos - 1))
+            gone = [b for b in table[:cut] if b is not None]
+            if gone:
+                table[:cut] = [None] * cut
+                self.pool.free_blocks(reversed(gone))
 
     def _admit(self, request_id: str, num_hit_blocks: int, num_tokens: int) -> None:
         # Statistics are counted here, once per admission, rather than per lookup: a request
@@ -134,7 +219,7 @@ class KVCacheManager:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_hit_blocks * self.block_size
 
-    def _cache_full_blocks(self, request: Request, held: list[KVBlock], num_tokens_after: int) -> None:
+    def _cache_full_blocks(self, request: Request, tables: list[list[KVBlock | None]], num_tokens_after: int) -> None:
         """Publish the blocks that are full once this step's tokens are computed."""
         if not self.enable_prefix_caching:
             return
@@ -145,21 +230,30 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request)
         for i in range(start, num_full):
-            self.pool.cache_full_block(held[i], hashes[i], request_tokens(request, i * bs, (i + 1) * bs))
+            tokens = request_tokens(request, i * bs, (i + 1) * bs)
+            for g, table in enumerate(tables):
+                block = table[i]
+                if block is not None:
+                    self.pool.cache_full_block(block, self._key(hashes[i], g), tokens)
         self._num_cached[rid] = num_full
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (preemption or finish). Tail blocks are freed first so
         that eviction takes a prefix's tail before its head, which later requests share."""
         rid = request.request_id
-        self.pool.free_blocks(reversed(self._blocks.pop(rid, [])))
+        for table in self._blocks.pop(rid, []):
+            self.pool.free_blocks(b for b in reversed(table) if b is not None)
         self._hashes.pop(rid, None)
         self._num_cached.pop(rid, None)
 
     # ----------------------------------------------------------------------------- queries
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, [])]
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's tables, one per group (empty lists when it holds none)."""
+        tables = self._blocks.get(request_id)
+        if tables is None:
+            return [[] for _ in self.windows]
+        return [[NO_BLOCK if b is None else b.block_id for b in table] for table in tables]
 
     @property
     def num_free_blocks(self) -> int:
@@ -179,11 +273,17 @@ class KVCacheManager:
         running = set(running_request_ids)
         assert set(self._blocks) == running, f"block holders {sorted(self._blocks)} != running {sorted(running)}"
         holders = [0] * self.pool.num_blocks
-        for rid, blocks in self._blocks.items():
-            ids = [b.block_id for b in blocks]
+        for rid, tables in self._blocks.items():
+            assert len(tables) == self.num_groups and len({len(t) for t in tables}) == 1, (
+                f"request {rid}: tables of lengths {[len(t) for t in tables]} for {self.num_groups} groups")
+            ids = [b.block_id for table in tables for b in table if b is not None]
             assert len(set(ids)) == len(ids), f"request {rid} holds a block twice: {ids}"
             for i in ids:
                 holders[i] += 1
+            for table, w in zip(tables, self.windows):
+                lets_go = [b is None for b in table]
+                assert w or not any(lets_go), f"request {rid}: a full group let a block go"
+                assert lets_go == sorted(lets_go, reverse=True), f"request {rid}: a block let go after a kept one"
         free = set(self.pool.free_block_ids())
         cached = dict(self.pool.cached_items())
         for block in self.pool.blocks:

@@ -4,8 +4,10 @@ One scheduled request, as the runner sees it:
 
     all_token_ids  [ computed earlier (KV in blocks) | token_ids (this step) | not known yet ]
                    0                       start_pos ┘                       └ start_pos + len(token_ids)
-    block_ids      [ b7 ][ b3 ][ b9 ][ b12 ]   token at position p lives in block_ids[p // block_size],
-                                               slot p % block_size
+    block_ids      [[ b7 ][ b3 ][ b9 ][ b12 ]]  one table per KV group (core/kv_groups.py); the token
+                                                 at position p lives in table[p // block_size], slot
+                                                 p % block_size, of each group's table (a sliding
+                                                 group's entries before its window are NO_BLOCK)
 
 `sample` is True when `start_pos + len(token_ids)` reaches the end of the known tokens: the runner
 must then produce the next token from the logits of the last one. A middle chunk of a long
@@ -32,7 +34,7 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens to compute this step: all_token_ids[start_pos : start_pos + n]
     start_pos: int  # num_computed_tokens before this step (prefix-cache hits included)
-    block_ids: list[int]  # the request's whole block table, covering start_pos + len(token_ids)
+    block_ids: list[list[int]]  # the request's block tables, one per KV group, covering start_pos + len(token_ids)
     sample: bool  # this step reaches the end of the known tokens: sample the next one
     # Speculative decoding: KV slots reserved after token_ids for up to this many draft tokens.
     # The proposer fills them in this step; the verifier keeps the accepted ones (see spec/).

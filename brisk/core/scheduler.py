@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Sequence
 
 from brisk.config import SchedulerConfig
-from brisk.core.kv_cache_manager import KVCacheManager, cdiv, request_tokens
+from brisk.core.kv_cache_manager import NO_BLOCK, KVCacheManager, request_tokens
 from brisk.core.outputs import ScheduledRequest, SchedulerOutput
 from brisk.core.step_cost import StepCostModel
 from brisk.request import FinishReason, Request, RequestStatus
@@ -30,14 +31,15 @@ class Scheduler:
     """Decides, each step, which requests advance by how many tokens. Ints and lists only."""
 
     def __init__(self, scheduler_config: SchedulerConfig, block_size: int, num_blocks: int,
-                 enable_prefix_caching: bool) -> None:
+                 enable_prefix_caching: bool, kv_windows: Sequence[int] = (0,)) -> None:
+        """`kv_windows`: per KV group (core/kv_groups.py), 0 for full attention or its window."""
         self.config = scheduler_config
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, kv_windows)
         # The KV pool is a second context limit: a sequence ends (LENGTH) once its next token
         # could not be computed even with every block. This bound is what makes preemption live.
-        self.max_seq_len = min(scheduler_config.max_model_len, num_blocks * block_size + 1)
+        self.max_seq_len = self._pool_length_limit()
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests re-enter at the front
         self.running: list[Request] = []  # admission order: the last one is the newest
         self._requests: dict[str, Request] = {}  # unfinished requests by id
@@ -45,6 +47,14 @@ class Scheduler:
         self.num_preemptions = 0
         self.step_cost = StepCostModel()
         self._prompt_cap: int | None = None  # prompt tokens left this step under max_decode_slowdown
+
+    def _pool_length_limit(self) -> int:
+        """The longest sequence the whole pool serves alone (its last token's KV is never written)."""
+        chunk, lo, hi = self.config.max_num_batched_tokens, 0, self.config.max_model_len
+        while lo < hi:  # the most tokens whose blocks fit: blocks_needed grows with the length
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.kv.blocks_needed(mid, chunk) <= self.num_blocks else (lo, mid - 1)
+        return min(self.config.max_model_len, lo + 1)
 
     # ----------------------------------------------------------------------------- requests in
 
@@ -59,7 +69,7 @@ class Scheduler:
             raise ValueError(
                 f"prompt has {n} tokens; max_model_len is {max_len}, which leaves no room to generate a "
                 f"token; shorten the prompt to at most {max_len - 1} tokens or raise max_model_len")
-        needed = cdiv(n, self.block_size)
+        needed = self.kv.blocks_needed(n, self.config.max_num_batched_tokens)
         if needed > self.num_blocks:
             raise ValueError(
                 f"prompt has {n} tokens and needs {needed} KV blocks of {self.block_size} tokens, but the "
@@ -190,7 +200,7 @@ class Scheduler:
         parent = self._requests.get(request.parent_id) if request.parent_id is not None else None
         return parent is not None and parent.num_computed_tokens < parent.num_prompt_tokens
 
-    def _advance(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
+    def _advance(self, request: Request, num_new: int, block_ids: list[list[int]]) -> ScheduledRequest:
         start = request.num_computed_tokens
         request.num_computed_tokens = start + num_new  # advanced at schedule time, as in vLLM v1
         if self._prompt_cap is not None and num_new > 1:
@@ -270,7 +280,7 @@ class Scheduler:
         """Undo a step whose forward pass failed: abort its requests and withdraw every block it
         touched from the prefix cache, since blocks published at schedule time hold no valid KV."""
         aborted = [s.request_id for s in sched_out.scheduled if self.abort_request(s.request_id)]
-        self.kv.pool.uncache({b for s in sched_out.scheduled for b in s.block_ids})
+        self.kv.pool.uncache({b for s in sched_out.scheduled for table in s.block_ids for b in table if b != NO_BLOCK})
         return aborted
 
     def finish_request(self, request_id: str, reason: FinishReason) -> bool:
@@ -328,7 +338,7 @@ class Scheduler:
         for r in self.running:
             assert r.status == RequestStatus.RUNNING, f"{r.request_id} running with status {r.status}"
             assert 0 < r.num_computed_tokens <= r.num_tokens < self.max_seq_len
-            assert len(self.kv.get_block_ids(r.request_id)) * self.block_size >= r.num_computed_tokens
+            assert len(self.kv.get_block_ids(r.request_id)[0]) * self.block_size >= r.num_computed_tokens
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r.request_id}: {r.status}"
             assert r.num_computed_tokens == 0

@@ -29,7 +29,7 @@ from brisk.engine.speculative import build_speculator
 from brisk.loader.tokenizer import Tokenizer
 from brisk.model.base import CausalLM
 from brisk.request import FinishReason, Request, RequestStatus, SamplingParams
-from brisk.runtime.paged_runner import PagedModelRunner, StepLogits, kv_block_bytes
+from brisk.runtime.paged_runner import PagedModelRunner, StepLogits, kv_block_bytes, model_kv_groups
 from brisk.runtime.parallel_runner import ParallelRunner
 from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs
 from brisk.sample.sampler import SamplingBatch, sample
@@ -89,9 +89,11 @@ class LLMEngine:
         if runner is not None:
             self.num_blocks, self.runner = runner.num_blocks, runner
         else:
-            self.num_blocks = num_kv_blocks(cache, kv_block_bytes(model, cache.block_size))
-            self.runner = PagedModelRunner(model, self.num_blocks, cache.block_size, pack_weights)
-        self.scheduler = Scheduler(scheduler, cache.block_size, self.num_blocks, cache.enable_prefix_caching)
+            groups = model_kv_groups(model, scheduler.max_model_len)  # which layers share a block table
+            self.num_blocks = num_kv_blocks(cache, kv_block_bytes(model, cache.block_size, groups))
+            self.runner = PagedModelRunner(model, self.num_blocks, cache.block_size, pack_weights, groups)
+        self.scheduler = Scheduler(scheduler, cache.block_size, self.num_blocks, cache.enable_prefix_caching,
+                                   [g.window for g in self.runner.groups])
         self.spec = None if speculative is None else build_speculator(
             speculative, self.runner, cache, self.num_blocks, draft_model, pack_weights, seed)
         self._seeds = random.Random(seed)  # seeds for sampled requests that bring none

@@ -190,7 +190,8 @@ def build_speculator(config: SpecConfig, runner: PagedModelRunner | ParallelRunn
         assert draft_model is not None, "method draft needs the loaded draft model"
         # as many tokens of draft KV as the target has: every running request can draft
         draft_runner = PagedModelRunner(draft_model, num_blocks, cache.block_size, pack_weights)
-        kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
+                            [g.window for g in draft_runner.groups])
         proposer = DraftModelProposer(draft_runner, kv, _weight_ratio(draft_model, runner.model))
     else:
         raise ValueError(f"speculative method {config.method!r} is not available yet")
@@ -205,8 +206,10 @@ def measure_verify_costs(runner: PagedModelRunner | ParallelRunner, max_k: int, 
     non-decreasing. It writes scratch KV into the first blocks, which hold no request yet."""
     default = [VERIFY_COST * k for k in range(max_k + 1)]
     context = min(64, runner.model.max_positions - max_k - 2)
-    blocks = list(range(-(-(context + max_k + 1) // runner.block_size)))
-    if runner.device.type != "cpu" or context < 1 or len(blocks) > runner.num_blocks:
+    per_group = -(-(context + max_k + 1) // runner.block_size)
+    # every group's table its own scratch blocks (the first ones: no request holds any yet)
+    blocks = [list(range(g * per_group, (g + 1) * per_group)) for g in range(len(runner.groups))]
+    if runner.device.type != "cpu" or context < 1 or len(runner.groups) * per_group > runner.num_blocks:
         return default  # accelerators (launch-bound, flat) and tiny caches keep the default
 
     def seconds(n: int) -> float:
@@ -236,7 +239,7 @@ def measure_verify_costs(runner: PagedModelRunner | ParallelRunner, max_k: int, 
 class _Scratch:
     token_ids: list[int]
     start_pos: int
-    block_ids: list[int]
+    block_ids: list[list[int]]
     request_id: str = "scratch"
     sample: bool = True
 

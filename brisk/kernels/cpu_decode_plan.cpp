@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <atomic>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -268,15 +269,18 @@ class DecodePlan {
 
   // Layers [start, end) on (h, residual) [n, hidden] as LlamaDecoderLayer.forward runs them;
   // caches: k0, v0, k1, v1, ... for those layers. Returns the new (h, residual).
+  // slot_blocks, block_tables: one per KV group; layer_group: each layer's group (empty: one group).
   // cos, sin: one [n, head_dim] table pair per rotary base (a layer's `rope` picks its pair).
   std::tuple<torch::Tensor, torch::Tensor> run(torch::Tensor h, c10::optional<torch::Tensor> residual,
                                                const std::vector<torch::Tensor>& cos,
                                                const std::vector<torch::Tensor>& sin,
                                                const std::vector<torch::Tensor>& caches,
-                                               const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets,
-                                               const torch::Tensor& block_tables, const torch::Tensor& query_start,
-                                               const torch::Tensor& kv_lens, double scale, int64_t start,
-                                               int64_t end) {
+                                               const std::vector<torch::Tensor>& slot_blocks,
+                                               const torch::Tensor& slot_offsets,
+                                               const std::vector<torch::Tensor>& block_tables,
+                                               const torch::Tensor& query_start, const torch::Tensor& kv_lens,
+                                               double scale, int64_t start, int64_t end,
+                                               const std::vector<int64_t>& layer_group) {
     TORCH_CHECK(0 <= start && start <= end && end <= num_layers(), "brisk DecodePlan: layers ", start, "..", end,
                 " are not in the plan's ", num_layers());
     TORCH_CHECK(static_cast<int64_t>(caches.size()) == 2 * (end - start), "brisk DecodePlan: two caches a layer");
@@ -303,27 +307,39 @@ class DecodePlan {
                       caches[c].sizes() == (c % 2 ? v_shape : k_shape),
                   "brisk DecodePlan: k and v caches must be contiguous float32 CPU ", at::IntArrayRef(k_shape), " and ",
                   at::IntArrayRef(v_shape));
-    brisk_range::check_slots(slot_blocks, slot_offsets, n, caches[0].size(0), block_size, "DecodePlan");
-    const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
+    const int64_t groups = static_cast<int64_t>(slot_blocks.size());
+    TORCH_CHECK(groups >= 1 && block_tables.size() == slot_blocks.size(),
+                "brisk DecodePlan: one slot_blocks and one block_tables per KV group");
+    TORCH_CHECK(layer_group.empty() || static_cast<int64_t>(layer_group.size()) == num_layers(),
+                "brisk DecodePlan: layer_group names every layer's KV group");
+    std::vector<const int64_t*> blocks;
+    for (const auto& b : slot_blocks) {
+      brisk_range::check_slots(b, slot_offsets, n, caches[0].size(0), block_size, "DecodePlan");
+      blocks.push_back(b.data_ptr<int64_t>());
+    }
     const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
     const int threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
-    // one attention map per distinct window of these layers (the items split the same way)
+    // one attention map per distinct (KV group, window) of these layers (the items split the same way)
     std::vector<brisk_range::AttentionStep> attn_steps;
-    std::vector<int64_t> windows;
-    std::vector<size_t> attn_of(end - start);
+    std::vector<std::pair<int64_t, int64_t>> keys;
+    std::vector<size_t> attn_of(end - start), group_of(end - start);
     for (int64_t i = start; i < end; ++i) {
-      const auto at = std::find(windows.begin(), windows.end(), layers_[i].window);
-      attn_of[i - start] = at - windows.begin();
-      if (at != windows.end()) continue;
-      windows.push_back(layers_[i].window);
-      attn_steps.push_back(brisk_range::attention_step(heads_, kv_heads_, head_dim_, block_size, block_tables,
+      const int64_t g = layer_group.empty() ? 0 : layer_group[i];
+      TORCH_CHECK(0 <= g && g < groups, "brisk DecodePlan: layer ", i, " is in KV group ", g, " of ", groups);
+      group_of[i - start] = static_cast<size_t>(g);
+      const std::pair<int64_t, int64_t> key{g, layers_[i].window};
+      const auto at = std::find(keys.begin(), keys.end(), key);
+      attn_of[i - start] = at - keys.begin();
+      if (at != keys.end()) continue;
+      keys.push_back(key);
+      attn_steps.push_back(brisk_range::attention_step(heads_, kv_heads_, head_dim_, block_size, block_tables[g],
                                                        query_start, kv_lens, scale, n, threads, layers_[i].window));
     }
     std::vector<const float*> cos_p, sin_p;
     for (size_t r = 0; r < cos.size(); ++r) cos_p.push_back(cos[r].data_ptr<float>()), sin_p.push_back(sin[r].data_ptr<float>());
 
     Step step{n, h.data_ptr<float>(), residual.has_value() ? residual->data_ptr<float>() : nullptr,
-              cos_p, sin_p, &caches, blocks, offsets, &attn_steps, attn_of, start, end};
+              cos_p, sin_p, &caches, blocks, offsets, &attn_steps, attn_of, group_of, start, end};
     step.shared(hidden_, heads_, kv_heads_, head_dim_, intermediate_);
     std::vector<ThreadRows> rows(threads);
     {
@@ -354,9 +370,11 @@ class DecodePlan {
     const float *h_in, *res_in;
     std::vector<const float*> cos, sin;  // per rotary table
     const std::vector<torch::Tensor>* caches;
-    const int64_t *slot_blocks, *slot_offsets;
-    const std::vector<brisk_range::AttentionStep>* attn;  // per distinct window
+    std::vector<const int64_t*> slot_blocks;  // per KV group
+    const int64_t* slot_offsets;
+    const std::vector<brisk_range::AttentionStep>* attn;  // per distinct (group, window)
     std::vector<size_t> attn_of;                           // layer - start -> its entry in attn
+    std::vector<size_t> group_of;                          // layer - start -> its KV group
     int64_t start, end;
     std::vector<float> h, qkv, q, k, attn_out, gate_up;
     SpinBarrier barrier;  // per step: two threads stepping one plan at once stay apart
@@ -402,7 +420,7 @@ class DecodePlan {
       add = true;
       linear(L.qkv, me.normed.data(), n, s.qkv.data(), me, tid, team);
       s.barrier.wait();
-      if (tid == 0) rotate_and_store(s, me, L, attn.block_size, k_cache, v_cache);
+      if (tid == 0) rotate_and_store(s, me, L, attn.block_size, k_cache, v_cache, s.slot_blocks[s.group_of[i - s.start]]);
       s.barrier.wait();
       brisk_range::attention_items(attn, s.q.data(), s.attn_out.data(), k_cache, v_cache, w0, w1);
       s.barrier.wait();
@@ -436,7 +454,7 @@ class DecodePlan {
   // Every token's q and k heads (RMS-normed first where the layer has QK norm: rms_norm's floats)
   // rotated by the layer's table (rotary()'s floats), and its new key and value into their slots.
   void rotate_and_store(Step& s, ThreadRows& me, const Layer& L, int64_t block_size, float* k_cache,
-                        float* v_cache) const {
+                        float* v_cache, const int64_t* slot_blocks) const {
     const int64_t rotated = heads_ + kv_heads_, qkv_width = (rotated + kv_heads_) * head_dim_;
     for (int64_t t = 0; t < s.n; ++t) {
       const float* row = s.qkv.data() + t * qkv_width;
@@ -451,7 +469,7 @@ class DecodePlan {
       float* k = s.k.data() + t * kv_heads_ * head_dim_;
       brisk_range::rotate_heads(qk + heads_ * head_dim_, c, sn, k, kv_heads_, head_dim_);
       brisk_range::kv_store_row(k_cache, v_cache, kv_heads_, head_dim_, block_size, k, row + rotated * head_dim_,
-                                s.slot_blocks[t], s.slot_offsets[t]);
+                                slot_blocks[t], s.slot_offsets[t]);
     }
   }
 
@@ -471,5 +489,6 @@ void bind_decode_plan(py::module& m) {
       .def("num_layers", &DecodePlan::num_layers)
       .def("run", &DecodePlan::run, py::arg("h"), py::arg("residual"), py::arg("cos"), py::arg("sin"),
            py::arg("caches"), py::arg("slot_blocks"), py::arg("slot_offsets"), py::arg("block_tables"),
-           py::arg("query_start"), py::arg("kv_lens"), py::arg("scale"), py::arg("start"), py::arg("end"));
+           py::arg("query_start"), py::arg("kv_lens"), py::arg("scale"), py::arg("start"), py::arg("end"),
+           py::arg("layer_group") = std::vector<int64_t>{});
 }

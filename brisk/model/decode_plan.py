@@ -178,4 +178,4 @@ def run_plan(plan: Any, h: torch.Tensor, residual: torch.Tensor | None, ropes: l
     sin = [s.reshape(n, -1).contiguous() for _, s in ropes]
     return plan.run(h.contiguous(), residual, cos, sin, caches,
                     meta.slot_blocks, meta.slot_offsets, meta.block_tables, meta.query_start, meta.kv_lens,
-                    meta.scale, start, end)
+                    meta.scale, start, end, meta.layer_group or [])

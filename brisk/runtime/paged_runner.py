@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from brisk.core.kv_cache_manager import NO_BLOCK
+from brisk.core.kv_groups import KVGroup, kv_groups, layer_slots
 from brisk.model.attention import KVCache
 from brisk.model.base import CausalLM
 from brisk.model.paged_attention import (
@@ -31,26 +33,50 @@ class ScheduledStep(Protocol):
     request_id: str
     token_ids: list[int]  # tokens to compute this step
     start_pos: int  # tokens already in the cache
-    block_ids: list[int]  # the request's whole block table
+    block_ids: list[list[int]]  # the request's block tables, one per KV group
     sample: bool  # this step reaches the end of the known tokens: produce logits
 
 
-def kv_block_bytes(model: CausalLM, block_size: int) -> int:
-    """Bytes of one block across the layers (and KV heads) this process holds, keys and values."""
+def model_kv_groups(model: CausalLM, max_model_len: int | None = None) -> tuple[KVGroup, ...]:
+    """The KV groups of `model` serving sequences of up to `max_model_len` (its rotary tables' length)."""
+    return kv_groups(model.config, max_model_len or model.max_positions)
+
+
+def _slot_heads(model: CausalLM, groups: tuple[KVGroup, ...]) -> list[int | None]:
+    """KV heads of each slot (layer j of every group shares slot j's tensors); None for a slot no
+    layer of this process uses (pipeline stages hold some layers only)."""
+    heads = model.kv_heads_per_layer()
+    out: list[int | None] = [None] * len(groups[0].layers)
+    for group in groups:
+        for j, layer in enumerate(group.layers):
+            h = heads[layer]
+            if h is not None:
+                assert out[j] in (None, h), "layers sharing a KV slot hold the same number of KV heads"
+                out[j] = h
+    return out
+
+
+def kv_block_bytes(model: CausalLM, block_size: int, groups: tuple[KVGroup, ...] | None = None) -> int:
+    """Bytes of one block: keys and values of the layers (one per slot) and KV heads this process holds."""
     cfg = model.config
     itemsize = torch.tensor([], dtype=model.dtype).element_size()
-    heads = sum(h for h in model.kv_heads_per_layer() if h is not None)
+    heads = sum(h for h in _slot_heads(model, groups or model_kv_groups(model)) if h is not None)
     return 2 * heads * block_size * cfg.head_dim * itemsize
 
 
-def allocate_paged_kv(model: CausalLM, num_blocks: int, block_size: int) -> list[KVCache | None]:
-    """Per layer held: keys [blocks, kv_heads, head_dim, block_size], values [blocks, kv_heads,
-    block_size, head_dim]; None for a layer another pipeline stage holds."""
+def allocate_paged_kv(model: CausalLM, num_blocks: int, block_size: int,
+                      groups: tuple[KVGroup, ...] | None = None) -> list[KVCache | None]:
+    """Per layer: keys [blocks, kv_heads, head_dim, block_size], values [blocks, kv_heads,
+    block_size, head_dim], the tensors of its KV slot (shared with layer j of the other groups);
+    None for a layer another pipeline stage holds."""
+    groups = groups or model_kv_groups(model)
     hd, dtype, device = model.config.head_dim, model.dtype, model.device
-    return [None if heads is None else
-            (torch.zeros((num_blocks, heads, hd, block_size), dtype=dtype, device=device),
-             torch.zeros((num_blocks, heads, block_size, hd), dtype=dtype, device=device))
-            for heads in model.kv_heads_per_layer()]
+    slots = [None if heads is None else
+             (torch.zeros((num_blocks, heads, hd, block_size), dtype=dtype, device=device),
+              torch.zeros((num_blocks, heads, block_size, hd), dtype=dtype, device=device))
+             for heads in _slot_heads(model, groups)]
+    _, slot_of = layer_slots(groups, model.config.num_hidden_layers)
+    return [None if heads is None else slots[slot_of[layer]] for layer, heads in enumerate(model.kv_heads_per_layer())]
 
 
 @dataclass
@@ -78,12 +104,15 @@ class StepInputs:
 
 
 class PagedModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, pack_weights: bool = True) -> None:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, pack_weights: bool = True,
+                 groups: tuple[KVGroup, ...] | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = model.device
-        self.kv_caches = allocate_paged_kv(model, num_blocks, block_size)
+        self.groups = groups or model_kv_groups(model)  # the scheduler's KV groups: one table each
+        self.layer_group, _ = layer_slots(self.groups, model.config.num_hidden_layers)
+        self.kv_caches = allocate_paged_kv(model, num_blocks, block_size, self.groups)
         # Batched rows (prefill chunks, decode batches) through oneDNN-packed weights on CPU; the
         # copies cost as much memory as the weights again (`pack_weights=False` saves it).
         self.packed_weight_bytes = model.pack_weights() if pack_weights and self.device.type == "cpu" else 0
@@ -105,23 +134,25 @@ class PagedModelRunner:
         """Lay the batch out kernel spans first (see model/paged_attention.py) and build its tensors."""
         kernel = [s for s in steps if self._uses_kernel(s)]
         gather = [s for s in steps if not self._uses_kernel(s)]
+        num_groups = len(self.groups)
         ids: list[int] = []
         positions: list[int] = []
-        blocks: list[int] = []
+        blocks: list[list[int]] = [[] for _ in range(num_groups)]
         offsets: list[int] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         query_start = [0]
         spans: list[GatherSpan] = []
         all_rows: dict[str, tuple[int, int]] = {}
-        bs = self.block_size
+        bs, dev = self.block_size, self.device
         for i, step in enumerate([*kernel, *gather]):
             n = len(step.token_ids)
             first = len(ids)
             pos = range(step.start_pos, step.start_pos + n)
             ids.extend(step.token_ids)
             positions.extend(pos)
-            blocks.extend(step.block_ids[p // bs] for p in pos)
+            for group_blocks, table in zip(blocks, step.block_ids):
+                group_blocks.extend(table[p // bs] for p in pos)
             offsets.extend(p % bs for p in pos)
             if step.sample:
                 sample_rows.append(first + n - 1)
@@ -132,22 +163,24 @@ class PagedModelRunner:
             if i < len(kernel):
                 query_start.append(first + n)
             else:
-                table = torch.tensor(step.block_ids[: -(-kv_len // bs)], dtype=torch.long, device=self.device)
-                spans.append(GatherSpan(first, n, kv_len, table, causal_mask(n, kv_len, self.device)))
-        width = max((len(s.block_ids) for s in kernel), default=1)
-        tables = [s.block_ids + [0] * (width - len(s.block_ids)) for s in kernel]
+                tables = [torch.tensor(_readable(t[: -(-kv_len // bs)]), dtype=torch.long, device=dev)
+                          for t in step.block_ids]
+                spans.append(GatherSpan(first, n, kv_len, tables, causal_mask(n, kv_len, dev)))
+        width = max((len(s.block_ids[0]) for s in kernel), default=1)
+        tables = [[_readable(s.block_ids[g]) + [0] * (width - len(s.block_ids[g])) for s in kernel]
+                  for g in range(num_groups)]
         kv_lens = [s.start_pos + len(s.token_ids) for s in kernel]
-        dev = self.device
         attn = PagedAttention(
             kv_caches=self.kv_caches,
-            slot_blocks=torch.tensor(blocks, dtype=torch.long, device=dev),
+            slot_blocks=[torch.tensor(b, dtype=torch.long, device=dev) for b in blocks],
             slot_offsets=torch.tensor(offsets, dtype=torch.long, device=dev),
             num_kernel_tokens=query_start[-1],
-            block_tables=torch.tensor(tables or [[0]], dtype=torch.int32, device=dev),
+            block_tables=[torch.tensor(t or [[0]], dtype=torch.int32, device=dev) for t in tables],
             query_start=torch.tensor(query_start, dtype=torch.int32, device=dev),
             kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
             gather_spans=spans,
             scale=self.model.config.attn_scale,
+            layer_group=self.layer_group,
             padded=padded_spans(tables, [len(s.token_ids) for s in kernel], kv_lens, bs, dev)
             if kernel and self.short_spans == "padded" else None,
         )
@@ -179,6 +212,11 @@ class PagedModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, num_layers)  # [num_tokens, hidden]
         order = {rid: row for rid, row in zip(inputs.sample_ids, inputs.sample_rows)}
         return hidden[torch.tensor([order[s.request_id] for s in steps], device=self.device)]
+
+
+def _readable(table: list[int]) -> list[int]:
+    """A table as the kernels take it: NO_BLOCK entries (before a sliding window, never read) as block 0."""
+    return [0 if b == NO_BLOCK else b for b in table] if NO_BLOCK in table else table
 
 
 def pick_rows(hidden: torch.Tensor, index: list[int]) -> torch.Tensor:

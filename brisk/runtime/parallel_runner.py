@@ -47,7 +47,7 @@ class StepSpec:
     request_id: str
     token_ids: list[int]
     start_pos: int
-    block_ids: list[int]
+    block_ids: list[list[int]]  # one table per KV group
     sample: bool
 
 
@@ -177,6 +177,7 @@ class ParallelRunner:
         self.device = stage.local.device
         self.num_blocks = stage.local.num_blocks
         self.block_size = stage.local.block_size
+        self.groups = stage.local.groups
         self.packed_weight_bytes = stage.local.packed_weight_bytes
         self.state = stage.state
         self._describe = describe_failure
@@ -195,7 +196,8 @@ class ParallelRunner:
     def execute(self, steps: Sequence[ScheduledStep], all_rows_for: frozenset[str] = frozenset()) -> StepLogits:
         if self.failure is not None:
             raise ParallelFailure(self.failure)
-        plain = [StepSpec(s.request_id, list(s.token_ids), s.start_pos, list(s.block_ids), s.sample) for s in steps]
+        plain = [StepSpec(s.request_id, list(s.token_ids), s.start_pos, [list(t) for t in s.block_ids], s.sample)
+                 for s in steps]
         try:
             self.state.broadcast_object(("step", plain, all_rows_for))
             out = self.stage.run(plain, all_rows_for)

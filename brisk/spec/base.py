@@ -26,7 +26,7 @@ class DraftRequest:
     request_id: str
     token_ids: list[int]  # every known token: prompt + output; the last one is t_last
     num_drafts: int  # k >= 1: the slots reserved after t_last
-    block_ids: list[int]  # the target's block table, covering len(token_ids) + num_drafts slots
+    block_ids: list[list[int]]  # the target's block tables (one per KV group), covering len(token_ids) + num_drafts slots
     params: SamplingParams
     generator: torch.Generator | None  # the request's own generator (None: the device default)
 
@@ -42,7 +42,7 @@ class DraftStep:
     request_id: str
     token_ids: list[int]
     start_pos: int
-    block_ids: list[int]
+    block_ids: list[list[int]]  # one table per KV group
     sample: bool = True
 
 

@@ -34,9 +34,9 @@ class DraftKV(Protocol):
 
     pool: _Pool
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]: ...
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[int]], int]: ...
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[int] = ...) -> list[int] | None: ...
+                       new_computed_blocks: list[list[int]] = ...) -> list[list[int]] | None: ...
     def free(self, request: Request) -> None: ...
 
 
@@ -68,7 +68,8 @@ class DraftModelProposer:
         except BaseException:
             # Blocks published at catch-up hold no valid KV: out of the draft's prefix cache, and
             # these requests start over (the engine aborts them; this keeps the draft pool clean).
-            self.kv.pool.uncache({b for step in steps.values() if step is not None for b in step.block_ids})
+            self.kv.pool.uncache({b for step in steps.values() if step is not None
+                                  for table in step.block_ids for b in table if b >= 0})
             for rid in steps:
                 self.release(rid)
             raise
@@ -109,6 +110,7 @@ class DraftModelProposer:
         if shadow is None:
             shadow = self._shadows[r.request_id] = _Shadow(Request(r.request_id, list(r.token_ids), SamplingParams()))
             hit_ids, num_hit = self.kv.get_computed_blocks(shadow.request)
+            hit_ids = hit_ids if num_hit else []
             shadow.cached = list(r.token_ids[:num_hit])
         else:
             hit_ids = []

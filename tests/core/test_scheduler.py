@@ -53,13 +53,13 @@ def test_one_prompt_then_decodes_exact_output() -> None:
     sched.add_request(req)
     out = sched.schedule()
     (s,) = out.scheduled
-    assert (s.request_id, s.token_ids, s.start_pos, s.block_ids, s.sample) == (
+    assert (s.request_id, s.token_ids, s.start_pos, s.block_ids[0], s.sample) == (
         "a", list(range(1000, 1006)), 0, [0, 1], True)
     assert out.num_batched_tokens == 6 and req.num_computed_tokens == 6 and req.num_cached_tokens == 0
     assert sched.update_from_output(out, {"a": [7]}) == [req]
     out = sched.schedule()
     (s,) = out.scheduled
-    assert (s.token_ids, s.start_pos, s.block_ids, s.sample) == ([7], 6, [0, 1], True)
+    assert (s.token_ids, s.start_pos, s.block_ids[0], s.sample) == ([7], 6, [0, 1], True)
     sched.update_from_output(out, {"a": [8]})
     out, updated = step(sched, token=9)
     assert req.output_token_ids == [7, 8, 9] and req.status == RequestStatus.FINISHED_LENGTH
@@ -91,8 +91,8 @@ def test_chunked_prefill_splits_a_long_prompt_while_decodes_keep_going() -> None
     assert [(s.start_pos, s.sample) for s in longs] == [(0, False), (7, False), (14, True)]
     assert longs[1].token_ids == list(range(507, 514))
     # d's fifth token took block 3 in the second step, between long's chunks.
-    assert [s.block_ids for s in longs] == [[1, 2], [1, 2, 4, 5], [1, 2, 4, 5, 6]]
-    assert outs[1].scheduled[0].block_ids == [0, 3]
+    assert [s.block_ids[0] for s in longs] == [[1, 2], [1, 2, 4, 5], [1, 2, 4, 5, 6]]
+    assert outs[1].scheduled[0].block_ids[0] == [0, 3]
     assert sched.get_request("long").output_token_ids == [50]  # sampled only after the last chunk
     assert chunks(step(sched)[0]) == {"d": 1, "long": 1}
 
@@ -140,22 +140,22 @@ def test_preempts_the_newest_request_and_resumes_it_later() -> None:
     sched.add_request(a)
     sched.add_request(b)
     out, _ = step(sched)
-    assert [s.block_ids for s in out.scheduled] == [[0, 1], [2, 3]]
+    assert [s.block_ids[0] for s in out.scheduled] == [[0, 1], [2, 3]]
     step(sched)  # both decode into their second block, which is now full (8 tokens computed)
     out, _ = step(sched)  # a needs a third block: b, the newest, is preempted
     assert out.preempted_ids == ["b"] and chunks(out) == {"a": 1}
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
-    assert list(sched.waiting) == [b] and sched.kv.get_block_ids("b") == []
+    assert list(sched.waiting) == [b] and sched.kv.get_block_ids("b")[0] == []
     assert sched.num_preemptions == 1
     # b's blocks were freed tail first: a took b's tail (block 3); b's head (block 2) stays cached.
-    assert out.scheduled[0].block_ids == [0, 1, 3]
+    assert out.scheduled[0].block_ids[0] == [0, 1, 3]
     assert sched.kv.pool.free_block_ids() == [2]
     assert b.output_token_ids == [50, 50]  # generated tokens survive preemption
     out, _ = step(sched)  # a finishes (4 tokens); b cannot be admitted yet (needs 3 blocks)
     assert a.status == RequestStatus.FINISHED_LENGTH and chunks(out) == {"a": 1}
     out, _ = step(sched)
     (s,) = out.scheduled  # b resumes: its own head block is a prefix hit; the rest is recomputed
-    assert (s.request_id, s.start_pos, s.block_ids[0], s.num_tokens, s.sample) == ("b", 4, 2, 5, True)
+    assert (s.request_id, s.start_pos, s.block_ids[0][0], s.num_tokens, s.sample) == ("b", 4, 2, 5, True)
     assert s.token_ids == [204, 205, 206, 50, 50]
     assert b.num_cached_tokens == 0  # recorded at the first schedule only
     assert b.status == RequestStatus.FINISHED_LENGTH and b.output_token_ids == [50, 50, 50]
@@ -234,7 +234,7 @@ def test_abort_frees_blocks_for_running_and_waiting_requests() -> None:
     sched.add_request(make("a", 9))
     sched.add_request(make("w", 3))
     step(sched)
-    assert sched.kv.get_block_ids("a") == [0, 1, 2] and sched.kv.num_free_blocks == 13
+    assert sched.kv.get_block_ids("a")[0] == [0, 1, 2] and sched.kv.num_free_blocks == 13
     assert sched.abort_request("a") is True
     assert sched.kv.num_free_blocks == 16 and sched.num_running == 0
     assert sched.abort_request("w") is True and sched.num_waiting == 0
@@ -273,7 +273,7 @@ def test_a_child_waits_for_its_parent_prompt_then_hits_its_blocks() -> None:
     out, _ = step(sched)
     c = out.scheduled[-1]
     assert (c.request_id, c.start_pos, c.num_tokens) == ("p-1", 8, 1)
-    assert c.block_ids[:2] == sched.kv.get_block_ids("p")[:2] == [1, 2]
+    assert c.block_ids[0][:2] == sched.kv.get_block_ids("p")[0][:2] == [1, 2]
     assert child.num_cached_tokens == 8 and sched.prefix_hit_rate == pytest.approx(8 / 20)
 
 
@@ -317,10 +317,10 @@ class FakeRunner:
             req = sched.get_request(s.request_id)
             assert req is not None
             end = s.start_pos + s.num_tokens
-            assert len(s.block_ids) * BS >= end and len(s.block_ids) <= sched.num_blocks
+            assert len(s.block_ids[0]) * BS >= end and len(s.block_ids[0]) <= sched.num_blocks
             for p, tok in enumerate(s.token_ids, start=s.start_pos):
-                self.slots[s.block_ids[p // BS]][p % BS] = tok
-            seen = [self.slots[s.block_ids[p // BS]][p % BS] for p in range(end)]
+                self.slots[s.block_ids[0][p // BS]][p % BS] = tok
+            seen = [self.slots[s.block_ids[0][p // BS]][p % BS] for p in range(end)]
             assert seen == req.all_token_ids[:end], f"{s.request_id} would attend to wrong KV"
             assert s.sample == (end == req.num_tokens)
             if s.sample:

@@ -20,7 +20,7 @@ def test_decode_reserves_draft_slots_and_rolls_back_rejected_ones() -> None:
     out = sched.schedule()
     (s,) = out.scheduled
     # t_last (7) at position 6, draft slots at 7..10: blocks for 11 tokens (3 blocks of 4)
-    assert (s.token_ids, s.start_pos, s.num_spec_slots, s.block_ids) == ([7], 6, 4, [0, 1, 2])
+    assert (s.token_ids, s.start_pos, s.num_spec_slots, s.block_ids[0]) == ([7], 6, 4, [0, 1, 2])
     assert out.num_batched_tokens == 5 and req.num_computed_tokens == 7
     # the verifier kept 2 drafts (20, 21) and added a correction (22)
     sched.update_from_output(out, {"a": [20, 21, 22]})
@@ -28,7 +28,7 @@ def test_decode_reserves_draft_slots_and_rolls_back_rejected_ones() -> None:
     assert req.output_token_ids == [7, 20, 21, 22] and req.num_computed_tokens == 9 == req.num_tokens - 1
     out = sched.schedule()
     (s,) = out.scheduled  # the rejected slots 9, 10 are reused: the next step starts at 9
-    assert (s.token_ids, s.start_pos, s.num_spec_slots, s.block_ids) == ([22], 9, 4, [0, 1, 2, 3])
+    assert (s.token_ids, s.start_pos, s.num_spec_slots, s.block_ids[0]) == ([22], 9, 4, [0, 1, 2, 3])
 
 
 def test_draft_slots_stay_within_budget_max_tokens_and_context() -> None:
@@ -115,7 +115,7 @@ def test_drafts_never_take_a_block_another_decode_needs() -> None:
     a.num_spec_wanted = 4  # a's drafts would need the free block; b's next token needs it
     out = sched.schedule()
     assert not out.preempted_ids and [s.num_spec_slots for s in out.scheduled] == [0, 0]
-    assert [len(s.block_ids) for s in out.scheduled] == [2, 3]
+    assert [len(s.block_ids[0]) for s in out.scheduled] == [2, 3]
     sched.check_invariants()
 
 

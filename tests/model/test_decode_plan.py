@@ -99,8 +99,8 @@ def test_plan_rejects_bad_inputs_with_clear_errors(gguf_path: Path) -> None:
     slot = torch.zeros(1, dtype=torch.long)
 
     def run(**over: object) -> object:
-        args = {"h": h, "residual": None, "cos": cos, "sin": sin, "caches": [k, v], "slot_blocks": slot,
-                "slot_offsets": slot, "block_tables": tables, "query_start": starts, "kv_lens": lens,
+        args = {"h": h, "residual": None, "cos": cos, "sin": sin, "caches": [k, v], "slot_blocks": [slot],
+                "slot_offsets": slot, "block_tables": [tables], "query_start": starts, "kv_lens": lens,
                 "scale": 0.125, "start": 0, "end": 1}
         args.update(over)
         return plan.run(**args)
@@ -108,11 +108,15 @@ def test_plan_rejects_bad_inputs_with_clear_errors(gguf_path: Path) -> None:
     out, res = run()  # the well-formed call works
     assert out.shape == res.shape == h.shape and torch.isfinite(out).all()
     with pytest.raises(RuntimeError, match="outside the cache"):
-        run(slot_blocks=torch.tensor([9]))
+        run(slot_blocks=[torch.tensor([9])])
     with pytest.raises(RuntimeError, match="caches must be contiguous float32"):
         run(caches=[v, k])
     with pytest.raises(RuntimeError, match="kv length does not fit the block table"):
         run(kv_lens=torch.tensor([40], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="one slot_blocks and one block_tables per KV group"):
+        run(block_tables=[tables, tables])
+    with pytest.raises(RuntimeError, match="is in KV group 1 of 1"):
+        run(layer_group=[1] * cfg.num_hidden_layers)
     with pytest.raises(RuntimeError, match="are not in the plan"):
         run(start=0, end=cfg.num_hidden_layers + 1)
     with pytest.raises(RuntimeError, match="h must be a contiguous float32"):

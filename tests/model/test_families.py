@@ -212,3 +212,36 @@ def test_decode_plan_gives_the_module_path_numbers_bit_for_bit(family: str, tmp_
         if use_plan:
             assert ours._decode_plan, "the plan should serve this model"
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("short_spans", ["kernel", "padded", "gather"])
+def test_sliding_groups_let_blocks_go_and_keep_outputs_through_preemption_and_prefix_hits(
+        short_spans: str, tmp_path: Path) -> None:
+    """Gemma 3's sliding layers hold only their window's blocks (NO_BLOCK before it) in a pool too
+    small for three long requests at once: preemptions happen, the shared 40-token prefix is hit
+    (its window's blocks included), and every output is still HF's, whichever path short spans
+    take (the CPU kernel and the decode plan, CUDA's padded SDPA, the gather path)."""
+    from brisk.core.kv_cache_manager import NO_BLOCK
+
+    ours, hf = _pair("gemma3", tmp_path)
+    prompts = [IDS[:40], IDS[:40] + IDS[5:9], IDS[10:30]]
+    expected = [_hf_greedy(hf, p) for p in prompts]
+    engine = LLMEngine(ours, tiny_tokenizer(), CacheConfig(block_size=4, num_kv_blocks=64, enable_prefix_caching=True),
+                       SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=4, max_model_len=128))
+    assert [g.window for g in engine.runner.groups] == [0, WINDOW, WINDOW, WINDOW]
+    if short_spans == "kernel" and engine.runner.short_spans != "kernel":
+        pytest.skip("needs brisk's C++ paged kernel")
+    engine.runner.short_spans = short_spans
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY)
+    outs: dict[str, list[int]] = {}
+    let_go = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+        engine.scheduler.check_invariants()
+        for r in engine.scheduler.running:
+            let_go = max(let_go, sum(b == NO_BLOCK for t in engine.scheduler.kv.get_block_ids(r.request_id) for b in t))
+    assert [outs[f"r{i}"] for i in range(3)] == expected
+    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.prefix_hit_rate > 0 and let_go > 0

@@ -85,15 +85,15 @@ class Case:
         _, _, blocks, offsets = self.new_kv()
         cpu = torch.device("cpu")
         if path == "gather":
-            gather = [pa.GatherSpan(s, n, kv, torch.tensor(t), pa.causal_mask(n, kv, cpu))
+            gather = [pa.GatherSpan(s, n, kv, [torch.tensor(t)], pa.causal_mask(n, kv, cpu))
                       for s, (kv, n), t in zip(starts, SPANS, self.tables)]
-            return pa.PagedAttention([(self.k_cache, self.v_cache)], blocks, offsets, 0,
-                                     torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+            return pa.PagedAttention([(self.k_cache, self.v_cache)], [blocks], offsets, 0,
+                                     [torch.zeros(1, 1, dtype=torch.int32)], torch.zeros(1, dtype=torch.int32),
                                      torch.zeros(0, dtype=torch.int32), gather, scale)
-        padded = pa.padded_spans(tables, [n for _, n in SPANS], kv_lens, BS, cpu) if path == "padded" else None
-        return pa.PagedAttention([(self.k_cache, self.v_cache)], blocks, offsets, starts[-1],
-                                 torch.tensor(tables, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
-                                 torch.tensor(kv_lens, dtype=torch.int32), [], scale, padded)
+        padded = pa.padded_spans([tables], [n for _, n in SPANS], kv_lens, BS, cpu) if path == "padded" else None
+        return pa.PagedAttention([(self.k_cache, self.v_cache)], [blocks], offsets, starts[-1],
+                                 [torch.tensor(tables, dtype=torch.int32)], torch.tensor(starts, dtype=torch.int32),
+                                 torch.tensor(kv_lens, dtype=torch.int32), [], scale, padded=padded)
 
 
 def _paged(head_dim: int, window: int, path: str, scale: float = 0.11) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,9 +25,13 @@ class Step:
     request_id: str
     token_ids: list[int]
     start_pos: int
-    block_ids: list[int]
+    table: list[int]
     sample: bool = True
     all_ids: list[int] = field(default_factory=list)
+
+    @property
+    def block_ids(self) -> list[list[int]]:
+        return [self.table]  # the one KV group of a model without sliding layers
 
 
 def _model(dtype: torch.dtype) -> LlamaForCausalLM:

@@ -43,7 +43,7 @@ def test_no_match_reserves_no_slots_and_a_match_is_proposed_as_planned() -> None
     assert nothing.num_spec_wanted == 0
     assert copying.num_spec_wanted == 4 and spec._classes["b"] == 2
     # fill proposes what followed the match ("1 2" before: "3 9 9 1"), cut to the slots given
-    ask = DraftRequest("b", copying.all_token_ids, 3, [], copying.sampling_params, None)
+    ask = DraftRequest("b", copying.all_token_ids, 3, [[]], copying.sampling_params, None)
     assert proposer.propose([ask])[0].token_ids == [3, 9, 9]
     spec.release("b", finished=True)
     assert "b" not in spec._classes
