@@ -75,6 +75,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = tuple(windows)  # per KV group: 0 full, else its sliding window
+        self._sliding = any(self.windows)
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._blocks: dict[str, list[list[KVBlock | None]]] = {}  # request id -> a table per group
         self._hashes: dict[str, list[BlockHash]] = {}  # request id -> hashes of its full blocks
@@ -174,29 +175,49 @@ class KVCacheManager:
         """
         rid, bs = request.request_id, self.block_size
         tables = self._blocks.get(rid)
-        hit_ids = list(new_computed_blocks) or [[] for _ in self.windows]
-        num_hit = len(hit_ids[0])
+        num_hit = len(new_computed_blocks[0]) if new_computed_blocks else 0
         assert not num_hit or (tables is None and request.num_computed_tokens == 0), "hits only at admission"
         first_pos = request.num_computed_tokens + num_hit * bs  # the first token computed this step
         num_tokens_after = first_pos + num_new_tokens
-        if tables is not None:
-            self._release_outside_windows(tables, first_pos)
-        hits = [[None if i == NO_BLOCK else self.pool.blocks[i] for i in ids] for ids in hit_ids]
-        held = [len(t) for t in tables] if tables is not None else [0] * self.num_groups
-        num_needed = sum(max(0, cdiv(num_tokens_after, bs) - n - num_hit) for n in held)
+        if tables is None:
+            tables = self._admit_tables(request, new_computed_blocks, num_tokens_after)
+            if tables is None:
+                return None
+        else:
+            if self._sliding:
+                self._release_outside_windows(tables, first_pos)
+            # every group's table covers the same positions: each needs the same number of blocks
+            num_new = max(0, cdiv(num_tokens_after, bs) - len(tables[0]))
+            if num_new * self.num_groups > self.pool.num_free_blocks:
+                return None
+            if num_new:
+                for table in tables:
+                    table.extend(self.pool.get_new_blocks(num_new))
+        self._cache_full_blocks(request, tables, num_tokens_after)
+        return [self._ids(table, w) for table, w in zip(tables, self.windows)]
+
+    def _admit_tables(self, request: Request, hit_ids: Sequence[Sequence[int]], num_tokens_after: int
+                      ) -> list[list[KVBlock | None]] | None:
+        """A new request's tables: its prefix hits, then new blocks; None when they do not fit."""
+        hits = [[None if i == NO_BLOCK else self.pool.blocks[i] for i in ids] for ids in hit_ids] \
+            or [[] for _ in self.windows]
+        num_new = max(0, cdiv(num_tokens_after, self.block_size) - len(hits[0]))
         # A hit on a free block pulls it out of the free queue: it is not available for new blocks.
         num_revived = sum(1 for group in hits for b in group if b is not None and b.ref_cnt == 0)
-        if num_needed > self.pool.num_free_blocks - num_revived:
+        if num_new * self.num_groups > self.pool.num_free_blocks - num_revived:
             return None
-        if tables is None:
-            self._admit(rid, num_hit, request.num_tokens)
-            tables = self._blocks[rid] = [[] for _ in self.windows]
-        for table, group_hits, n in zip(tables, hits, held):
-            self.pool.touch(b for b in group_hits if b is not None)
-            table.extend(group_hits)
-            table.extend(self.pool.get_new_blocks(max(0, cdiv(num_tokens_after, bs) - n - num_hit)))
-        self._cache_full_blocks(request, tables, num_tokens_after)
-        return [[NO_BLOCK if b is None else b.block_id for b in table] for table in tables]
+        self._admit(request.request_id, len(hits[0]), request.num_tokens)
+        for group in hits:
+            self.pool.touch(b for b in group if b is not None)
+            group.extend(self.pool.get_new_blocks(num_new))
+        self._blocks[request.request_id] = hits
+        return hits
+
+    @staticmethod
+    def _ids(table: list[KVBlock | None], window: int) -> list[int]:
+        if not window:  # a full group never lets a block go
+            return [b.block_id for b in table]  # type: ignore[union-attr]
+        return [NO_BLOCK if b is None else b.block_id for b in table]
 
     def _release_outside_windows(self, tables: list[list[KVBlock | None]], first_pos: int) -> None:
         """Let go of each sliding group's blocks that no query from `first_pos - 1` on can see
