@@ -51,6 +51,15 @@ def test_grid_gives_the_tokens_of_one_process(tiny_dir: Path, reference: list[li
     assert torch.get_num_threads() == threads  # rank 0 gave its share of the cores back
 
 
+def test_sliding_window_kv_groups_over_a_grid(tiny_gemma_dir: Path) -> None:
+    """Gemma 3's layers in 4 KV groups (their blocks let go outside the window) split over two
+    stages of two tensor-parallel ranks: one process's tokens."""
+    single = _tokens(LLM(str(tiny_gemma_dir), **ENGINE))
+    with LLM(str(tiny_gemma_dir), tensor_parallel_size=2, pipeline_parallel_size=2, **ENGINE) as llm:
+        assert len(llm.engine.runner.groups) == 4
+        assert _tokens(llm) == single
+
+
 def test_quantized_shards(tiny_dir: Path) -> None:
     """int8 quantizes each rank's shard: the row-parallel down projection keeps half the columns."""
     from brisk.quant.int8 import Int8Linear
