@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 class InvalidRequest(ValueError):
@@ -23,6 +23,23 @@ class FinishReason(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _structured_ok(spec: object) -> bool:
+    """The shape of `SamplingParams.structured` (the grammar itself is checked when compiled)."""
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in STRUCTURED_KINDS:
+        return False
+    kind, value = next(iter(spec.items()))
+    if kind == "choice":
+        return isinstance(value, list) and bool(value) and all(isinstance(c, str) and c for c in value)
+    if kind in ("regex", "grammar"):
+        return isinstance(value, str) and bool(value)
+    if kind == "json":
+        return isinstance(value, (dict, str))
+    return value is True
 
 
 @dataclass
@@ -47,6 +64,9 @@ class SamplingParams:
     logprobs: int | None = None  # return the sampled token's logprob, rank and the top-N; None = off
     prompt_logprobs: int | None = None  # same for every prompt token (given the tokens before it)
     n: int = 1  # completions per prompt; the engine fans a request out into n siblings
+    # Output constrained to a grammar, token by token (sample/structured.py): exactly one of
+    # {"json": schema}, {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": Lark or GBNF}
+    structured: dict[str, Any] | None = None
 
     MAX_LOGPROBS: ClassVar[int] = 20  # most top-N logprobs a request may ask for (sampled or prompt tokens)
 
@@ -103,6 +123,9 @@ class SamplingParams:
             (self.prompt_logprobs is None or (self._is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS),
              "prompt_logprobs", f"prompt_logprobs must be None (off) or an integer in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs!r}"),
             (self._is_int(self.n) and self.n >= 1, "n", f"n must be an integer >= 1, got {self.n!r}"),
+            (self.structured is None or _structured_ok(self.structured), "structured",
+             f"structured must name exactly one of {', '.join(STRUCTURED_KINDS)} with its value (a JSON schema, "
+             f"True, a regex string, a list of strings, a grammar string); got {self.structured!r}"),
         ]
 
     def check_vocab(self, vocab_size: int) -> None:

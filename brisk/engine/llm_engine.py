@@ -13,6 +13,7 @@ to compute the prompt, then share its cached blocks (see core/scheduler.py).
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from brisk.runtime.paged_runner import PagedModelRunner, StepLogits, kv_block_by
 from brisk.runtime.parallel_runner import ParallelRunner
 from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs
 from brisk.sample.sampler import SamplingBatch, sample
+from brisk.sample.structured import Constraint, GrammarCompiler
 
 _T = TypeVar("_T")
 
@@ -54,6 +56,7 @@ class _Seq:
     num_pushed: int = 0  # output tokens handed to the detokenizer
     num_draft_tokens: int = 0  # speculative decoding: drafts verified for this sequence
     num_accepted_tokens: int = 0  # of those, accepted
+    constraint: Constraint | None = None  # params.structured's grammar state (each sibling its own)
 
 
 @dataclass
@@ -100,6 +103,8 @@ class LLMEngine:
         self._seqs: dict[str, _Seq] = {}
         self._groups: dict[str, _Group] = {}
         self.peak_kv_usage = 0.0
+        self._grammars: GrammarCompiler | None = None  # built on the first structured request
+        self._grammars_lock = threading.Lock()
         self._failed: dict[str, Exception] = {}  # sequence id -> the error its row raised this step
         self.failures: dict[str, Exception] = {}  # request id -> the error that ended it (take_failures)
 
@@ -117,6 +122,9 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         arrival = time.perf_counter() if arrival_time is None else arrival_time
+        # compiled before anything is queued: a bad schema or regex is this request's ValueError
+        constraints = [self.grammars().constraint(params.structured) if params.structured else None
+                       for _ in seq_ids]
         requests = [
             Request(sid, list(prompt_token_ids), params, arrival, self.tokenizer.eos_token_ids,
                     parent_id=None if i == 0 else seq_ids[0])
@@ -129,13 +137,21 @@ class LLMEngine:
                 added.append(req.request_id)
                 self._seqs[req.request_id] = _Seq(req, IncrementalDetokenizer(
                     self.tokenizer, params.stop, params.skip_special_tokens), self._generator(params, i),
-                    request_id, i)
+                    request_id, i, constraint=constraints[i])
         except ValueError:
             for sid in added:
                 self.scheduler.abort_request(sid)
                 self._seqs.pop(sid, None)
             raise
         self._groups[request_id] = _Group(prompt, list(prompt_token_ids), seq_ids, arrival)
+
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler over this engine's tokenizer (structured outputs), built once."""
+        with self._grammars_lock:  # the server's request threads check grammars beside the engine
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.backend_json(), self.model.config.vocab_size,
+                                                 sorted(self.tokenizer.eos_token_ids))
+        return self._grammars
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.greedy:
@@ -317,6 +333,7 @@ class LLMEngine:
             output_token_ids=[s.request.output_token_ids for s in seqs] if penalties else [],
             prompt_token_ids=[s.request.prompt_token_ids for s in seqs] if penalties else [],
             banned_token_ids=banned if any(banned) else [],
+            constraints=[s.constraint for s in seqs] if any(s.constraint for s in seqs) else [],
         )
 
     def _on_tokens(self, seq: _Seq) -> None:
@@ -331,6 +348,8 @@ class LLMEngine:
         for i, token in enumerate(new):
             stopped_by_token = i == len(new) - 1 and req.finish_reason == FinishReason.STOP and (
                 token in req.sampling_params.stop_token_ids or token in req.eos_token_ids)
+            if seq.constraint is not None and not self._advance_grammar(seq, token):
+                break
             seq.num_pushed += 1
             if stopped_by_token:  # the stop token's text never reaches the output
                 break
@@ -346,6 +365,22 @@ class LLMEngine:
         if req.is_finished():
             seq.detok.flush()  # a trailing partial character is shown, not dropped (no-op after a stop string)
             seq.finish_time = now
+
+    def _advance_grammar(self, seq: _Seq, token: int) -> bool:
+        """Feed a sampled token to the sequence's grammar; a complete grammar ends the sequence
+        (STOP) with that token. False: the grammar refused it (the request ends with that error)."""
+        assert seq.constraint is not None
+        req = seq.request
+        try:
+            seq.constraint.advance(token)
+        except ValueError as e:
+            self.failures[seq.group] = e
+            self.abort_request(seq.group)
+            return False
+        if seq.constraint.done and not req.is_finished():
+            del req.output_token_ids[seq.num_pushed + 1:]  # nothing after the grammar's last token
+            self.scheduler.finish_request(req.request_id, FinishReason.STOP)
+        return True
 
     def _output(self, group_id: str) -> RequestOutput:
         group = self._groups[group_id]

@@ -95,6 +95,9 @@ class Speculator:
         """Draft lengths for the requests that will decode next step."""
         classify = getattr(self.proposer, "draft_class", None)
         for req in running:
+            if req.sampling_params.structured:  # drafts are not checked against grammars yet
+                req.num_spec_wanted = 0
+                continue
             if classify is None:
                 req.num_spec_wanted = self.length.wanted(req.request_id)
                 continue

@@ -334,6 +334,10 @@ class Tokenizer:
         (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
 
     # ---- use ---------------------------------------------------------------------------
+    def backend_json(self) -> str:
+        """The `tokenizers` JSON of this tokenizer (what grammar engines read: sample/structured.py)."""
+        return self._backend.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`. Special tokens written in the text are recognised either way;
         `add_special_tokens` only controls the BOS (added when `add_bos`).

@@ -30,6 +30,7 @@ from brisk.kernels import argmax_rows
 from brisk.request import SamplingParams
 from brisk.sample import processors as P
 from brisk.sample.logprobs import TokenLogprobs, token_logprobs
+from brisk.sample.structured import Constraint, mask_logits
 
 @dataclass
 class SamplingBatch:
@@ -45,6 +46,8 @@ class SamplingBatch:
     output_token_ids: list[list[int]] = field(default_factory=list)  # generated so far (all penalties)
     prompt_token_ids: list[list[int]] = field(default_factory=list)  # repetition penalty also counts these
     banned_token_ids: list[list[int]] = field(default_factory=list)  # e.g. EOS before min_tokens
+    # per row, its grammar (sample/structured.py) or None; empty: no row is constrained
+    constraints: list[Constraint | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         rows = len(self.params)
@@ -94,6 +97,9 @@ def _sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     for p in batch.params:
         if p.logit_bias or p.stop_token_ids:
             p.check_vocab(vocab)  # the engine checks at admission; this keeps a bad id from reaching a tensor
+    if any(c is not None for c in batch.constraints):
+        # first: penalties, sampling and logprobs all see the grammar's distribution
+        logits = mask_logits(logits, batch.constraints)
     penalised = penalise(logits, batch)  # [B, V]; `logits` itself when no row needs any of it
     greedy = [p.greedy for p in batch.params]
     if all(greedy):

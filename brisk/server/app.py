@@ -176,7 +176,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         max_tokens = req.max_tokens or 16
         for _, ids in prompts:
             state.check_length(len(ids), max_tokens, "max_tokens")
-        params = req.sampling_params(max_tokens, req.logprobs)
+        params = await _structured_checked(state, req, max_tokens, req.logprobs)
         if req.echo and req.logprobs is not None:
             params.prompt_logprobs = req.logprobs
         job = await _submit(state, prompts, params)
@@ -195,12 +195,28 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         max_tokens = asked if asked is not None else max(1, state.max_model_len - len(ids))
         state.check_length(len(ids), max_tokens, field)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = req.sampling_params(max_tokens, logprobs)
+        params = await _structured_checked(state, req, max_tokens, logprobs)
         job = await _submit(state, [(None, ids)], params)
         view = fmt.ChatView(state, req, [(None, ids)], job.created, job.id)
         if req.stream:
             return _sse(state, job, _stream(state, job, view, req.include_usage))
         return await state.run_cpu(_full_response, view, await _collect(state, job, raw))
+
+
+async def _structured_checked(state: ServerState, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                              logprobs: int | None) -> SamplingParams:
+    """The request's SamplingParams, its grammar (if any) compiled first off the event loop (then
+    cached for the engine): a schema or regex that cannot compile is a 400 naming its field."""
+    field, spec = req.structured()
+    try:
+        params = req.sampling_params(max_tokens, logprobs)
+        if spec is not None:
+            await state.run_cpu(state.engine.engine.grammars().constraint, spec)
+    except ValueError as e:
+        if field is None or (isinstance(e, InvalidRequest) and e.param != "structured"):
+            raise
+        raise InvalidRequest(f"{field}: {e}", field) from None
+    return params
 
 
 def _tokenize(state: ServerState, req: TokenizeRequest) -> JSONResponse:

@@ -1,12 +1,14 @@
 """OpenAI request bodies as pydantic models, and their translation into SamplingParams.
 
 Field names and defaults follow the OpenAI API (plus vLLM's extras: top_k, min_p,
-repetition_penalty, ignore_eos, min_tokens, stop_token_ids). Ranges are checked here so a bad
+repetition_penalty, ignore_eos, min_tokens, stop_token_ids, and the structured-output ones:
+guided_json, guided_regex, guided_choice, guided_grammar, on both endpoints; chat also takes
+OpenAI's `response_format` json_object / json_schema). Ranges are checked here so a bad
 value is a 400 naming its field; everything else SamplingParams checks again.
 
 Validation is strict, as OpenAI's is: no string is read as a number or a boolean ("5", "true"),
-and a field this server does not know is refused, not ignored, so a client that asks for JSON
-output or tool calls is told it will not get them. Fields that only describe a request (`user`,
+and a field this server does not know is refused, not ignored, so a client that asks for tool
+calls (not built yet) is told it will not get them. Fields that only describe a request (`user`,
 `metadata`, `store`, `service_tier`) are accepted and ignored.
 """
 
@@ -25,7 +27,8 @@ MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 512, 1024
 
 # Known OpenAI fields that would change what the answer must be: refused with the reason.
 UNSUPPORTED = {
-    "response_format": "structured outputs are not supported yet; only {\"type\": \"text\"} is accepted",
+    "response_format": "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                       "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
     "tools": "tool calling is not supported yet",
     "tool_choice": "tool calling is not supported yet",
     "functions": "function calling is not supported",
@@ -64,6 +67,25 @@ class _TextFormat(_Strict):
     type: Literal["text"]
 
 
+class _JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class _JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = _TextFormat | _JsonObjectFormat | _JsonSchemaFormat
+
+
 class _Sampling(_Strict):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -92,6 +114,11 @@ class _Sampling(_Strict):
     service_tier: str | None = None
     # accepted only in the form that asks for nothing beyond plain text
     best_of: Literal[1] | None = None
+    # vLLM's structured outputs (at most one)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -111,7 +138,24 @@ class _Sampling(_Strict):
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,  # type: ignore[arg-type]
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
+            structured=self.structured()[1],
         )
+
+    def structured(self) -> tuple[str | None, dict[str, Any] | None]:
+        """(the request field that asks for it, SamplingParams.structured); (None, None): free text."""
+        asked = [(f, {"json": v} if f == "guided_json" else {"regex": v} if f == "guided_regex" else
+                  {"choice": v} if f == "guided_choice" else {"grammar": v})
+                 for f, v in (("guided_json", self.guided_json), ("guided_regex", self.guided_regex),
+                              ("guided_choice", self.guided_choice), ("guided_grammar", self.guided_grammar))
+                 if v is not None]
+        asked += self._format()
+        if len(asked) > 1:
+            raise InvalidRequest(f"{' and '.join(f for f, _ in asked)}: ask for one structured output, not "
+                                 f"{len(asked)}", asked[1][0])
+        return asked[0] if asked else (None, None)
+
+    def _format(self) -> list[tuple[str, dict[str, Any]]]:
+        return []
 
     @property
     def include_usage(self) -> bool:
@@ -155,9 +199,18 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=SamplingParams.MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    response_format: _TextFormat | None = None
+    response_format: ResponseFormat | None = Field(default=None, discriminator="type")
     modalities: list[Literal["text"]] | None = Field(default=None, min_length=1, max_length=1)
     parallel_tool_calls: bool | None = None  # only meaningful with tools, which are refused
+
+    def _format(self) -> list[tuple[str, dict[str, Any]]]:
+        fmt = self.response_format
+        if isinstance(fmt, _JsonObjectFormat):
+            return [("response_format", {"json_object": True})]
+        if isinstance(fmt, _JsonSchemaFormat):
+            schema = fmt.json_schema.schema_
+            return [("response_format", {"json": schema if schema is not None else {"type": "object"}})]
+        return []
 
 
 class TokenizeRequest(_Strict):

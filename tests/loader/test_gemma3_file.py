@@ -118,3 +118,24 @@ def test_lossless_speculation_keeps_greedy_tokens(gemma_path: Path) -> None:
     plain = greedy()
     assert greedy(speculative_config={"method": "ngram", "num_speculative_tokens": 3}) == plain
     assert greedy(speculative_config={"method": "early_exit", "exit_layer": 9, "num_speculative_tokens": 2}) == plain
+
+
+def test_structured_outputs_on_a_second_family(gemma_path: Path) -> None:
+    """Gemma 3's 262k-token SentencePiece vocabulary under a JSON schema: sampled outputs all
+    validate (the default model's tests are tests/sample/test_structured.py)."""
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    from brisk.engine.llm import LLM
+    from brisk.request import SamplingParams
+
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "population": {"type": "integer", "minimum": 0, "maximum": 50_000_000},
+        "coastal": {"type": "boolean"}}, "required": ["city", "population", "coastal"], "additionalProperties": False}
+    llm = LLM(str(gemma_path), max_model_len=512, num_kv_blocks=128)
+    params = SamplingParams(max_tokens=100, temperature=1.0, seed=3, n=10, structured={"json": schema})
+    (out,) = llm.generate(["A city as JSON:"], params, use_tqdm=False)
+    for c in out.outputs:
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), schema)

@@ -303,7 +303,12 @@ def test_strings_are_not_coerced(srv: dict[str, Any], path: str, extra: dict[str
 @pytest.mark.parametrize(("path", "extra", "param"), [
     ("/v1/completions", {"best_of": 2}, "best_of"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format.type"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                  "schema": {"type": "objekt"}}}}, "response_format"),
+    ("/v1/chat/completions", {"guided_regex": "(("}, "guided_regex"),
+    ("/v1/completions", {"guided_choice": []}, "guided_choice"),
+    ("/v1/completions", {"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
@@ -312,7 +317,7 @@ def test_strings_are_not_coerced(srv: dict[str, Any], path: str, extra: dict[str
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
     ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
     ("/v1/chat/completions", {"made_up_field": 1}, "made_up_field"),
-    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"guided_json": {"type": "objekt"}}, "guided_json"),
 ])
 def test_fields_that_would_change_the_answer_are_refused(srv: dict[str, Any], path: str, extra: dict[str, Any],
                                                          param: str) -> None:

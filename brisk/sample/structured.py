@@ -1,0 +1,133 @@
+"""Structured outputs: a grammar (JSON schema, any JSON object, regex, choice, Lark/EBNF) enforced
+token by token, through llguidance (llama.cpp's and vLLM's grammar engine).
+
+Why llguidance and not xgrammar: both are made for this, but xgrammar's wheel requires
+`transformers` and `triton` at run time (brisk keeps transformers out of the engine: it is only
+the tests' reference), while llguidance needs nothing beyond its own Rust core and reads the
+`tokenizers` JSON brisk's tokenizer already holds.
+
+Per request a `Constraint` holds an `LLMatcher` over the grammar (compiled once per distinct
+spec, cached). Each step the sampler asks every constrained row for its allowed-token bitmask and
+sets the rest of its logits to -inf; the token drawn then advances the matcher. EOS is allowed only
+where the grammar accepts. Logprobs of a constrained row are those of the masked distribution.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from typing import Any
+
+import torch
+
+from brisk.request import SamplingParams
+
+# llguidance's JSON defaults allow any whitespace between tokens, which a small model can fill
+# until max_tokens; OpenAI's structured outputs are compact JSON: the same here
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+def _grammar(spec_json: str) -> str:
+    """llguidance's grammar text for one spec (given as its canonical JSON)."""
+    import llguidance
+
+    kind, value = next(iter(json.loads(spec_json).items()))
+    if kind in ("json", "json_object"):
+        schema = {"type": "object"} if kind == "json_object" else json.loads(value) if isinstance(value, str) else value
+        if not isinstance(schema, dict):
+            raise ValueError("structured json must be a JSON schema object")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
+    if kind == "regex":
+        return llguidance.grammar_from("regex", value)
+    if kind == "choice":
+        return llguidance.grammar_from("choice", value)
+    return llguidance.grammar_from("grammar", value)  # Lark, or llama.cpp's GBNF
+
+
+class GrammarCompiler:
+    """Grammars for one tokenizer: its llguidance tokenizer (built once, ~0.1-1 s for a large
+    vocabulary) and every distinct spec's grammar, validated once and cached."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        import llguidance
+        import llguidance.torch
+
+        self._ll, self._ll_torch = llguidance, llguidance.torch
+        self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                                eos_token=eos_token_ids or None)
+        self._lock = threading.Lock()  # the server compiles from its request threads
+        self._compiled = functools.lru_cache(maxsize=256)(self._compile)
+        # llguidance builds its token trie on the first mask (~2 s for 49k tokens): here, once,
+        # rather than inside the first constrained request's step
+        warm = self.constraint({"regex": "a"})
+        warm.fill(self._ll_torch.allocate_token_bitmask(1, vocab_size), 0)
+
+    def _compile(self, spec_json: str) -> str:
+        grammar = _grammar(spec_json)
+        is_error, messages = self._ll.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if is_error:
+            raise ValueError(f"structured output: the grammar does not compile: {messages[0]}")
+        return grammar
+
+    def constraint(self, spec: dict[str, Any]) -> Constraint:
+        """A fresh matcher for `spec` (ValueError naming what is wrong when it cannot compile)."""
+        SamplingParams(structured=spec)  # its shape, with the same message as at the API
+        try:
+            spec_json = json.dumps(spec, sort_keys=True)
+        except TypeError as e:
+            raise ValueError(f"structured output: the spec is not JSON ({e})") from None
+        with self._lock:
+            try:
+                grammar = self._compiled(spec_json)
+            except ValueError:
+                raise
+            except Exception as e:  # llguidance reports schema errors as its own exception types
+                raise ValueError(f"structured output: {e}") from None
+        return Constraint(self._ll.LLMatcher(self.tokenizer, grammar), self.vocab_size)
+
+
+class Constraint:
+    """One sequence's grammar state: the tokens it allows next, advanced by each token drawn."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of an int32 [rows, ceil(vocab / 32)] bitmask: the allowed tokens' bits set."""
+        from llguidance.torch import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self.matcher, bitmask, row)
+
+    def advance(self, token: int) -> None:
+        """The sequence took `token`; ValueError when the grammar forbids it (a bug upstream)."""
+        if not self.matcher.consume_token(token):
+            raise ValueError(f"structured output: token {token} does not fit the grammar "
+                             f"({self.matcher.get_error() or 'rejected'})")
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and allows nothing more (only EOS remains)."""
+        return bool(self.matcher.is_stopped())
+
+
+def mask_logits(logits: torch.Tensor, constraints: list[Constraint | None]) -> torch.Tensor:
+    """[rows, vocab] logits with every token a row's constraint forbids at -inf (a copy; rows
+    without a constraint unchanged)."""
+    from llguidance.torch import allocate_token_bitmask
+
+    rows = [i for i, c in enumerate(constraints) if c is not None]
+    if not rows:
+        return logits
+    vocab = logits.shape[-1]
+    bitmask = allocate_token_bitmask(len(rows), vocab)  # [len(rows), ceil(vocab / 32)] int32
+    for j, i in enumerate(rows):
+        constraints[i].fill(bitmask, j)  # type: ignore[union-attr]
+    # unpack the bits: token t allowed iff bit t % 32 of word t // 32
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(rows), -1)[:, :vocab]
+    out = logits.clone()
+    index = torch.tensor(rows, device=logits.device)
+    out[index] = out[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return out

@@ -1,0 +1,117 @@
+"""Structured outputs on the default model (the file as stored): sampled JSON-schema outputs all
+validate, regex / choice / json_object outputs match, constrained and free requests batched together
+get their own tokens, preemption and n > 1 keep every output valid, bad grammars are clear
+ValueErrors before anything is queued."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from brisk import LLM, SamplingParams
+from brisk.request import InvalidRequest
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "height_m": {"type": "number", "minimum": 0.5, "maximum": 2.5},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+    },
+    "required": ["name", "age", "role", "address", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm(gguf_path: Path) -> LLM:
+    return LLM("smollm2-135m", max_model_len=1024)
+
+
+def _chat(llm: LLM, text: str) -> str:
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+def test_fifty_sampled_outputs_all_validate(llm: LLM) -> None:
+    prompt = _chat(llm, "Give me a user record as JSON.")
+    params = SamplingParams(max_tokens=160, temperature=1.0, seed=7, n=50, structured={"json": SCHEMA})
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    assert len(out.outputs) == 50
+    for c in out.outputs:
+        assert c.finish_reason == "stop", c.text  # the grammar ended it, not max_tokens
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert len({c.text for c in out.outputs}) > 25  # sampled, not one answer 50 times
+
+
+def test_regex_choice_and_json_object(llm: LLM) -> None:
+    regex = SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=8, structured={"regex": r"[12][0-9]{3}-[01][0-9]"})
+    choice = SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=8, structured={"choice": ["red", "green", "blue"]})
+    anything = SamplingParams(max_tokens=80, temperature=0.0, structured={"json_object": True})
+    r, c, j = llm.generate(["A date:", "A color:", _chat(llm, "Say hi as JSON.")], [regex, choice, anything],
+                           use_tqdm=False)
+    assert all(re.fullmatch(r"[12][0-9]{3}-[01][0-9]", o.text) for o in r.outputs)
+    assert all(o.text in ("red", "green", "blue") for o in c.outputs)
+    assert isinstance(json.loads(j.outputs[0].text), dict)
+
+
+def test_constrained_and_free_rows_in_one_batch_get_their_own_tokens(llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=40, temperature=0.0)
+    constrained = SamplingParams(max_tokens=120, temperature=0.0, structured={"json": SCHEMA})
+    prompts = [_chat(llm, "A user record, please."), "The capital of France is", _chat(llm, "Another one.")]
+    params = [constrained, greedy, constrained]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [llm.generate([p], q, use_tqdm=False)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
+    assert together == alone
+
+
+def test_preemption_keeps_the_grammar(gguf_path: Path) -> None:
+    """A pool of 40 blocks of 4 tokens for four constrained requests: some are preempted and
+    recomputed; each output still validates and equals the one from a pool with room for all."""
+    prompts = [f"Record number {i} as JSON:" for i in range(4)]
+    params = SamplingParams(max_tokens=130, temperature=0.0, structured={"json": SCHEMA})
+    small = LLM("smollm2-135m", max_model_len=150, num_kv_blocks=40, block_size=4)
+    got = small.generate(prompts, params, use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > 0
+    roomy = LLM("smollm2-135m", max_model_len=512)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids
+                                                      for o in roomy.generate(prompts, params, use_tqdm=False)]
+    for o in got:
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+
+
+def test_speculation_leaves_constrained_tokens_unchanged(gguf_path: Path) -> None:
+    params = SamplingParams(max_tokens=100, temperature=0.0, structured={"json": SCHEMA})
+    prompt = "Give a user record as JSON:"
+    plain = LLM("smollm2-135m", max_model_len=512).generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    spec = LLM("smollm2-135m", max_model_len=512, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    assert spec.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize(("structured", "message"), [
+    ({"json": {"type": "objekt"}}, "Invalid type"),
+    ({"regex": "(("}, "unclosed group"),
+    ({"grammar": "start: (("}, "grammar does not compile"),
+])
+def test_bad_grammars_are_clear_errors_before_anything_is_queued(llm: LLM, structured: dict, message: str) -> None:
+    engine = llm.engine
+    with pytest.raises(ValueError, match=re.escape(message)):
+        engine.add_request("bad", [1, 2, 3], SamplingParams(structured=structured))
+    assert not engine.has_unfinished_requests() and "bad" not in engine.unfinished_request_ids()
+
+
+@pytest.mark.parametrize("structured", [{"json": 3}, {"regex": ""}, {"choice": []}, {"yaml": "x"},
+                                        {"json": {}, "regex": "a"}, {"json_object": False}])
+def test_malformed_specs_name_the_field(structured: dict) -> None:
+    with pytest.raises(InvalidRequest, match="structured must name exactly one of"):
+        SamplingParams(structured=structured)
