@@ -54,12 +54,13 @@ class RopeScaling:
                                                  and self.original_max_position_embeddings):
             raise ValueError("longrope scaling needs short_factor, long_factor and original_max_position_embeddings")
 
-    def check_dim(self, head_dim: int) -> None:
+    def check_dim(self, rotary_dim: int) -> None:
         """Per-frequency lists must give one value per rotated pair of dims."""
         for name in ("short_factor", "long_factor", "freq_factors"):
             got = len(getattr(self, name))
-            if got and got != head_dim // 2:
-                raise ValueError(f"rope scaling {name} has {got} values; head_dim {head_dim} needs {head_dim // 2}")
+            if got and got != rotary_dim // 2:
+                raise ValueError(f"rope scaling {name} has {got} values; {rotary_dim} rotated dims need "
+                                 f"{rotary_dim // 2}")
 
     @staticmethod
     def from_hf(d: dict[str, Any] | None) -> RopeScaling:
@@ -105,6 +106,7 @@ class ModelConfig:
     num_attention_heads: int = 32
     num_key_value_heads: int = 32
     head_dim: int = 0  # 0 means hidden_size // num_attention_heads
+    rotary_dim: int = 0  # dims of each head that rotate (Phi-4-mini: 3/4 of them); 0 means head_dim
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -125,6 +127,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // max(1, self.num_attention_heads))
+        if self.rotary_dim == 0:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
@@ -146,7 +150,10 @@ class ModelConfig:
                              f"{', '.join(LAYER_TYPES)}; got {list(self.layer_types)}")
         if "sliding" in self.layer_types and self.sliding_window <= 0:
             raise ValueError("model config: sliding layers need sliding_window > 0")
-        self.rope_scaling.check_dim(self.head_dim)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"model config: rotary_dim must be even and in 2..head_dim ({self.head_dim}), "
+                             f"got {self.rotary_dim}")
+        self.rope_scaling.check_dim(self.rotary_dim)
 
     def layer_type(self, layer: int) -> str:
         return self.layer_types[layer] if self.layer_types else "full"

@@ -23,7 +23,9 @@ import torch
 from brisk.config import ModelConfig, RopeScaling
 from brisk.loader.dequant import SUPPORTED, dequantize
 from brisk.loader.gguf_file import GGUFHeader, TensorInfo, read_header
+from brisk.model.base import rotary_layout
 from brisk.model.registry import canonical_architecture
+from brisk.model.rotary import partial_rotary_order
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -165,6 +167,7 @@ def gguf_model_config(file: GGUFFile) -> ModelConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        rotary_dim=int(meta.get(f"{arch}.rope.dimension_count") or 0),  # Phi-4-mini rotates 3/4 of a head
         **_family_fields(meta, arch, hidden, heads),
     )
 
@@ -183,11 +186,6 @@ def _family_fields(meta: dict[str, Any], arch: str, hidden: int, heads: int) -> 
                 # the 27B model (62 layers) scales by hidden / heads, the others by head_dim
                 "query_pre_attn_scalar": float(hidden // heads if layers == 62 else head_dim),
                 "final_logit_softcapping": float(meta.get(f"{arch}.final_logit_softcapping") or 0.0)}
-    rot = meta.get(f"{arch}.rope.dimension_count")
-    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
-    if rot is not None and int(rot) != head_dim:
-        raise ValueError(f"this {arch} GGUF rotates {rot} of each head's {head_dim} dims (partial rotary, as "
-                         "Phi-4-mini does); brisk rotates whole heads only")
     if arch in ("mistral", "phi3") and 0 < window < int(meta[f"{arch}.context_length"]):
         # Mistral and Phi-3 slide every layer when the file gives a window (HF does too)
         return {"sliding_window": window, "layer_types": ("sliding",) * int(meta[f"{arch}.block_count"])}
@@ -269,6 +267,10 @@ def gguf_blocks(file: GGUFFile, cfg: ModelConfig) -> dict[str, tuple[int, torch.
             file.reader.release(t)
         elif permuted and name.endswith("k_proj.weight"):
             rows = _unpermute(rows, cfg.num_key_value_heads).contiguous()
+            file.reader.release(t)
+        if partial_rotary_order(cfg.head_dim, cfg.rotary_dim) is not None and name.endswith(
+                ("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
+            rows = rotary_layout(cfg, name, rows)  # a copy in the kernels' dim order
             file.reader.release(t)
         out[name] = (int(t.tensor_type), rows)
     return out

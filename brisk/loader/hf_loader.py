@@ -51,6 +51,7 @@ def hf_model_config(path: Path) -> ModelConfig:
             num_attention_heads=raw["num_attention_heads"],
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rotary_dim=_rotary_dim(raw, rope),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
@@ -72,10 +73,6 @@ def _rope_parameters(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
     rope = raw.get("rope_scaling") or raw.get("rope_parameters")
     if arch == "gemma3" and isinstance(rope, dict) and "full_attention" in rope:
         return rope["full_attention"]
-    partial = raw.get("partial_rotary_factor") or (rope or {}).get("partial_rotary_factor") or 1.0
-    if partial != 1.0:
-        raise ValueError(f"this {arch} model rotates a part ({partial}) of each head (partial rotary, as "
-                         "Phi-4-mini does); brisk rotates whole heads only")
     kind = (rope or {}).get("rope_type", (rope or {}).get("type"))
     if kind in ("longrope", "su"):
         # Phi-3 keeps the pretrained window beside the config; the default factor is their ratio (HF's rule)
@@ -85,6 +82,13 @@ def _rope_parameters(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
         rope = {**rope, "original_max_position_embeddings": orig,
                 "factor": rope.get("factor") or raw.get("max_position_embeddings", orig) / orig}
     return rope
+
+
+def _rotary_dim(raw: dict[str, Any], rope: dict[str, Any] | None) -> int:
+    """Dims of a head that rotate: head_dim x partial_rotary_factor (Phi-4-mini: 0.75), HF's int()."""
+    partial = raw.get("partial_rotary_factor") or (rope or {}).get("partial_rotary_factor") or 1.0
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    return int(head_dim * partial)
 
 
 _HF_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -165,6 +169,8 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, 
         out.update(hidden_activation=out["hidden_act"], query_pre_attn_scalar=int(scalar) if scalar.is_integer() else scalar,
                    rope_local_base_freq=cfg.rope_local_theta,
                    final_logit_softcapping=cfg.final_logit_softcapping or None)
+    if cfg.rotary_dim < cfg.head_dim:
+        out["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
     if cfg.rope_scaling.rope_type == "longrope":
         out["original_max_position_embeddings"] = cfg.rope_scaling.original_max_position_embeddings
     if cfg.bos_token_id is not None:

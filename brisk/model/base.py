@@ -27,7 +27,7 @@ from brisk.kernels import pack_supported, pack_weight
 from brisk.model.attention import AttentionMetadata, ContiguousAttention, SeqSpan
 from brisk.model.decode_plan import build_decode_plan, plan_applies, run_plan
 from brisk.model.layers import WHOLE, Embedding, Linear, RMSNorm, linear
-from brisk.model.rotary import rope_tables
+from brisk.model.rotary import partial_rotary_order, permute_heads, rope_tables
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of this step's positions: [n, 1, head_dim] each
 
@@ -91,7 +91,8 @@ class DecoderLM(nn.Module):
         # rotary tables, one pair per base (`rope_bases`); a layer's `rope_index` picks its pair
         self._rope_names: list[tuple[str, str]] = []  # buffer names of each (cos, sin) pair
         for i, (base, scaling) in enumerate(self.rope_bases()):
-            cos, sin = rope_tables(cfg.head_dim, base, scaling, cfg.max_position_embeddings, positions)
+            cos, sin = rope_tables(cfg.head_dim, base, scaling, cfg.max_position_embeddings, positions,
+                                   cfg.rotary_dim)
             names = ("rope_cos", "rope_sin") if i == 0 else (f"rope_cos_{i}", f"rope_sin_{i}")
             self.register_buffer(names[0], cos.to(dtype), persistent=False)  # [max_positions, head_dim]
             self.register_buffer(names[1], sin.to(dtype), persistent=False)
@@ -259,7 +260,7 @@ class DecoderLM(nn.Module):
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store a copy of the embedding
-            tensor = self.load_tensor(name, tensor)
+            tensor = self.load_tensor(name, rotary_layout(self.config, name, tensor))
             m = _STACKED_RE.match(name)
             if m:
                 loaded.add(self._load_stacked(m, tensor))
@@ -289,6 +290,24 @@ class DecoderLM(nn.Module):
         else:
             stacked.load_part_bias(part, tensor)
         return f"{target}.{m.group(3)}#{part}"
+
+
+def rotary_layout(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A checkpoint tensor with partial rotary's q / k dims in the order brisk's kernels rotate
+    (rotary.partial_rotary_order): q_proj, k_proj (weights, biases, block rows), the q and k part
+    of a fused qkv_proj, QK-norm weights; every other tensor, and every tensor of a model whose
+    heads rotate whole, as it is."""
+    order = partial_rotary_order(cfg.head_dim, cfg.rotary_dim)
+    if order is None:
+        return tensor
+    if name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+        return permute_heads(tensor, order, cfg.head_dim)
+    if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):  # fused (Phi-3): q and k rows, v as it is
+        qk = cfg.q_size + cfg.kv_size
+        return torch.cat([permute_heads(tensor[:qk], order, cfg.head_dim), tensor[qk:]])
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return tensor[order]
+    return tensor
 
 
 @functools.cache

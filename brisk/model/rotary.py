@@ -97,30 +97,62 @@ def _dynamic_angles(base: float, dim: int, s: RopeScaling, max_pos: int, n: int)
 
 
 def rope_tables(
-    head_dim: int, base: float, scaling: RopeScaling, max_position_embeddings: int, max_positions: int
+    head_dim: int, base: float, scaling: RopeScaling, max_position_embeddings: int, max_positions: int,
+    rotary_dim: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables, each `[max_positions, head_dim]` in float32, attention factor folded in."""
+    """cos and sin tables, each `[max_positions, head_dim]` in float32, attention factor folded in.
+
+    Partial rotary (`rotary_dim` < head_dim): the frequencies of `rotary_dim` dims, then angle 0
+    (cos 1, sin 0) for the pairs that do not rotate; the q / k rows are laid out so that those are
+    the pairs the rotate-half kernels pair up (`partial_rotary_order`)."""
+    dim = rotary_dim or head_dim  # the scalings see the rotated dims only, as HF's do
     attn_factor = 1.0
     if scaling.rope_type == "dynamic":
-        angles = _dynamic_angles(base, head_dim, scaling, max_position_embeddings, max_positions)
+        angles = _dynamic_angles(base, dim, scaling, max_position_embeddings, max_positions)
     else:
-        inv_freq = _default_inv_freq(base, head_dim)
+        inv_freq = _default_inv_freq(base, dim)
         if scaling.rope_type == "linear":
             inv_freq = inv_freq / scaling.factor
         elif scaling.rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling, max_position_embeddings)
         elif scaling.rope_type == "yarn":
-            inv_freq, attn_factor = _yarn_inv_freq(base, head_dim, scaling, max_position_embeddings)
+            inv_freq, attn_factor = _yarn_inv_freq(base, dim, scaling, max_position_embeddings)
         elif scaling.rope_type == "longrope":
-            inv_freq, attn_factor = _longrope_inv_freq(base, head_dim, scaling, max_positions)
+            inv_freq, attn_factor = _longrope_inv_freq(base, dim, scaling, max_positions)
         if scaling.freq_factors:  # llama.cpp's rope_freqs: theta_i / factor_i
             inv_freq = inv_freq / torch.tensor(scaling.freq_factors, dtype=inv_freq.dtype)
         # HF computes inv_freq in float32 before the outer product; match it for identical logits.
         inv32 = inv_freq.to(torch.float32)
         angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv32[None, :]
-    angles = angles.to(torch.float32)
-    emb = torch.cat([angles, angles], dim=-1)  # [max_positions, head_dim]
-    return (emb.cos() * attn_factor), (emb.sin() * attn_factor)
+    angles = angles.to(torch.float32)  # [max_positions, dim / 2]
+    cos, sin = angles.cos() * attn_factor, angles.sin() * attn_factor
+    if dim < head_dim:  # pass-through pairs: cos 1, sin 0 (the attention factor scales rotated dims only)
+        rest = (angles.shape[0], (head_dim - dim) // 2)
+        cos, sin = torch.cat([cos, cos.new_ones(rest)], dim=1), torch.cat([sin, sin.new_zeros(rest)], dim=1)
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)  # [max_positions, head_dim] each
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> list[int] | None:
+    """The order of a head's dims that makes HF's partial rotary a full-width rotate-half.
+
+    HF rotates the first `rotary_dim` dims as halves (pairs i, i + rotary_dim / 2) and passes the
+    rest through; brisk's kernels rotate pairs (j, j + head_dim / 2). Putting old dim
+    rotary_dim / 2 + i at j = head_dim / 2 + i, and the pass-through dims in the pairs left over
+    (which get angle 0), makes the two the same; q and k permuted alike keep every q.k. None
+    when every dim rotates."""
+    if rotary_dim >= head_dim:
+        return None
+    half, rot_half = head_dim // 2, rotary_dim // 2
+    passing = list(range(rotary_dim, head_dim))
+    first, second = passing[: half - rot_half], passing[half - rot_half:]
+    return list(range(rot_half)) + first + list(range(rot_half, rotary_dim)) + second
+
+
+def permute_heads(rows: torch.Tensor, order: list[int], head_dim: int) -> torch.Tensor:
+    """Rows [heads * head_dim, ...] (a projection's weight, bias, or a GGUF tensor's block rows)
+    with each head's dims in `order` (a copy)."""
+    index = (torch.arange(rows.shape[0] // head_dim)[:, None] * head_dim + torch.tensor(order)[None, :]).flatten()
+    return rows.index_select(0, index)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ ARCH = {"qwen3": gguf.MODEL_ARCH.QWEN3, "gemma3": gguf.MODEL_ARCH.GEMMA3, "llama
         "phi3": gguf.MODEL_ARCH.PHI3}
 
 
-def _hf(arch: str) -> torch.nn.Module:
+def _hf(arch: str, rotary: int = HEAD_DIM) -> torch.nn.Module:
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=LAYERS,
                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
                   max_position_embeddings=CONTEXT, rms_norm_eps=1e-6)
@@ -44,9 +44,11 @@ def _hf(arch: str) -> torch.nn.Module:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_scaling=LLAMA3,
                                                                        rope_theta=10000.0))
     elif arch == "phi3":
+        pairs = rotary // 2  # Phi-4-mini rotates 3/4 of each head: factors for its rotated pairs only
         cfg = transformers.Phi3Config(**common, original_max_position_embeddings=ORIGINAL, sliding_window=12,
-                                      rope_scaling={"rope_type": "longrope", "short_factor": SHORT,
-                                                    "long_factor": LONG}, pad_token_id=0)
+                                      rope_scaling={"rope_type": "longrope", "short_factor": SHORT[:pairs],
+                                                    "long_factor": LONG[:pairs]}, pad_token_id=0,
+                                      partial_rotary_factor=rotary / HEAD_DIM)
         model = transformers.Phi3ForCausalLM(cfg)
     else:
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, tie_word_embeddings=False))
@@ -79,13 +81,13 @@ def _llama3_factors() -> list[float]:
     return out
 
 
-def _write(model: torch.nn.Module, arch: str, path: Path) -> None:
+def _write(model: torch.nn.Module, arch: str, path: Path, rotary: int = HEAD_DIM) -> None:
     w = gguf.GGUFWriter(path, arch)
     for key, value in (("context_length", CONTEXT), ("embedding_length", HIDDEN), ("block_count", LAYERS),
                        ("feed_forward_length", 96), ("attention.head_count", HEADS),
                        ("attention.head_count_kv", KV_HEADS), ("attention.key_length", HEAD_DIM),
                        ("attention.value_length", HEAD_DIM), ("vocab_size", VOCAB),
-                       ("rope.dimension_count", HEAD_DIM)):
+                       ("rope.dimension_count", rotary)):
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
     # a small SentencePiece vocabulary, so the file loads whole (load_model reads its tokenizer)
@@ -103,8 +105,8 @@ def _write(model: torch.nn.Module, arch: str, path: Path) -> None:
         w.add_uint32(f"{arch}.attention.sliding_window", 12)
         w.add_uint32(f"{arch}.rope.scaling.original_context_length", ORIGINAL)
         w.add_float32(f"{arch}.rope.scaling.attn_factor", math.sqrt(1 + math.log(CONTEXT / ORIGINAL) / math.log(ORIGINAL)))
-        tensors += [("rope_factors_long.weight", np.array(LONG, dtype=np.float32)),
-                    ("rope_factors_short.weight", np.array(SHORT, dtype=np.float32))]
+        tensors += [("rope_factors_long.weight", np.array(LONG[:rotary // 2], dtype=np.float32)),
+                    ("rope_factors_short.weight", np.array(SHORT[:rotary // 2], dtype=np.float32))]
     if arch == "llama":
         tensors.append(("rope_freqs.weight", np.array(_llama3_factors(), dtype=np.float32)))
     names = gguf.get_tensor_name_map(ARCH[arch], LAYERS)
@@ -152,15 +154,25 @@ def test_gguf_file_gives_hf_logits(arch: str, tmp_path: Path) -> None:
     torch.testing.assert_close(got, ref, atol=5e-5, rtol=1e-4)
 
 
-def test_phi3_gguf_runs_from_its_blocks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rotary", [HEAD_DIM, 12], ids=["whole", "partial"])
+def test_phi3_gguf_runs_from_its_blocks(tmp_path: Path, rotary: int) -> None:
     """A quantized Phi-3 file keeps its fused qkv / gate|up tensors as blocks (one segment each):
-    no Linear falls back to floats, and the logits match the dequantized model's."""
+    no Linear falls back to floats, and the logits match the dequantized model's. Partial rotary
+    (Phi-4-mini's rope.dimension_count below head_dim): the q / k block rows reordered like the
+    float weights, and the float file gives HF's logits."""
     from brisk.loader.load import load_model
     from brisk.quant.gguf import BlockLinear, GroupLinear
 
-    hf = _hf("phi3")
+    hf = _hf("phi3", rotary)
     f32 = tmp_path / "phi3-f32.gguf"
-    _write(hf, "phi3", f32)
+    _write(hf, "phi3", f32, rotary)
+    if rotary != HEAD_DIM:
+        floats32 = load_model(str(f32), max_model_len=ORIGINAL).model
+        assert floats32.config.rotary_dim == rotary
+        ids = [int(i) for i in torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(2))]
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(floats32.compute_logits(forward_sequence(floats32, ids)), ref, atol=5e-5, rtol=1e-4)
     q8 = tmp_path / "phi3-q8_0.gguf"
     _requantize(f32, q8)
     blocks = load_model(str(q8), max_model_len=ORIGINAL).model

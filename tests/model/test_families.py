@@ -132,6 +132,25 @@ def test_config_round_trips_through_hf_config_json(tmp_path: Path) -> None:
     assert hf_again.query_pre_attn_scalar == 24
 
 
+def test_partial_rotary_gives_hf_logits_through_every_path(tmp_path: Path) -> None:
+    """Phi-4-mini's partial rotary (3/4 of each head, here 12 of 16 dims): q / k dims laid out so the
+    full-width kernels rotate exactly HF's pairs; logits at every position and greedy through the
+    paged engine (kernel, decode plan, gather) equal HF's."""
+    cfg = transformers.Phi3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, partial_rotary_factor=0.75, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)
+    ours, hf = _pair("phi3", tmp_path, config=cfg)
+    assert ours.config.rotary_dim == 12
+    got = ours.compute_logits(forward_sequence(ours, IDS))
+    with torch.no_grad():
+        ref = hf(torch.tensor([IDS])).logits[0].float()
+    torch.testing.assert_close(got, ref, atol=5e-5, rtol=1e-4)
+    prompts = [IDS[:30], IDS[3:14]]
+    assert _run(_engine(ours, 12), prompts) == [_hf_greedy(hf, p) for p in prompts]
+    assert hf_config_dict(ours.config)["partial_rotary_factor"] == 0.75
+
+
 def test_phi3_config_round_trips_with_its_longrope(tmp_path: Path) -> None:
     import json
 

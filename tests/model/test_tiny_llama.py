@@ -181,6 +181,6 @@ def test_config_validation() -> None:
         RopeScaling(rope_type="mrope")
     with pytest.raises(ValueError, match="longrope scaling needs short_factor"):
         RopeScaling(rope_type="longrope")
-    with pytest.raises(ValueError, match="short_factor has 3 values; head_dim 8 needs 4"):
+    with pytest.raises(ValueError, match="short_factor has 3 values; 8 rotated dims need 4"):
         ModelConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, rope_scaling=RopeScaling(
             rope_type="longrope", short_factor=(1.0,) * 3, long_factor=(1.0,) * 3, original_max_position_embeddings=8))
