@@ -65,6 +65,7 @@ def test_chat_format_is_gemmas(tokenizer: Tokenizer) -> None:
     assert ids[0] == 2 and ids.count(2) == 1
 
 
+@pytest.mark.slow  # ~100 s, most of it HF dequantizing the file: run with pytest -m slow
 def test_greedy_64_tokens_equal_hf_loading_the_same_gguf(gemma_path: Path, tokenizer: Tokenizer) -> None:
     transformers = pytest.importorskip("transformers")
     from brisk.engine.llm import LLM
