@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
     _add_sampling(gen)
+    shape = gen.add_mutually_exclusive_group()  # structured outputs: one grammar enforced token by token
+    shape.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
+                       help="output matches this JSON schema (a file, or the schema's JSON text)")
+    shape.add_argument("--json-object", action="store_true", help="output is a JSON object")
+    shape.add_argument("--regex", default=None, help="output matches this regular expression")
+    shape.add_argument("--choice", action="append", default=None, help="output is one of these (repeatable)")
     add_engine(gen)
 
     ev = sub.add_parser("eval", help="quality evaluations")
@@ -151,12 +157,30 @@ def _generate_file(llm: object, args: argparse.Namespace, params: object, items:
     return 0
 
 
+def _structured(args: argparse.Namespace) -> dict[str, object] | None:
+    """`generate`'s grammar options as SamplingParams.structured (None: free text)."""
+    if args.json_schema is not None:
+        text = args.json_schema
+        path = Path(text)
+        if not text.lstrip().startswith("{") and path.is_file():
+            text = path.read_text(encoding="utf-8")
+        try:
+            return {"json": json.loads(text)}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema: neither a file nor valid JSON ({e})") from None
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    return {"choice": args.choice} if args.choice else None
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from brisk.engine.llm import LLM
     from brisk.request import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=args.stop)
+                            top_k=args.top_k, seed=args.seed, stop=args.stop, structured=_structured(args))
     if args.prompt is not None and not args.prompt.strip():
         raise ValueError("the prompt is empty; pass some text with --prompt")
     if args.system is not None and not args.chat:

@@ -42,6 +42,19 @@ def test_generate_streams_and_ends_with_figures(gguf_path, capsys) -> None:
         assert label in figures
 
 
+def test_generate_structured_options(gguf_path, capsys, tmp_path) -> None:
+    pytest.importorskip("llguidance")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}))
+    code, out, _ = _run(capsys, "generate", "--prompt", "JSON:", "--json-schema", str(schema), "--max-tokens", "20")
+    assert code == 0 and isinstance(json.loads(out.strip())["ok"], bool)
+    code, out, _ = _run(capsys, "generate", "--prompt", "Pick:", "--choice", "red", "--choice", "blue")
+    assert code == 0 and out.strip() in ("red", "blue")
+    code, _, err = _run(capsys, "generate", "--prompt", "x", "--regex", "((")
+    assert code == 2 and "unclosed group" in err
+
+
 def test_bench_latency_prints_json(gguf_path, capsys) -> None:
     code, out, _ = _run(capsys, "bench", "latency", "--new-tokens", "4", "--repeats", "1")
     assert code == 0
