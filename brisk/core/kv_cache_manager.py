@@ -274,7 +274,7 @@ class KVCacheManager:
         tables = self._blocks.get(request_id)
         if tables is None:
             return [[] for _ in self.windows]
-        return [[NO_BLOCK if b is None else b.block_id for b in table] for table in tables]
+        return [self._ids(table, w) for table, w in zip(tables, self.windows)]
 
     @property
     def num_free_blocks(self) -> int:
