@@ -23,6 +23,7 @@ from brisk.cli_common import (
     quant_kwargs,
 )
 from brisk.loader.resolve import DEFAULT_MODEL
+from brisk.server.tools import FORMATS as TOOL_FORMATS
 
 EXIT_USAGE = 2
 
@@ -83,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="open HTTP connections; one more is answered 503 and closed (default 1024)")
     srv.add_argument("--request-timeout", type=float, default=30.0,
                      help="seconds a client has to send a request's head, and again its body (408 after; default 30)")
+    srv.add_argument("--tool-call-parser", choices=sorted(TOOL_FORMATS), default=None,
+                     help="how the model writes tool calls (default: read from its chat template; a template "
+                          "without tools gets brisk's hermes-style default prompt)")
 
     env = sub.add_parser("env", help="this machine and what brisk runs on it (ISA, kernels, threads, torch), for bug "
                                      "reports")
@@ -242,7 +246,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                         max_connections=args.max_connections)
     llm = LLM(args.model, dtype=args.dtype, **engine_kwargs(args))  # type: ignore[arg-type]
     print(f"brisk: serving {llm.model_name} on http://{args.host}:{args.port} (OpenAI API under /v1)", file=sys.stderr)
-    serve(llm, args.host, args.port, args.api_key, args.max_waiting, limits=limits)
+    serve(llm, args.host, args.port, args.api_key, args.max_waiting, limits=limits, tool_parser=args.tool_call_parser)
     return 0
 
 

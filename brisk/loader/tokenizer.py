@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -377,18 +378,38 @@ class Tokenizer:
     def token_to_id(self, s: str) -> int | None:
         return self._backend.token_to_id(s)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the special (control) token spelled `text`, or None when `text` is not one.
+        Special tokens vanish from text decoded with skip_special_tokens; grammars name them by id."""
+        for i, added in self._backend.get_added_tokens_decoder().items():
+            if added.special and added.content == text:
+                return int(i)
+        return None
+
+    @property
+    def template_takes_tools(self) -> bool:
+        """The chat template reads the `tools` variable (HF's tool-calling templates do)."""
+        return self._chat is not None and re.search(r"\btools\b", self._chat.source) is not None
+
+    @property
+    def template_source(self) -> str:
+        return self._chat.source if self._chat is not None else ""
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if self._chat_error is not None:
             raise self._chat_error
         return render_chat_template(
             self._chat, messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token, eos_token=self.eos_token,
+            bos_token=self.bos_token, eos_token=self.eos_token, tools=tools,
         )  # fmt: skip
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Rendered prompt ids. No BOS is added: a template that wants one writes it itself
         (`{{ bos_token }}`), and adding another would double it (HF does the same)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        return self.encode(text, add_special_tokens=False)
 
 
 def _token_id(backend: Backend, token: Any) -> int | None:

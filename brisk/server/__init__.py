@@ -17,15 +17,18 @@ if TYPE_CHECKING:
 API_KEY_ENV = "BRISK_API_KEY"
 
 
-def build_app(llm: LLM, api_key: str | None = None, max_waiting: int = 256, limits: EdgeLimits | None = None) -> FastAPI:
-    """The FastAPI app over `llm`'s engine, with the engine thread started."""
+def build_app(llm: LLM, api_key: str | None = None, max_waiting: int = 256, limits: EdgeLimits | None = None,
+              tool_parser: str | None = None) -> FastAPI:
+    """The FastAPI app over `llm`'s engine, with the engine thread started. `tool_parser`: a name
+    in server.tools.FORMATS (default: the one the model's chat template shows)."""
     from brisk.engine.async_engine import AsyncEngine
     from brisk.server.app import ServerState, create_app
 
     engine = AsyncEngine(llm.engine, max_waiting=max_waiting)
     engine.start()
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-    return create_app(ServerState(engine, llm.tokenizer, llm.model_name, llm.max_model_len, key), limits)
+    state = ServerState(engine, llm.tokenizer, llm.model_name, llm.max_model_len, key, tool_parser)
+    return create_app(state, limits)
 
 
 def uvicorn_config(app: FastAPI, host: str, port: int, limits: EdgeLimits | None = None,
@@ -41,7 +44,8 @@ def uvicorn_config(app: FastAPI, host: str, port: int, limits: EdgeLimits | None
 
 
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_waiting: int = 256, graceful_seconds: int = 10, limits: EdgeLimits | None = None) -> None:
+          max_waiting: int = 256, graceful_seconds: int = 10, limits: EdgeLimits | None = None,
+          tool_parser: str | None = None) -> None:
     """Run until SIGINT/SIGTERM: uvicorn stops accepting, lets running requests finish for up to
     `graceful_seconds`, then the engine thread stops; the process exits 0."""
     import uvicorn
@@ -57,7 +61,7 @@ def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, api_key: str | No
                 finally:
                     self._captured_signals.clear()
 
-    app = build_app(llm, api_key, max_waiting, limits)
+    app = build_app(llm, api_key, max_waiting, limits, tool_parser)
     try:
         _Server(uvicorn_config(app, host, port, limits, graceful_seconds)).run()
     finally:

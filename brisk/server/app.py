@@ -9,6 +9,7 @@ a client that disconnects mid-stream has its request aborted and its KV blocks f
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -20,6 +21,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from brisk.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded
@@ -27,6 +29,7 @@ from brisk.engine.outputs import RequestOutput
 from brisk.loader.tokenizer import Tokenizer
 from brisk.request import InvalidRequest, SamplingParams
 from brisk.server import formatting as fmt
+from brisk.server import tools
 from brisk.server.edge import (
     EdgeLimits,
     Guard,
@@ -56,9 +59,11 @@ _T = TypeVar("_T")
 
 class ServerState:
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_model_len: int,
-                 api_key: str | None) -> None:
+                 api_key: str | None, tool_parser: str | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        # how this model writes tool calls: the parser asked for, or the one its template shows
+        self.tool_format = tools.FORMATS[tool_parser or tools.detect_format(tokenizer.template_source)]
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.api_key = api_key
@@ -188,28 +193,51 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
         state.check_model(req.model)
-        messages = [m.as_dict() for m in req.messages]
-        ids = await state.run_cpu(state.tokenizer.encode_chat, messages, req.add_generation_prompt)
+        req.check_tools()
+        plan = _tool_plan(state, req)
+        ids = await state.run_cpu(state.tokenizer.encode_chat, plan.messages, req.add_generation_prompt,
+                                  plan.template_tools)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         asked = req.max_completion_tokens or req.max_tokens
         max_tokens = asked if asked is not None else max(1, state.max_model_len - len(ids))
         state.check_length(len(ids), max_tokens, field)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = await _structured_checked(state, req, max_tokens, logprobs)
+        # a tool's schema that cannot compile is the `tools` field's fault
+        tool_grammar = ("tools", {"grammar": plan.grammar}) if plan.grammar is not None else None
+        params = await _structured_checked(state, req, max_tokens, logprobs, tool_grammar)
+        if plan.keep_special:
+            params = dataclasses.replace(params, skip_special_tokens=False)
         job = await _submit(state, [(None, ids)], params)
-        view = fmt.ChatView(state, req, [(None, ids)], job.created, job.id)
+        view = fmt.ChatView(state, req, [(None, ids)], job.created, job.id, plan if plan.parse else None)
         if req.stream:
             return _sse(state, job, _stream(state, job, view, req.include_usage))
         return await state.run_cpu(_full_response, view, await _collect(state, job, raw))
 
 
+def _tool_plan(state: ServerState, req: ChatCompletionRequest) -> tools.ToolPlan:
+    """How the request's tools (and earlier calls and results) enter the prompt, whether a grammar
+    makes the answer a call, and how the answer is cut into content and calls."""
+    choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel) else req.tool_choice
+    return tools.plan_tools([m.as_dict() for m in req.messages],
+                            [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+                            choice, req.parallel_tool_calls, state.tokenizer, state.tool_format)
+
+
 async def _structured_checked(state: ServerState, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                              logprobs: int | None) -> SamplingParams:
+                              logprobs: int | None, extra: tuple[str, dict[str, Any]] | None = None) -> SamplingParams:
     """The request's SamplingParams, its grammar (if any) compiled first off the event loop (then
-    cached for the engine): a schema or regex that cannot compile is a 400 naming its field."""
+    cached for the engine): a schema or regex that cannot compile is a 400 naming its field.
+    `extra`: a grammar the server adds (field, spec), e.g. tool_choice's."""
     field, spec = req.structured()
+    if extra is not None and field is not None:
+        raise InvalidRequest(f"{field} and tool_choice (required or a named tool) both constrain the answer; "
+                             "ask for one", field)
+    if extra is not None:
+        field, spec = extra
     try:
         params = req.sampling_params(max_tokens, logprobs)
+        if extra is not None:
+            params = dataclasses.replace(params, structured=spec)
         if spec is not None:
             await state.run_cpu(state.engine.engine.grammars().constraint, spec)
     except ValueError as e:
@@ -222,7 +250,10 @@ async def _structured_checked(state: ServerState, req: CompletionRequest | ChatC
 def _tokenize(state: ServerState, req: TokenizeRequest) -> JSONResponse:
     """Tokenized and serialised off the event loop: a 4 MB prompt is ~1M ids, seconds of work."""
     if req.messages is not None:
-        ids = state.tokenizer.encode_chat([m.as_dict() for m in req.messages])
+        tool_list = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        plan = tools.plan_tools([m.as_dict() for m in req.messages], tool_list, None, None, state.tokenizer,
+                                state.tool_format)
+        ids = state.tokenizer.encode_chat(plan.messages, True, plan.template_tools)
     else:
         ids = state.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from brisk.engine.outputs import CompletionOutput, RequestOutput
 from brisk.sample.logprobs import TokenLogprobs
+from brisk.server.tools import CallDelta, ToolCallScanner, ToolPlan
 
 if TYPE_CHECKING:
     from brisk.server.app import ServerState
@@ -66,7 +67,9 @@ class View:
             if c.finished:
                 self._closed.add(index)
             if c.delta or c.finished or new_lp:
-                chunks.append(self._envelope(self.object_chunk, [self.delta_choice(index, c, new_lp)]))
+                choice = self.delta_choice(index, c, new_lp)
+                if choice is not None:
+                    chunks.append(self._envelope(self.object_chunk, [choice]))
         return chunks
 
     # ------------------------------------------------------------------ per API
@@ -76,7 +79,8 @@ class View:
     def full_choice(self, index: int, prompt_index: int, c: CompletionOutput) -> dict[str, Any]:
         raise NotImplementedError
 
-    def delta_choice(self, index: int, c: CompletionOutput, new_lp: list[TokenLogprobs]) -> dict[str, Any]:
+    def delta_choice(self, index: int, c: CompletionOutput, new_lp: list[TokenLogprobs]) -> dict[str, Any] | None:
+        """The choice's part of one stream chunk; None when there is nothing to send yet."""
         raise NotImplementedError
 
 
@@ -138,9 +142,18 @@ class CompletionView(View):
 
 
 class ChatView(View):
+    """Chat answers; with a tool plan, each choice's text is cut into content and tool calls
+    (server/tools.py), the same way whole and streamed."""
+
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
     id_prefix = "chatcmpl"
+
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, prompts: list[tuple[str | None, list[int]]],
+                 created: int, job_id: str, tools: ToolPlan | None = None) -> None:
+        super().__init__(state, req, prompts, created, job_id)
+        self.tools = tools
+        self._scanners: dict[int, ToolCallScanner] = {}
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         # bytes are the token's own, so a client can join partial UTF-8 characters (emoji, CJK)
@@ -154,16 +167,64 @@ class ChatView(View):
                              "top_logprobs": [self._entry(t, lp) for t, lp in e.top]} for e in entries]}
 
     def full_choice(self, index: int, prompt_index: int, c: CompletionOutput) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c.logprobs or []),
-                "finish_reason": str(c.finish_reason) if c.finish_reason else None}
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        calls: list[CallDelta] = []
+        if self.tools is not None:
+            scanner = self.tools.scanner()
+            parsed = scanner.feed(c.text)
+            parsed += scanner.finish()
+            content, calls = parsed.content, _joined(parsed.calls)
+            message = {"role": "assistant", "content": content if content or not calls else None}
+            if calls:
+                message["tool_calls"] = [_call_json(call) for call in calls]
+        return {"index": index, "message": message, "logprobs": self._logprobs(c.logprobs or []),
+                "finish_reason": _finish(c, bool(calls))}
 
     def opening(self) -> list[dict[str, Any]]:
         return [self._envelope(self.object_chunk, [{"index": j, "delta": {"role": "assistant", "content": ""},
                                                     "logprobs": None, "finish_reason": None}])
                 for j in range(self.n)]
 
-    def delta_choice(self, index: int, c: CompletionOutput, new_lp: list[TokenLogprobs]) -> dict[str, Any]:
-        delta = {"content": c.delta} if c.delta else {}
+    def delta_choice(self, index: int, c: CompletionOutput, new_lp: list[TokenLogprobs]) -> dict[str, Any] | None:
+        if self.tools is None:
+            delta: dict[str, Any] = {"content": c.delta} if c.delta else {}
+            return {"index": index, "delta": delta, "logprobs": self._logprobs(new_lp),
+                    "finish_reason": str(c.finish_reason) if c.finish_reason else None}
+        scanner = self._scanners.setdefault(index, self.tools.scanner())
+        parsed = scanner.feed(c.delta)
+        if c.finished:
+            parsed += scanner.finish()
+        delta = {"content": parsed.content} if parsed.content else {}
+        if parsed.calls:
+            delta["tool_calls"] = [_call_json(call, streamed=True) for call in _joined(parsed.calls)]
+        if not delta and not c.finished and not new_lp:
+            return None  # text held back (perhaps the start of a call)
         return {"index": index, "delta": delta, "logprobs": self._logprobs(new_lp),
-                "finish_reason": str(c.finish_reason) if c.finish_reason else None}
+                "finish_reason": _finish(c, scanner.calls > 0)}
+
+
+def _joined(pieces: list[CallDelta]) -> list[CallDelta]:
+    """Pieces of the same call merged, in order (one entry per call in a chunk or an answer)."""
+    calls: dict[int, CallDelta] = {}
+    for p in pieces:
+        if p.index in calls:
+            calls[p.index].arguments += p.arguments
+        else:
+            calls[p.index] = CallDelta(p.index, p.id, p.name, p.arguments)
+    return list(calls.values())
+
+
+def _call_json(call: CallDelta, streamed: bool = False) -> dict[str, Any]:
+    """OpenAI's tool call object; a stream's later pieces of a call carry only its arguments."""
+    if call.id is None:
+        return {"index": call.index, "function": {"arguments": call.arguments}}
+    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return {"index": call.index, **out} if streamed else out
+
+
+def _finish(c: CompletionOutput, called: bool) -> str | None:
+    """"tool_calls" when the answer ended by itself with calls in it; the engine's reason otherwise."""
+    if c.finish_reason is None:
+        return None
+    reason = str(c.finish_reason)
+    return "tool_calls" if called and reason == "stop" else reason

@@ -6,10 +6,13 @@ guided_json, guided_regex, guided_choice, guided_grammar, on both endpoints; cha
 OpenAI's `response_format` json_object / json_schema). Ranges are checked here so a bad
 value is a 400 naming its field; everything else SamplingParams checks again.
 
+Chat also takes OpenAI's tool calling: `tools`, `tool_choice`, `parallel_tool_calls`, assistant
+messages with `tool_calls` and `tool` messages with `tool_call_id` (server/tools.py).
+
 Validation is strict, as OpenAI's is: no string is read as a number or a boolean ("5", "true"),
-and a field this server does not know is refused, not ignored, so a client that asks for tool
-calls (not built yet) is told it will not get them. Fields that only describe a request (`user`,
-`metadata`, `store`, `service_tier`) are accepted and ignored.
+and a field this server does not know is refused, not ignored, so a client that asks for
+something brisk does not do (the legacy `functions`, audio) is told it will not get it. Fields
+that only describe a request (`user`, `metadata`, `store`, `service_tier`) are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from brisk.request import InvalidRequest, SamplingParams
 
@@ -29,12 +32,9 @@ MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 512, 1024
 UNSUPPORTED = {
     "response_format": "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
                        "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
-    "tool_calls": "tool calling is not supported yet",
-    "tool_call_id": "tool calling is not supported yet",
+    "functions": "the legacy `functions` field is not supported; send `tools` "
+                 "([{\"type\": \"function\", \"function\": {...}}])",
+    "function_call": "the legacy `function_call` field is not supported; send `tool_choice`",
     "best_of": "best_of is not supported; use n and pick among the choices",
     "suffix": "insertion (suffix) is not supported",
     "prediction": "predicted outputs are not supported",
@@ -52,7 +52,8 @@ def validation_message(err: Mapping[str, Any]) -> str:
         return UNSUPPORTED[refused[0]]
     if err.get("type") == "extra_forbidden":
         return "not a field this server accepts; remove it"
-    return str(err.get("msg", "invalid request"))
+    # a validator's ValueError reads "Value error, <its message>": the message is enough
+    return str(err.get("msg", "invalid request")).removeprefix("Value error, ")
 
 
 class _Strict(BaseModel):
@@ -169,13 +170,67 @@ class CompletionRequest(_Sampling):
     suffix: None = None
 
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+MAX_TOOLS = 128
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # arguments are always schema-valid when tool_choice constrains them
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _NamedFunction
+
+
+class _CallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class ToolCallIn(_Strict):
+    """An earlier call, as an assistant message of the conversation carries it."""
+
+    id: str
+    type: Literal["function"]
+    function: _CallFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None  # a participant's name: the templates brisk renders do not show it
+    tool_calls: list[ToolCallIn] | None = None  # assistant only
+    tool_call_id: str | None = None  # tool only: the call this message answers
 
-    def as_dict(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.text()}
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role!r} ones")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id: the id of the call it answers")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+            out["content"] = self.text() if self.content is not None else None
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         """String content, or the text parts of a content list joined (images are not supported)."""
@@ -201,7 +256,22 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     response_format: ResponseFormat | None = Field(default=None, discriminator="type")
     modalities: list[Literal["text"]] | None = Field(default=None, min_length=1, max_length=1)
-    parallel_tool_calls: bool | None = None  # only meaningful with tools, which are refused
+    tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def check_tools(self) -> None:
+        """Tool fields that agree with each other (InvalidRequest naming the field otherwise)."""
+        names = [t.function.name for t in self.tools or []]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise InvalidRequest(f"tools: two tools are named {dup!r}; names must be unique", "tools")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not names:
+            raise InvalidRequest("tool_choice: give `tools` to choose from, or leave tool_choice out", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise InvalidRequest(f"tool_choice: no tool is named {choice.function.name!r}; the tools are "
+                                 f"{', '.join(names)}", "tool_choice")
 
     def _format(self) -> list[tuple[str, dict[str, Any]]]:
         fmt = self.response_format
@@ -217,6 +287,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)  # rendered as chat would
     add_special_tokens: bool = True
 
 
