@@ -241,8 +241,10 @@ class LLMEngine:
                 if lp is not None:
                     self._seqs[sid].logprobs.append(lp)
         if self.spec is not None:
+            grammars = {sid: self._seqs[sid].constraint for sid in drafts}
             verified = self._isolating(lambda ids: self.spec.verify(out, {i: drafts[i] for i in ids}, requests,
-                                                                    generators), list(drafts)) if drafts else {}
+                                                                    generators, grammars),
+                                       list(drafts)) if drafts else {}
             self.spec.observe_hidden(out, verified)
             for sid, res in verified.items():
                 sampled[sid] = res.token_ids
@@ -361,6 +363,8 @@ class LLMEngine:
                 else:
                     self.scheduler.finish_request(req.request_id, FinishReason.STOP)
                 break
+            if seq.constraint is not None and seq.constraint.done:
+                break  # the grammar's last token: verified tokens after it were dropped
         del seq.logprobs[req.num_output_tokens:]  # verified tokens past a stop carry no logprobs
         if req.is_finished():
             seq.detok.flush()  # a trailing partial character is shown, not dropped (no-op after a stop string)
@@ -377,9 +381,14 @@ class LLMEngine:
             self.failures[seq.group] = e
             self.abort_request(seq.group)
             return False
-        if seq.constraint.done and not req.is_finished():
-            del req.output_token_ids[seq.num_pushed + 1:]  # nothing after the grammar's last token
-            self.scheduler.finish_request(req.request_id, FinishReason.STOP)
+        if seq.constraint.done:
+            # nothing after the grammar's last token (verified drafts, an EOS, the token max_tokens
+            # ended on): the sequence ends here, as non-speculative decoding ends it
+            del req.output_token_ids[seq.num_pushed + 1:]
+            if req.is_finished():
+                req.finish_reason, req.status = FinishReason.STOP, RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_request(req.request_id, FinishReason.STOP)
         return True
 
     def _output(self, group_id: str) -> RequestOutput:

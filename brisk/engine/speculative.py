@@ -24,6 +24,7 @@ from brisk.core.outputs import ScheduledRequest, SchedulerOutput
 from brisk.model.base import CausalLM
 from brisk.request import Request
 from brisk.runtime.paged_runner import PagedModelRunner, StepLogits
+from brisk.sample.structured import Constraint
 from brisk.runtime.parallel_runner import ParallelRunner
 from brisk.spec.base import Draft, DraftRequest, Proposer
 from brisk.spec.draft import DraftModelProposer
@@ -95,9 +96,6 @@ class Speculator:
         """Draft lengths for the requests that will decode next step."""
         classify = getattr(self.proposer, "draft_class", None)
         for req in running:
-            if req.sampling_params.structured:  # drafts are not checked against grammars yet
-                req.num_spec_wanted = 0
-                continue
             if classify is None:
                 req.num_spec_wanted = self.length.wanted(req.request_id)
                 continue
@@ -140,10 +138,14 @@ class Speculator:
             self.length.draft_cost = self._draft_seconds.value / self._plain_seconds.value
 
     def verify(self, out: StepLogits, drafts: dict[str, Draft], requests: dict[str, Request],
-               generators: dict[str, torch.Generator | None]) -> dict[str, VerifyOutput]:
+               generators: dict[str, torch.Generator | None],
+               constraints: dict[str, Constraint | None] | None = None) -> dict[str, VerifyOutput]:
+        """Each request's accepted drafts and next token; `constraints`: grammars by request id
+        (structured outputs), against which the drafts are checked."""
         ids = list(drafts)
+        grammars = [(constraints or {}).get(rid) for rid in ids]
         results = verify([out.of(rid) for rid in ids], [requests[rid] for rid in ids],
-                         [drafts[rid] for rid in ids], [generators[rid] for rid in ids])
+                         [drafts[rid] for rid in ids], [generators[rid] for rid in ids], grammars)
         for rid, res in zip(ids, results):
             self.stats.add(len(drafts[rid].token_ids), res.num_accepted)
             self.length.observe(rid, len(drafts[rid].token_ids), res.num_accepted, self._classes.get(rid))

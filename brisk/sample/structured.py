@@ -88,28 +88,73 @@ class GrammarCompiler:
 
 
 class Constraint:
-    """One sequence's grammar state: the tokens it allows next, advanced by each token drawn."""
+    """One sequence's grammar state: the tokens it allows next, advanced by each token drawn.
+
+    A mask can be computed ahead (`prefetch`, on the engine's mask thread while the forward runs)
+    and is then reused by `fill` as long as the matcher has not moved since."""
 
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self._moves = 0  # tokens consumed: the state a prefetched mask belongs to
+        self._ahead: tuple[int, tuple[int, ...], torch.Tensor, int] | None = None  # (moves, drafts, rows, n)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row` of an int32 [rows, ceil(vocab / 32)] bitmask: the allowed tokens' bits set."""
+        ahead = self._ahead
+        if ahead is not None and ahead[0] == self._moves:
+            bitmask[row].copy_(ahead[2][0])
+            return
         from llguidance.torch import fill_next_token_bitmask
 
         fill_next_token_bitmask(self.matcher, bitmask, row)
+
+    def fill_ahead(self, drafts: list[int]) -> tuple[torch.Tensor, int]:
+        """Masks for speculative verification: ([n + 1, words] bitmask, n), n = how many of
+        `drafts` the grammar accepts in a row; row j allows what may follow the first j drafts.
+        The draft the grammar refuses (if any) is then refused by its row's mask. The matcher
+        ends where it began."""
+        ahead = self._ahead
+        if ahead is not None and ahead[0] == self._moves and ahead[1] == tuple(drafts):
+            return ahead[2], ahead[3]
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+        n = self.matcher.validate_tokens(drafts) if drafts else 0
+        rows = allocate_token_bitmask(n + 1, self.vocab_size)
+        for j in range(n + 1):
+            fill_next_token_bitmask(self.matcher, rows, j)
+            if j < n and not self.matcher.consume_token(drafts[j]):
+                raise ValueError(f"structured output: the grammar refused draft token {drafts[j]} it had validated")
+        if n:
+            self.matcher.rollback(n)
+        return rows, n
+
+    def prefetch(self, drafts: list[int] | None = None) -> None:
+        """Compute the next mask (or, with drafts, the verification masks) now, for later use."""
+        rows, n = self.fill_ahead(list(drafts or []))
+        self._ahead = (self._moves, tuple(drafts or []), rows, n)
 
     def advance(self, token: int) -> None:
         """The sequence took `token`; ValueError when the grammar forbids it (a bug upstream)."""
         if not self.matcher.consume_token(token):
             raise ValueError(f"structured output: token {token} does not fit the grammar "
                              f"({self.matcher.get_error() or 'rejected'})")
+        self._moves += 1
+        self._ahead = None
 
     @property
     def done(self) -> bool:
         """The grammar is complete and allows nothing more (only EOS remains)."""
         return bool(self.matcher.is_stopped())
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] logits with every token a [rows, words] bitmask forbids at -inf (a copy)."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32)
+    # token t allowed iff bit t % 32 of word t // 32
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)[:, :vocab]
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def mask_logits(logits: torch.Tensor, constraints: list[Constraint | None]) -> torch.Tensor:
@@ -120,14 +165,20 @@ def mask_logits(logits: torch.Tensor, constraints: list[Constraint | None]) -> t
     rows = [i for i, c in enumerate(constraints) if c is not None]
     if not rows:
         return logits
-    vocab = logits.shape[-1]
-    bitmask = allocate_token_bitmask(len(rows), vocab)  # [len(rows), ceil(vocab / 32)] int32
+    bitmask = allocate_token_bitmask(len(rows), logits.shape[-1])  # [len(rows), ceil(vocab / 32)] int32
     for j, i in enumerate(rows):
         constraints[i].fill(bitmask, j)  # type: ignore[union-attr]
-    # unpack the bits: token t allowed iff bit t % 32 of word t // 32
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(rows), -1)[:, :vocab]
     out = logits.clone()
     index = torch.tensor(rows, device=logits.device)
-    out[index] = out[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    out[index] = apply_bitmask(out[index], bitmask)
+    return out
+
+
+def mask_draft_rows(rows: torch.Tensor, constraint: Constraint, drafts: list[int]) -> torch.Tensor:
+    """A request's [1 + k, vocab] verification logits with each row masked by the grammar state
+    after the drafts before it. Rows after the first draft the grammar refuses are left as they
+    are: verification rejects that draft (its probability is 0), so they are never read."""
+    bitmask, n = constraint.fill_ahead(drafts)
+    out = rows.clone()
+    out[:n + 1] = apply_bitmask(rows[:n + 1], bitmask)
     return out

@@ -13,6 +13,13 @@ then temperature, min-p, top-k, top-p), so:
   as the target's p, whatever the draft (q a point mass for deterministic drafts: accept with
   probability p(d), else draw from p with d removed). Uniforms and draws come from the request's
   own generator, so a seeded request is reproducible.
+
+A request under a grammar (structured outputs) has each row masked first, as the plain sampler
+masks its one row: row j by the grammar's state after d1..dj. The first draft the grammar forbids
+has probability 0 in its row, so it is rejected there (greedy: it cannot be the argmax; sampling:
+u * q >= 0 = p), and the token chosen instead is drawn exactly as non-speculative constrained
+decoding would draw it. Drafts are not cut at that point: for a drawn draft (q not a point mass)
+the residual max(p - q, 0) at the rejection is what keeps the output distributed as p.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 from brisk.request import Request
 from brisk.sample.logprobs import TokenLogprobs, token_logprobs
 from brisk.sample.sampler import SamplingBatch, draw, penalise, probabilities
+from brisk.sample.structured import Constraint, mask_draft_rows
 from brisk.spec.base import Draft
 
 
@@ -35,8 +43,13 @@ class VerifyOutput:
 
 
 def verify(logits: list[torch.Tensor], requests: list[Request], drafts: list[Draft],
-           generators: list[torch.Generator | None]) -> list[VerifyOutput]:
-    """logits[i]: [1 + k_i, vocab] raw target logits for request i's t_last and its k_i drafts."""
+           generators: list[torch.Generator | None],
+           constraints: list[Constraint | None] | None = None) -> list[VerifyOutput]:
+    """logits[i]: [1 + k_i, vocab] raw target logits for request i's t_last and its k_i drafts;
+    constraints[i]: request i's grammar, or None. Logprobs are those of the masked rows."""
+    if constraints and any(c is not None for c in constraints):
+        logits = [rows if c is None else mask_draft_rows(rows, c, d.token_ids)
+                  for rows, c, d in zip(logits, constraints, drafts)]
     penalised = _penalised_rows(logits, requests, drafts, generators)
     outs = []
     for rows, raw, req, draft, gen in zip(penalised, logits, requests, drafts, generators):

@@ -90,12 +90,24 @@ def test_preemption_keeps_the_grammar(gguf_path: Path) -> None:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
 
 
-def test_speculation_leaves_constrained_tokens_unchanged(gguf_path: Path) -> None:
-    params = SamplingParams(max_tokens=100, temperature=0.0, structured={"json": SCHEMA})
-    prompt = "Give a user record as JSON:"
-    plain = LLM("smollm2-135m", max_model_len=512).generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    spec = LLM("smollm2-135m", max_model_len=512, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    assert spec.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == plain.token_ids
+@pytest.mark.parametrize("method", [{"method": "ngram", "num_speculative_tokens": 4},
+                                    {"method": "draft", "model": "smollm2-135m", "num_speculative_tokens": 4}])
+def test_speculation_checks_drafts_against_the_grammar(gguf_path: Path, method: dict) -> None:
+    """Drafts of constrained requests are verified under the grammar's masks: greedy tokens equal
+    plain constrained decoding's (the grammar's last token ends it, not a verified EOS after it),
+    drafts really are accepted, and sampled outputs stay valid."""
+    params = SamplingParams(max_tokens=150, temperature=0.0, structured={"json": SCHEMA})
+    prompts = ["Give a user record as JSON:", "Three users as JSON, the first:"]
+    plain = LLM("smollm2-135m", max_model_len=512).generate(prompts, params, use_tqdm=False)
+    spec = LLM("smollm2-135m", max_model_len=512, speculative_config=method)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in plain]
+    assert all(o.metrics.num_accepted_tokens > 0 for o in got)
+    sampled = SamplingParams(max_tokens=150, temperature=1.0, seed=3, n=4, structured={"json": SCHEMA})
+    for out in spec.generate(prompts, sampled, use_tqdm=False):
+        for c in out.outputs:
+            jsonschema.validate(json.loads(c.text), SCHEMA)
 
 
 @pytest.mark.parametrize(("structured", "message"), [
