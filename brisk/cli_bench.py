@@ -101,6 +101,14 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     spb.add_argument("--max-tokens", type=int, default=128, help="tokens per reply (default 128)")
     spb.add_argument("--workloads", default="input_grounded,open_chat", help="comma-separated workloads")
 
+    stb = bsub.add_parser("structured", help="a batch under a JSON schema beside the same batch free, interleaved")
+    add_model(stb)
+    add_engine(stb)
+    stb.add_argument("--batch", type=int, default=16, help="requests decoded together (default 16)")
+    stb.add_argument("--max-tokens", type=int, default=128, help="tokens per reply (default 128)")
+    stb.add_argument("--fields", type=int, default=20, help="fields of the record schema (default 20)")
+    stb.add_argument("--repeats", type=int, default=3, help="free/constrained run pairs (default 3)")
+
     par = bsub.add_parser("parallel", help="tensor x pipeline parallel grids beside one process: tokens/s, bytes/token")
     add_model(par)
     par.add_argument("--grid", default="1x1,2x1,3x1,1x2", help="TxP configurations (default 1x1,2x1,3x1,1x2)")
@@ -141,6 +149,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return _bench_spec(args)
     if args.bench == "parallel":
         return _bench_parallel(args)
+    if args.bench == "structured":
+        return _bench_structured(args)
     from brisk.bench.latency import DEFAULT_PROMPT, bench_latency
 
     if args.new_tokens < 2 or args.repeats < 1:
@@ -170,6 +180,18 @@ def _bench_engine(args: argparse.Namespace) -> int:
         result = bench_mixed(llm, args.decoders, args.long_len, args.every, args.steps, args.seed)
     result.update(model=args.model, dtype=args.dtype)
     print(json.dumps(result), flush=True)
+    return 0
+
+
+def _bench_structured(args: argparse.Namespace) -> int:
+    from brisk.bench.structured_bench import bench_structured
+    from brisk.engine.llm import LLM
+
+    for name in ("batch", "max_tokens", "fields", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    llm = LLM(args.model, dtype=args.dtype, **engine_kwargs(args))  # type: ignore[arg-type]
+    print(json.dumps(bench_structured(llm, args.batch, args.max_tokens, args.repeats, args.fields)), flush=True)
     return 0
 
 

@@ -20,6 +20,7 @@ class InvalidRequest(ValueError):
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # an EOS token, a stop token id or a stop string
     LENGTH = "length"  # max_tokens reached, or the context window is full
+    GRAMMAR = "grammar"  # structured output: the grammar allows no token here (a dead end); the text so far
 
     def __str__(self) -> str:
         return self.value

@@ -24,7 +24,8 @@ from brisk.core.outputs import ScheduledRequest, SchedulerOutput
 from brisk.core.step_cost import StepCostModel
 from brisk.request import FinishReason, Request, RequestStatus
 
-_STATUS_OF = {FinishReason.STOP: RequestStatus.FINISHED_STOPPED, FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH}
+_STATUS_OF = {FinishReason.STOP: RequestStatus.FINISHED_STOPPED, FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+              FinishReason.GRAMMAR: RequestStatus.FINISHED_STOPPED}
 
 
 class Scheduler:

@@ -12,17 +12,19 @@ to compute the prompt, then share its cached blocks (see core/scheduler.py).
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 
 from brisk.config import CacheConfig, SchedulerConfig, SpecConfig
-from brisk.core.outputs import SchedulerOutput
+from brisk.core.outputs import ScheduledRequest, SchedulerOutput
 from brisk.core.scheduler import Scheduler
 from brisk.engine.detokenizer import IncrementalDetokenizer
 from brisk.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -30,11 +32,17 @@ from brisk.engine.speculative import build_speculator
 from brisk.loader.tokenizer import Tokenizer
 from brisk.model.base import CausalLM
 from brisk.request import FinishReason, Request, RequestStatus, SamplingParams
-from brisk.runtime.paged_runner import PagedModelRunner, StepLogits, kv_block_bytes, model_kv_groups
+from brisk.runtime.paged_runner import (
+    PagedModelRunner,
+    StepLogits,
+    kv_block_bytes,
+    model_kv_groups,
+)
 from brisk.runtime.parallel_runner import ParallelRunner
 from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs
 from brisk.sample.sampler import SamplingBatch, sample
 from brisk.sample.structured import Constraint, GrammarCompiler
+from brisk.spec.base import Draft
 
 _T = TypeVar("_T")
 
@@ -105,6 +113,10 @@ class LLMEngine:
         self.peak_kv_usage = 0.0
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
         self._grammars_lock = threading.Lock()
+        self._masks: ThreadPoolExecutor | None = None  # fills grammar masks while the forward runs
+        # ...only where a core is left over: on 2 cores with torch on both, the thread slowed the
+        # forward more than it saved (BENCHMARKS.md, structured outputs), so masks fill inline
+        self._mask_thread = (os.cpu_count() or 1) > torch.get_num_threads()
         self._failed: dict[str, Exception] = {}  # sequence id -> the error its row raised this step
         self.failures: dict[str, Exception] = {}  # request id -> the error that ended it (take_failures)
 
@@ -227,7 +239,12 @@ class LLMEngine:
         prompt_rows = frozenset(s.request_id for s in sched.scheduled
                                 if self._wants_prompt_logprobs(s.request_id, s.start_pos))
         started = time.perf_counter()
-        out = self.runner.execute(steps, prompt_rows | frozenset(drafts))
+        masks = self._masks_ahead(steps, drafts)
+        try:
+            out = self.runner.execute(steps, prompt_rows | frozenset(drafts))
+        finally:
+            if masks is not None:
+                masks.result()  # the matchers are the engine thread's again (an error surfaces here)
         if self.spec is not None and all(s.num_tokens == 1 for s in sched.scheduled):  # decode-only steps
             self.spec.observe_forward(time.perf_counter() - started, drafts)
         for step in sched.scheduled:
@@ -254,6 +271,24 @@ class LLMEngine:
                 if res.logprobs is not None:
                     seq.logprobs.extend(res.logprobs)
         return sampled
+
+    def _masks_ahead(self, steps: list[ScheduledRequest], drafts: dict[str, Draft]) -> Future[None] | None:
+        """Start filling the next masks of this step's constrained rows (with drafts: their
+        verification masks) on the mask thread, so they are ready when the forward ends; the
+        forward's kernels release the GIL, llguidance's mask computation does too. None: no
+        constrained row, or no spare core (the sampler fills the masks itself)."""
+        todo = [(c, drafts[s.request_id].token_ids if s.request_id in drafts else None)
+                for s in steps if (c := self._seqs[s.request_id].constraint) is not None]
+        if not todo or not self._mask_thread:
+            return None
+        if self._masks is None:
+            self._masks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="brisk-masks")
+
+        def fill() -> None:
+            for constraint, draft in todo:
+                constraint.prefetch(draft)
+
+        return self._masks.submit(fill)
 
     def _sample(self, out: StepLogits, seq_ids: list[str]) -> dict[str, tuple[int, TokenLogprobs | None]]:
         result = sample(out.last_rows(seq_ids), self._sampling_batch(seq_ids))
@@ -378,6 +413,13 @@ class LLMEngine:
         try:
             seq.constraint.advance(token)
         except ValueError as e:
+            if seq.constraint.allows_nothing():  # a dead end of the grammar: the request ends, with its text
+                del req.output_token_ids[seq.num_pushed:]
+                if req.is_finished():
+                    req.finish_reason, req.status = FinishReason.GRAMMAR, RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(req.request_id, FinishReason.GRAMMAR)
+                return False
             self.failures[seq.group] = e
             self.abort_request(seq.group)
             return False

@@ -293,6 +293,19 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor | None:
+    """A copy of [rows, vocab] float32 CPU logits with -inf wherever the grammar's int32
+    [rows, words] bitmask clears the token's bit, in one C++ pass; None when the kernel cannot
+    serve these tensors (the caller unpacks with torch)."""
+    if not (CAPS.has("apply_token_bitmask_") and logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.dim() == 2 and bitmask.dtype == torch.int32 and bitmask.dim() == 2
+            and bitmask.shape[0] == logits.shape[0]):
+        return None
+    out = logits.contiguous().clone()
+    _C.apply_token_bitmask_(out, bitmask.contiguous())
+    return out
+
+
 def gelu_tanh_mul_supported(gate_up: torch.Tensor) -> bool:
     """True when `gelu_tanh_mul` can serve this [n, 2 * inter] tensor (as silu_mul_supported)."""
     return CAPS.has("act_mul") and silu_mul_supported(gate_up)

@@ -48,6 +48,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up for float32 rows of [gate | up]", py::arg("gate_up"));
   m.def("argmax_rows", &argmax_rows, "first maximum's index of every float32 row (-1: the row has a NaN)",
         py::arg("x"));
+  m.def("apply_token_bitmask_", &apply_token_bitmask_,
+        "in place: -inf where a grammar's [rows, words] int32 bitmask has the token's bit clear",
+        py::arg("logits"), py::arg("bitmask"));
   m.def("act_mul", &act_mul, "act(gate) * up for float32 rows of [gate | up]; act 0: silu, 1: gelu (tanh)",
         py::arg("gate_up"), py::arg("act"));
   m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w for float32 rows", py::arg("x"), py::arg("w"),

@@ -35,6 +35,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 torch::Tensor act_mul(const torch::Tensor& gate_up, int64_t act);
 torch::Tensor argmax_rows(const torch::Tensor& x);
+void apply_token_bitmask_(torch::Tensor& logits, const torch::Tensor& bitmask);
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x, bool unsigned_offset);
 torch::Tensor int8_epilogue(const torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& s,
                             const c10::optional<torch::Tensor>& bias);

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from brisk.kernels import apply_token_bitmask
 from brisk.request import SamplingParams
 
 # llguidance's JSON defaults allow any whitespace between tokens, which a small model can fill
@@ -137,10 +138,21 @@ class Constraint:
     def advance(self, token: int) -> None:
         """The sequence took `token`; ValueError when the grammar forbids it (a bug upstream)."""
         if not self.matcher.consume_token(token):
-            raise ValueError(f"structured output: token {token} does not fit the grammar "
-                             f"({self.matcher.get_error() or 'rejected'})")
+            reason = (self.matcher.get_error() or "rejected").splitlines()[0]  # the rest is a state dump
+            raise ValueError(f"structured output: token {token} does not fit the grammar ({reason})")
         self._moves += 1
         self._ahead = None
+
+    def allows_nothing(self) -> bool:
+        """No token fits here, EOS included: the grammar reached a dead end (say, a rule limited
+        to so many tokens, or text the vocabulary cannot spell)."""
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+        if self.matcher.is_error():
+            return True
+        mask = allocate_token_bitmask(1, self.vocab_size)
+        fill_next_token_bitmask(self.matcher, mask, 0)
+        return not bool(mask.any())
 
     @property
     def done(self) -> bool:
@@ -150,6 +162,9 @@ class Constraint:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """[rows, vocab] logits with every token a [rows, words] bitmask forbids at -inf (a copy)."""
+    fast = apply_token_bitmask(logits, bitmask)
+    if fast is not None:
+        return fast
     vocab = logits.shape[-1]
     shifts = torch.arange(32, dtype=torch.int32)
     # token t allowed iff bit t % 32 of word t // 32
@@ -168,9 +183,11 @@ def mask_logits(logits: torch.Tensor, constraints: list[Constraint | None]) -> t
     bitmask = allocate_token_bitmask(len(rows), logits.shape[-1])  # [len(rows), ceil(vocab / 32)] int32
     for j, i in enumerate(rows):
         constraints[i].fill(bitmask, j)  # type: ignore[union-attr]
+    if len(rows) == logits.shape[0]:
+        return apply_bitmask(logits, bitmask)
     out = logits.clone()
     index = torch.tensor(rows, device=logits.device)
-    out[index] = apply_bitmask(out[index], bitmask)
+    out[index] = apply_bitmask(logits[index], bitmask)
     return out
 
 

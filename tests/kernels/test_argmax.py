@@ -38,3 +38,26 @@ def test_other_tensors_take_torch() -> None:
     assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
     y = torch.randn(33, 4).t()  # not contiguous
     assert torch.equal(kernels.argmax_rows(y), y.argmax(dim=-1))
+
+
+@pytest.mark.parametrize(("vocab", "words"), [(49152, 1536), (70, 3), (70, 2), (1, 1)])
+def test_token_bitmask_kernel_matches_torch_unpacking(vocab: int, words: int) -> None:
+    """The grammar-mask kernel against the torch unpacking it replaces: whole forbidden words,
+    whole allowed ones, mixed ones, a vocabulary that is not a multiple of 32, and tokens past the
+    mask's last word (forbidden)."""
+    from brisk.kernels import CAPS, apply_token_bitmask
+
+    if not CAPS.has("apply_token_bitmask_"):
+        pytest.skip("this build has no apply_token_bitmask_ kernel")
+    gen = torch.Generator().manual_seed(vocab + words)
+    kinds = torch.randint(0, 3, (5, words), generator=gen)
+    mixed = torch.randint(-2**31, 2**31 - 1, (5, words), generator=gen, dtype=torch.int64)
+    bitmask = torch.where(kinds == 0, 0, torch.where(kinds == 1, -1, mixed)).to(torch.int32)
+    logits = torch.randn(5, vocab, generator=gen)
+    bits = ((bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().reshape(5, -1)
+    allowed = torch.zeros(5, vocab, dtype=torch.bool)
+    allowed[:, :min(vocab, bits.shape[1])] = bits[:, :vocab]
+    before = logits.clone()
+    got = apply_token_bitmask(logits, bitmask)
+    assert got is not None and torch.equal(got, logits.masked_fill(~allowed, float("-inf")))
+    assert torch.equal(logits, before)  # a copy was masked, the input kept

@@ -110,6 +110,61 @@ def test_speculation_checks_drafts_against_the_grammar(gguf_path: Path, method: 
             jsonschema.validate(json.loads(c.text), SCHEMA)
 
 
+def test_masks_filled_on_the_mask_thread_give_the_same_tokens(gguf_path: Path) -> None:
+    """Where a core is spare the masks (and speculation's verification masks) are filled while
+    the forward runs; this machine has none, so the thread is switched on by hand here."""
+    prompts = ["Give a user record as JSON:", "Another one:", "A third:"]
+    params = SamplingParams(max_tokens=80, temperature=0.0, structured={"json": SCHEMA})
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    inline = LLM("smollm2-135m", max_model_len=512, speculative_config=spec)
+    threaded = LLM("smollm2-135m", max_model_len=512, speculative_config=spec)
+    inline.engine._mask_thread, threaded.engine._mask_thread = False, True
+    want = [o.outputs[0].token_ids for o in inline.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in threaded.generate(prompts, params, use_tqdm=False)] == want
+    assert threaded.engine._masks is not None and inline.engine._masks is None
+
+
+def test_a_grammar_dead_end_ends_only_that_request_with_finish_reason_grammar(llm: LLM, monkeypatch) -> None:
+    """llguidance avoids dead ends, so one is made: after 5 tokens this constraint allows nothing
+    (an all-zero mask, the token drawn refused). The request ends with finish_reason "grammar" and
+    the text it had; a free request beside it gets the tokens it gets alone."""
+    from brisk.sample.structured import Constraint
+
+    class DeadEnd(Constraint):
+        def _dead(self) -> bool:
+            return self._moves >= 5
+
+        def fill(self, bitmask, row):  # type: ignore[no-untyped-def]
+            super().fill(bitmask, row)
+            if self._dead():
+                bitmask[row].zero_()
+
+        def prefetch(self, drafts=None):  # type: ignore[no-untyped-def]
+            self._ahead = None
+
+        def advance(self, token):  # type: ignore[no-untyped-def]
+            if self._dead():
+                raise ValueError("structured output: token refused")
+            super().advance(token)
+
+        def allows_nothing(self) -> bool:
+            return self._dead()
+
+    grammars = llm.engine.grammars()
+    real = grammars.constraint
+    monkeypatch.setattr(grammars, "constraint",
+                        lambda spec: DeadEnd(real(spec).matcher, grammars.vocab_size) if "regex" in spec else real(spec))
+    free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = llm.generate(["The sea is"], free, use_tqdm=False)[0].outputs[0].token_ids
+    dead = SamplingParams(max_tokens=40, temperature=0.0, structured={"regex": "[a-z ]{30,}"})
+    outs = llm.generate(["The sea is", "Words:"], [free, dead], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone
+    ended = outs[1].outputs[0]
+    assert str(ended.finish_reason) == "grammar" and len(ended.token_ids) == 5
+    assert re.fullmatch("[a-z ]+", ended.text)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.scheduler.kv_usage == 0
+
+
 @pytest.mark.parametrize(("structured", "message"), [
     ({"json": {"type": "objekt"}}, "Invalid type"),
     ({"regex": "(("}, "unclosed group"),
