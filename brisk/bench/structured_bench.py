@@ -10,6 +10,7 @@ cached, and how many replies parse (those cut by max_tokens are not expected to)
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from typing import Any
 
@@ -85,6 +86,7 @@ def bench_structured(llm: LLM, batch: int, max_tokens: int, repeats: int, fields
         "compile_cached_ms": round(cached_compile * 1e3, 3),
         "free_tok_s": round(best("free", "tok_s"), 1), "constrained_tok_s": round(best("constrained", "tok_s"), 1),
         "constrained_over_free": [round(r, 3) for r in ratios],
+        "median_constrained_over_free": round(statistics.median(ratios), 3),
         "decode_constrained_over_free": [round(r, 3) for r in decode_ratios],
         "tokens_free": runs["free"][-1]["tokens"], "tokens_constrained": runs["constrained"][-1]["tokens"],
         "constrained_replies_parsed": runs["constrained"][-1]["parsed"],
