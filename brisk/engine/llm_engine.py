@@ -235,7 +235,8 @@ class LLMEngine:
         speculating = self.spec is not None and any(s.num_spec_slots for s in sched.scheduled)
         if speculating:
             requests, generators = self._requests(), self._generators()
-            steps, drafts = self.spec.fill(sched, requests, generators)
+            grammars = {sid: seq.constraint for sid, seq in self._seqs.items() if seq.constraint is not None}
+            steps, drafts = self.spec.fill(sched, requests, generators, grammars)
         prompt_rows = frozenset(s.request_id for s in sched.scheduled
                                 if self._wants_prompt_logprobs(s.request_id, s.start_pos))
         started = time.perf_counter()
@@ -258,7 +259,7 @@ class LLMEngine:
                 if lp is not None:
                     self._seqs[sid].logprobs.append(lp)
         if self.spec is not None:
-            grammars = {sid: self._seqs[sid].constraint for sid in drafts}
+            grammars = {sid: self._seqs[sid].constraint for sid in drafts}  # the verifier's masks
             verified = self._isolating(lambda ids: self.spec.verify(out, {i: drafts[i] for i in ids}, requests,
                                                                     generators, grammars),
                                        list(drafts)) if drafts else {}

@@ -24,8 +24,8 @@ from brisk.core.outputs import ScheduledRequest, SchedulerOutput
 from brisk.model.base import CausalLM
 from brisk.request import Request
 from brisk.runtime.paged_runner import PagedModelRunner, StepLogits
-from brisk.sample.structured import Constraint
 from brisk.runtime.parallel_runner import ParallelRunner
+from brisk.sample.structured import Constraint
 from brisk.spec.base import Draft, DraftRequest, Proposer
 from brisk.spec.draft import DraftModelProposer
 from brisk.spec.early_exit import EarlyExitProposer
@@ -104,12 +104,35 @@ class Speculator:
             req.num_spec_wanted = min(available, self.length.wanted(req.request_id, cls)) if available else 0
 
     def fill(self, sched: SchedulerOutput, requests: dict[str, Request],
-             generators: dict[str, torch.Generator | None]) -> tuple[list[ScheduledRequest], dict[str, Draft]]:
+             generators: dict[str, torch.Generator | None],
+             constraints: dict[str, Constraint | None] | None = None,
+             ) -> tuple[list[ScheduledRequest], dict[str, Draft]]:
         """The steps the runner computes (drafts appended to their requests' token ids) and the
-        non-empty drafts by request id."""
+        non-empty drafts by request id.
+
+        A request under a grammar drafts only the tokens the grammar forces next (jump-forward:
+        keys, `": `, closing brackets; verified like any draft), never the proposer's: measured on
+        SmolLM2 under an 8-field schema, ngram guesses were accepted 12% of the time and made
+        constrained decoding 0.72-0.80x plain, forced tokens 100% and 1.10-1.18x (BENCHMARKS.md)."""
         asks = [s for s in sched.scheduled if s.num_spec_slots > 0]
         if not asks:
             return sched.scheduled, {}
+        grammars = constraints or {}
+        drafts: dict[str, Draft] = {}
+        for ask in asks:
+            grammar = grammars.get(ask.request_id)
+            if grammar is not None and (forced := grammar.forced_tokens(ask.num_spec_slots)):
+                drafts[ask.request_id] = Draft(forced)  # a point mass the masked target agrees with
+        free = [s for s in asks if grammars.get(s.request_id) is None]
+        if free:
+            self._propose(free, requests, generators, drafts)
+        steps = [dataclasses.replace(s, token_ids=s.token_ids + drafts[s.request_id].token_ids)
+                 if s.request_id in drafts else s for s in sched.scheduled]
+        return steps, drafts
+
+    def _propose(self, asks: list[ScheduledRequest], requests: dict[str, Request],
+                 generators: dict[str, torch.Generator | None], drafts: dict[str, Draft]) -> None:
+        """The proposer's drafts for `asks`, the non-empty ones into `drafts`."""
         batch = [DraftRequest(s.request_id, requests[s.request_id].all_token_ids, s.num_spec_slots, s.block_ids,
                               requests[s.request_id].sampling_params, generators[s.request_id]) for s in asks]
         started = time.perf_counter()
@@ -120,14 +143,10 @@ class Speculator:
         if not new:
             self._draft_seconds.update((time.perf_counter() - started) / max(s.num_spec_slots for s in asks))
         self._seen.update(new)
-        drafts = {}
         for ask, draft in zip(asks, proposed):
             assert len(draft.token_ids) <= ask.num_spec_slots, f"{self.proposer.name} proposed too many tokens"
             if draft.token_ids:
                 drafts[ask.request_id] = draft
-        steps = [dataclasses.replace(s, token_ids=s.token_ids + drafts[s.request_id].token_ids)
-                 if s.request_id in drafts else s for s in sched.scheduled]
-        return steps, drafts
 
     def observe_forward(self, seconds: float, drafts: dict[str, Draft]) -> None:
         """The target's forward took `seconds`: refresh the draft cost the length controller uses

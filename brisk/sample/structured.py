@@ -143,6 +143,12 @@ class Constraint:
         self._moves += 1
         self._ahead = None
 
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces from here (the canonical tokens of the only
+        bytes it allows: `{"address": ` after the object opens), without moving the matcher.
+        Speculation drafts them: the target still verifies each, so nothing is assumed."""
+        return list(self.matcher.compute_ff_tokens())[:limit] if limit > 0 else []
+
     def allows_nothing(self) -> bool:
         """No token fits here, EOS included: the grammar reached a dead end (say, a rule limited
         to so many tokens, or text the vocabulary cannot spell)."""
