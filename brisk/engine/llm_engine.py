@@ -232,6 +232,7 @@ class LLMEngine:
         """Drafts (if speculating), one forward, sampling and verification: the new tokens of
         every request that reached the end of its known tokens. Logprobs are recorded here."""
         steps, drafts = sched.scheduled, {}
+        grammars: dict[str, Constraint | None] = {}  # the proposer's forced tokens, the verifier's masks
         speculating = self.spec is not None and any(s.num_spec_slots for s in sched.scheduled)
         if speculating:
             requests, generators = self._requests(), self._generators()
@@ -259,7 +260,6 @@ class LLMEngine:
                 if lp is not None:
                     self._seqs[sid].logprobs.append(lp)
         if self.spec is not None:
-            grammars = {sid: self._seqs[sid].constraint for sid in drafts}  # the verifier's masks
             verified = self._isolating(lambda ids: self.spec.verify(out, {i: drafts[i] for i in ids}, requests,
                                                                     generators, grammars),
                                        list(drafts)) if drafts else {}

@@ -152,12 +152,12 @@ class Constraint:
     def allows_nothing(self) -> bool:
         """No token fits here, EOS included: the grammar reached a dead end (say, a rule limited
         to so many tokens, or text the vocabulary cannot spell)."""
-        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+        from llguidance.torch import allocate_token_bitmask
 
         if self.matcher.is_error():
             return True
         mask = allocate_token_bitmask(1, self.vocab_size)
-        fill_next_token_bitmask(self.matcher, mask, 0)
+        self.fill(mask, 0)
         return not bool(mask.any())
 
     @property

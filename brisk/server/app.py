@@ -40,9 +40,11 @@ from brisk.server.edge import (
 from brisk.server.metrics import ServerMetrics
 from brisk.server.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    ToolDef,
     validation_message,
 )
 
@@ -194,7 +196,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
         state.check_model(req.model)
         req.check_tools()
-        plan = _tool_plan(state, req)
+        plan = _tool_plan(state, req.messages, req.tools, req.tool_choice, req.parallel_tool_calls)
         ids = await state.run_cpu(state.tokenizer.encode_chat, plan.messages, req.add_generation_prompt,
                                   plan.template_tools)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -214,13 +216,14 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         return await state.run_cpu(_full_response, view, await _collect(state, job, raw))
 
 
-def _tool_plan(state: ServerState, req: ChatCompletionRequest) -> tools.ToolPlan:
-    """How the request's tools (and earlier calls and results) enter the prompt, whether a grammar
-    makes the answer a call, and how the answer is cut into content and calls."""
-    choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel) else req.tool_choice
-    return tools.plan_tools([m.as_dict() for m in req.messages],
-                            [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
-                            choice, req.parallel_tool_calls, state.tokenizer, state.tool_format)
+def _tool_plan(state: ServerState, messages: list[ChatMessage], tool_defs: list[ToolDef] | None,
+               tool_choice: str | BaseModel | None = None, parallel: bool | None = None) -> tools.ToolPlan:
+    """How a conversation's tools (and earlier calls and results) enter the prompt, whether a
+    grammar makes the answer a call, and how the answer is cut into content and calls."""
+    choice = tool_choice.model_dump() if isinstance(tool_choice, BaseModel) else tool_choice
+    return tools.plan_tools([m.as_dict() for m in messages],
+                            [t.model_dump(exclude_none=True) for t in tool_defs] if tool_defs else None,
+                            choice, parallel, state.tokenizer, state.tool_format)
 
 
 async def _structured_checked(state: ServerState, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
@@ -250,9 +253,7 @@ async def _structured_checked(state: ServerState, req: CompletionRequest | ChatC
 def _tokenize(state: ServerState, req: TokenizeRequest) -> JSONResponse:
     """Tokenized and serialised off the event loop: a 4 MB prompt is ~1M ids, seconds of work."""
     if req.messages is not None:
-        tool_list = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        plan = tools.plan_tools([m.as_dict() for m in req.messages], tool_list, None, None, state.tokenizer,
-                                state.tool_format)
+        plan = _tool_plan(state, req.messages, req.tools)  # the prompt chat would build
         ids = state.tokenizer.encode_chat(plan.messages, True, plan.template_tools)
     else:
         ids = state.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from brisk.engine.outputs import CompletionOutput, RequestOutput
 from brisk.sample.logprobs import TokenLogprobs
-from brisk.server.tools import CallDelta, ToolCallScanner, ToolPlan
+from brisk.server.tools import CallDelta, ToolCallScanner, ToolPlan, join_calls
 
 if TYPE_CHECKING:
     from brisk.server.app import ServerState
@@ -170,10 +170,7 @@ class ChatView(View):
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
         calls: list[CallDelta] = []
         if self.tools is not None:
-            scanner = self.tools.scanner()
-            parsed = scanner.feed(c.text)
-            parsed += scanner.finish()
-            content, calls = parsed.content, _joined(parsed.calls)
+            content, calls = self.tools.split(c.text)
             message = {"role": "assistant", "content": content if content or not calls else None}
             if calls:
                 message["tool_calls"] = [_call_json(call) for call in calls]
@@ -196,22 +193,11 @@ class ChatView(View):
             parsed += scanner.finish()
         delta = {"content": parsed.content} if parsed.content else {}
         if parsed.calls:
-            delta["tool_calls"] = [_call_json(call, streamed=True) for call in _joined(parsed.calls)]
+            delta["tool_calls"] = [_call_json(call, streamed=True) for call in join_calls(parsed.calls)]
         if not delta and not c.finished and not new_lp:
             return None  # text held back (perhaps the start of a call)
         return {"index": index, "delta": delta, "logprobs": self._logprobs(new_lp),
                 "finish_reason": _finish(c, scanner.calls > 0)}
-
-
-def _joined(pieces: list[CallDelta]) -> list[CallDelta]:
-    """Pieces of the same call merged, in order (one entry per call in a chunk or an answer)."""
-    calls: dict[int, CallDelta] = {}
-    for p in pieces:
-        if p.index in calls:
-            calls[p.index].arguments += p.arguments
-        else:
-            calls[p.index] = CallDelta(p.index, p.id, p.name, p.arguments)
-    return list(calls.values())
 
 
 def _call_json(call: CallDelta, streamed: bool = False) -> dict[str, Any]:

@@ -386,7 +386,7 @@ class ToolCallScanner:
             out += piece
         if self._mode == "object":
             if self._announced:  # already out: the arguments as far as they were written
-                out += self._args_piece(final=True)
+                out += self._args_piece()
             elif not self.eager:  # an unconstrained answer's unfinished "call": it was text
                 out.content += self._raw + self._obj
             # (under a grammar it is a call cut short by max_tokens: dropped, finish_reason says "length")
@@ -472,7 +472,7 @@ class ToolCallScanner:
         out = Parsed()
         if self.eager:
             out += self._announce(obj)
-            out += self._args_piece(final=False, obj=obj)
+            out += self._args_piece(obj)
         if obj.end is None:
             return out if (out.content or out.calls) else None
         rest = self._obj[obj.end:]
@@ -490,11 +490,13 @@ class ToolCallScanner:
         value = json.loads(self._obj[span[0]:span[1]]) if self._obj[span[0]] == '"' else None
         return value if isinstance(value, str) else None
 
+    def _args_key(self, obj: _Object) -> str | None:
+        """The field holding the arguments (the format's name first; models mix the two up)."""
+        return next((k for k in (self.fmt.arguments_key, "arguments", "parameters") if k in obj.fields), None)
+
     def _args_span(self, obj: _Object) -> tuple[int, int | None] | None:
-        for key in (self.fmt.arguments_key, "arguments", "parameters"):
-            if key in obj.fields:
-                return obj.fields[key]
-        return None
+        key = self._args_key(obj)
+        return None if key is None else obj.fields[key]
 
     def _announce(self, obj: _Object) -> Parsed:
         if self._announced:
@@ -509,7 +511,7 @@ class ToolCallScanner:
             return Parsed()
         return Parsed(calls=[CallDelta(self.calls - 1, new_call_id(), name, "")])
 
-    def _args_piece(self, final: bool, obj: _Object | None = None) -> Parsed:
+    def _args_piece(self, obj: _Object | None = None) -> Parsed:
         if not self._announced or (self.max_calls is not None and self.calls > self.max_calls):
             return Parsed()
         obj = obj or _scan_object(self._obj)
@@ -529,8 +531,9 @@ class ToolCallScanner:
         except ValueError:
             value = None
         name = self._name(obj)
-        span = self._args_span(obj)
-        args_ok = span is None or isinstance(value, dict) and isinstance(value.get(self._key(obj)), (dict, str))
+        key = self._args_key(obj)
+        span = None if key is None else obj.fields[key]
+        args_ok = key is None or isinstance(value, dict) and isinstance(value.get(key), (dict, str))
         if self._announced:
             out = Parsed()
             if span is None and self._sent_args == 0:  # no arguments written: an empty object
@@ -542,15 +545,11 @@ class ToolCallScanner:
         out = self._announce(obj)
         if out.calls:
             args = "{}" if span is None else self._obj[span[0]:span[1]]
-            if isinstance(value.get(self._key(obj)), str):  # arguments written as a JSON string
-                args = value[self._key(obj)]
+            if key is not None and isinstance(value[key], str):  # arguments written as a JSON string
+                args = value[key]
             out.calls[0].arguments = args
         self._obj = ""
         return out
-
-    def _key(self, obj: _Object) -> str:
-        return next((k for k in (self.fmt.arguments_key, "arguments", "parameters") if k in obj.fields),
-                    self.fmt.arguments_key)
 
     def _give_back(self) -> Parsed:
         """A malformed call: its text (and the tags before it) is content after all."""
@@ -571,17 +570,23 @@ def _held(text: str, trigger: str) -> int:
     return keep + (len(body) - len(body.rstrip()))
 
 
+def join_calls(pieces: list[CallDelta]) -> list[CallDelta]:
+    """Pieces of the same call merged, in order: one entry per call (of a chunk, or an answer)."""
+    calls: dict[int, CallDelta] = {}
+    for p in pieces:
+        if p.index in calls:
+            calls[p.index].arguments += p.arguments
+        else:
+            calls[p.index] = CallDelta(p.index, p.id, p.name, p.arguments)
+    return list(calls.values())
+
+
 def parse_all(fmt: ToolFormat, text: str, eager: bool, max_calls: int | None) -> tuple[str, list[CallDelta]]:
     """A whole answer cut as the stream would cut it: (content, calls with their full arguments)."""
     scanner = ToolCallScanner(fmt, eager, max_calls)
     parsed = scanner.feed(text)
     parsed += scanner.finish()
-    calls: dict[int, CallDelta] = {}
-    for piece in parsed.calls:
-        if piece.index not in calls:
-            calls[piece.index] = CallDelta(piece.index, piece.id, piece.name, "")
-        calls[piece.index].arguments += piece.arguments
-    return parsed.content, [calls[i] for i in sorted(calls)]
+    return parsed.content, join_calls(parsed.calls)
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -611,6 +616,10 @@ class ToolPlan:
 
     def scanner(self) -> ToolCallScanner:
         return ToolCallScanner(self.fmt, self.eager, self.max_calls)
+
+    def split(self, text: str) -> tuple[str, list[CallDelta]]:
+        """A whole answer's (content, calls), cut as its stream is."""
+        return parse_all(self.fmt, text, self.eager, self.max_calls)
 
 
 def plan_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, tool_choice: str | dict | None,
