@@ -30,11 +30,11 @@ ISA = CAPS.isa if CAPS.built else "none"
 
 GEMV_DTYPES = (torch.float32, torch.bfloat16)
 # Where no packed weight exists (pack_weights=False, torch without oneDNN), up to this many rows
-# decode batches use `small_gemm` (AVX-512 only): it streams the weights once
+# decode batches use `small_gemm` (every ISA: AVX-512, AVX2, portable): it streams the weights once
 # and gives each row exactly the result `gemv` gives it alone (batch-invariant decoding). float32
 # keeps that up to 32 rows at BLAS speed or better; bfloat16 BLAS (oneDNN, AVX512-BF16) computes
 # twice as fast past ~8 rows, and bfloat16 is not the exactness reference, so it stops at 8.
-SMALL_GEMM_MAX_ROWS = 32 if CAPS.avx512 else 1
+SMALL_GEMM_MAX_ROWS = 32 if CAPS.built else 1
 SMALL_GEMM_ROWS_BY_DTYPE = {torch.float32: SMALL_GEMM_MAX_ROWS, torch.bfloat16: min(8, SMALL_GEMM_MAX_ROWS)}
 
 
@@ -131,8 +131,8 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def int8_gemm_supported(qweight: torch.Tensor, x: torch.Tensor | None = None) -> bool:
-    """True when `int8_gemm` can serve this int8 weight and input: CPU with AVX-512, extension built."""
-    return (CAPS.avx512 and qweight.device.type == "cpu" and qweight.dtype == torch.int8
+    """True when `int8_gemm` can serve this int8 weight and input: CPU, extension built (every ISA)."""
+    return (CAPS.has("int8_gemm") and qweight.device.type == "cpu" and qweight.dtype == torch.int8
             and qweight.is_contiguous() and (x is None or x.device.type == "cpu"))
 
 
@@ -225,8 +225,9 @@ ACT_KERNELS = {"int8": "group_gemm_q8act", "int16": "group_gemm_q16act"}  # quan
 
 def group_qact_supported(mode: str, bits: int) -> bool:
     """True when `group_gemm_qact` runs here for activations `mode` ("int8", "int16") and weights of
-    `bits` (int16 activations meet 4-bit weights only): extension built, AVX512-VNNI."""
-    return _HAVE_VNNI and CAPS.has(ACT_KERNELS[mode]) and (mode == "int8" or bits == 4)
+    `bits` (int16 activations meet 4-bit weights only): extension built (AVX512-VNNI, AVX2 and portable
+    paths, bit-identical)."""
+    return CAPS.has(ACT_KERNELS[mode]) and (mode == "int8" or bits == 4)
 
 
 def group_gemm_qact(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,

@@ -169,7 +169,6 @@ LinearOp parse_linear(const py::tuple& t) {
     case LinearOp::kGroupInt16Acts:
       op.group = brisk_group::check_group_weights(op.weight, op.scale, op.zero.defined() ? c10::optional<torch::Tensor>(op.zero)
                                                                                     : c10::nullopt, group, bits, tiled);
-      TORCH_CHECK(op.kind == LinearOp::kGroup || have_vnni(), "brisk DecodePlan: integer activations need AVX512-VNNI");
       TORCH_CHECK(op.kind != LinearOp::kGroupInt16Acts || bits == 4, "brisk DecodePlan: int16 activations are for 4-bit weights");
       op.out = op.group.out, op.in = op.group.in;
       break;
@@ -226,11 +225,6 @@ class DecodePlan {
   // act: the MLP's activation, 0 silu (SwiGLU), 1 gelu with tanh (GeGLU)
   DecodePlan(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps, int64_t act)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate), eps_(eps), act_(act) {
-#ifdef BRISK_X86
-    TORCH_CHECK(brisk_isa::avx512(), "brisk DecodePlan: needs AVX-512 (its kernels have no other path)");
-#else
-    TORCH_CHECK(false, "brisk DecodePlan: needs an x86-64 CPU with AVX-512");
-#endif
     TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0 &&
                     intermediate > 0, "brisk DecodePlan: heads must be a multiple of kv_heads and head_dim even");
     TORCH_CHECK(act == 0 || act == 1, "brisk DecodePlan: act must be 0 (silu) or 1 (gelu tanh)");

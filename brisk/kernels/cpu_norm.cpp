@@ -5,7 +5,8 @@
 //
 // Three paths, chosen per call by brisk_isa: AVX-512, AVX2+FMA and portable C++. The sum of squares
 // is reduced in each path's own lane order, so the three differ by float rounding (a few ulp of the
-// norm, tested); silu's exp is exact-to-an-ulp in the vector paths and std::exp in the portable one.
+// norm, tested); silu's and gelu's exp is exact-to-an-ulp in the vector paths (the same steps on 16
+// and 8 lanes: bit-identical) and std::exp in the portable one.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -76,6 +77,29 @@ __attribute__((target("avx512f"))) void gelu_tanh_mul_row(const float* g, const 
   }
 }
 
+// silu_mul_row and gelu_tanh_mul_row on 8 lanes: the same operations (exp256_nonpositive is
+// exp512_nonpositive's), so rows of whole 16-lane steps give the AVX-512 floats bit for bit.
+template <bool Gelu>
+__attribute__((target("avx2,fma"))) void act_mul_row_avx2(const float* g, const float* u, float* y, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps(), c1 = _mm256_set1_ps(kGeluC1),
+               c2 = _mm256_set1_ps(kGeluC2);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 z = Gelu ? _mm256_mul_ps(x, _mm256_add_ps(c1, _mm256_mul_ps(c2, _mm256_mul_ps(x, x)))) : x;
+    const __m256 e = brisk_simd::exp256_nonpositive(_mm256_sub_ps(zero, _mm256_and_ps(z, abs_mask)));
+    const __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(z, zero, _CMP_GE_OQ));
+    const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) {
+    const float z = Gelu ? g[i] * (kGeluC1 + kGeluC2 * (g[i] * g[i])) : g[i];
+    const float e = std::exp(-std::fabs(z));
+    y[i] = g[i] * ((z >= 0.0f ? 1.0f : e) / (1.0f + e)) * u[i];
+  }
+}
+
 __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -121,8 +145,7 @@ void gelu_tanh_mul_row_portable(const float* g, const float* u, float* y, int64_
   }
 }
 
-// The row functions every entry point and the decode plan use, at the ISA in use. silu has no
-// AVX2 vector exp yet: the portable loop (compiled for the baseline ISA) serves AVX2.
+// The row functions every entry point and the decode plan use, at the ISA in use.
 void norm_row_any(const float* x, const float* w, float* y, int64_t h, float eps) {
 #ifdef BRISK_X86
   if (brisk_isa::avx512()) return norm_row(x, w, y, h, eps);
@@ -134,6 +157,7 @@ void norm_row_any(const float* x, const float* w, float* y, int64_t h, float eps
 void silu_mul_row_any(const float* g, const float* u, float* y, int64_t n) {
 #ifdef BRISK_X86
   if (brisk_isa::avx512()) return silu_mul_row(g, u, y, n);
+  if (brisk_isa::at_least_avx2()) return act_mul_row_avx2<false>(g, u, y, n);
 #endif
   silu_mul_row_portable(g, u, y, n);
 }
@@ -141,6 +165,7 @@ void silu_mul_row_any(const float* g, const float* u, float* y, int64_t n) {
 void gelu_tanh_mul_row_any(const float* g, const float* u, float* y, int64_t n) {
 #ifdef BRISK_X86
   if (brisk_isa::avx512()) return gelu_tanh_mul_row(g, u, y, n);
+  if (brisk_isa::at_least_avx2()) return act_mul_row_avx2<true>(g, u, y, n);
 #endif
   gelu_tanh_mul_row_portable(g, u, y, n);
 }

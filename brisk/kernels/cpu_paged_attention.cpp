@@ -19,8 +19,8 @@
 // blocks wholly before the window are never read, the slots before it in its first block are
 // masked out.
 //
-// The hot function is compiled for AVX-512, AVX2 and baseline x86-64 (target_clones) and the
-// loader picks one for this CPU; plain loops are left to the compiler to vectorise.
+// The hot function is compiled for AVX-512, AVX2 and baseline x86-64 and picked by the ISA in use
+// (isa.h); plain loops are left to the compiler to vectorise.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -137,12 +137,6 @@ inline __attribute__((always_inline)) void attend_token(const T* __restrict q, T
   }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define BRISK_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define BRISK_CLONES
-#endif
-
 #ifdef BRISK_X86
 // The common shape (block 16, head dim a multiple of 16) in AVX-512: a block's 16 scores are one
 // register; keys stream in as head_dim broadcast-FMAs, values as 16 x head_dim/16 FMAs. G query
@@ -241,6 +235,120 @@ __attribute__((target("avx512f"))) void attend_token_avx512(const T* q, T* out, 
     else attend_heads_avx512<T, HD, 1>(q, out, k, v, bt, first, ctx, kvh, g, s), g += 1;
   }
 }
+// attend_heads_avx512 on 8-lane vectors: a block's 16 scores are two registers (slots 0-7 and
+// 8-15), each summed over even and odd i apart as s0 and s1 are, the probabilities through
+// exp256_nonpositive and their sum in _mm512_reduce_add_ps's order (GCC's: halves, quarters, then
+// pairs), so every float is the AVX-512 kernel's: the same attention output bit for bit.
+__attribute__((target("avx2,fma"))) inline float reduce_add16(__m256 lo, __m256 hi) {
+  const __m256 t3 = _mm256_add_ps(hi, lo);
+  const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+  const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
+}
+
+__attribute__((target("avx2,fma"))) inline float reduce_max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+template <typename T, int HD, int G>
+__attribute__((target("avx2,fma"))) void attend_heads_avx2(const T* q, T* out, const T* k_cache, const T* v_cache,
+                                                          const int32_t* block_table, int64_t first, int64_t ctx_len,
+                                                          int64_t kvh, int64_t g0, const Shape& s) {
+  using brisk_simd::load8;
+  constexpr int kBs = 16, kNv = HD / 8;
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  alignas(32) float qf[G][HD];
+  __m256 acc[G][kNv];
+  float m[G], l[G];
+  for (int g = 0; g < G; ++g) {
+    const T* qh = q + (kvh * group + g0 + g) * HD;
+    for (int v = 0; v < kNv; ++v) {
+      _mm256_store_ps(qf[g] + 8 * v, _mm256_mul_ps(load8(qh + 8 * v), _mm256_set1_ps(s.scale)));
+      acc[g][v] = _mm256_setzero_ps();
+    }
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256i slot_lo = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), slot_hi = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t j = first / kBs; j * kBs < ctx_len; ++j) {
+    const int64_t n = std::min<int64_t>(kBs, ctx_len - j * kBs);
+    const int64_t r0 = std::max<int64_t>(0, first - j * kBs);
+    // slot r is valid when r0 <= r < n
+    const __m256i lo_r0 = _mm256_set1_epi32(static_cast<int>(r0) - 1), hi_n = _mm256_set1_epi32(static_cast<int>(n));
+    const __m256 valid_lo = _mm256_castsi256_ps(
+        _mm256_and_si256(_mm256_cmpgt_epi32(slot_lo, lo_r0), _mm256_cmpgt_epi32(hi_n, slot_lo)));
+    const __m256 valid_hi = _mm256_castsi256_ps(
+        _mm256_and_si256(_mm256_cmpgt_epi32(slot_hi, lo_r0), _mm256_cmpgt_epi32(hi_n, slot_hi)));
+    const int64_t base = (static_cast<int64_t>(block_table[j]) * s.num_kv_heads + kvh) * kBs * HD;
+    const T* kt = k_cache + base;
+    const T* vt = v_cache + base;
+    if ((j + 2) * kBs < ctx_len) {
+      const int64_t next = (static_cast<int64_t>(block_table[j + 2]) * s.num_kv_heads + kvh) * kBs * HD;
+      const char* kn = reinterpret_cast<const char*>(k_cache + next);
+      const char* vn = reinterpret_cast<const char*>(v_cache + next);
+      for (size_t c = 0; c < kBs * HD * sizeof(T); c += 64) {
+        _mm_prefetch(kn + c, _MM_HINT_T1);
+        _mm_prefetch(vn + c, _MM_HINT_T1);
+      }
+    }
+    __m256 s0[G][2], s1[G][2];  // [head][slots 0-7, 8-15], even and odd i
+    for (int g = 0; g < G; ++g) s0[g][0] = s0[g][1] = s1[g][0] = s1[g][1] = _mm256_setzero_ps();
+    for (int i = 0; i < HD; i += 2) {
+      const __m256 k0a = load8(kt + i * kBs), k0b = load8(kt + i * kBs + 8);
+      const __m256 k1a = load8(kt + (i + 1) * kBs), k1b = load8(kt + (i + 1) * kBs + 8);
+      for (int g = 0; g < G; ++g) {
+        const __m256 q0 = _mm256_set1_ps(qf[g][i]), q1 = _mm256_set1_ps(qf[g][i + 1]);
+        s0[g][0] = _mm256_fmadd_ps(q0, k0a, s0[g][0]);
+        s0[g][1] = _mm256_fmadd_ps(q0, k0b, s0[g][1]);
+        s1[g][0] = _mm256_fmadd_ps(q1, k1a, s1[g][0]);
+        s1[g][1] = _mm256_fmadd_ps(q1, k1b, s1[g][1]);
+      }
+    }
+    alignas(32) float pa[G][kBs];
+    for (int g = 0; g < G; ++g) {
+      const __m256 sc_lo = _mm256_blendv_ps(neg_inf, _mm256_add_ps(s0[g][0], s1[g][0]), valid_lo);
+      const __m256 sc_hi = _mm256_blendv_ps(neg_inf, _mm256_add_ps(s0[g][1], s1[g][1]), valid_hi);
+      const float new_m = std::max(m[g], reduce_max8(_mm256_max_ps(sc_lo, sc_hi)));
+      const float rescale = m[g] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[g] - new_m);
+      const __m256 nm = _mm256_set1_ps(new_m);
+      const __m256 p_lo = _mm256_and_ps(valid_lo, brisk_simd::exp256_nonpositive(_mm256_sub_ps(sc_lo, nm)));
+      const __m256 p_hi = _mm256_and_ps(valid_hi, brisk_simd::exp256_nonpositive(_mm256_sub_ps(sc_hi, nm)));
+      l[g] = l[g] * rescale + reduce_add16(p_lo, p_hi);
+      _mm256_store_ps(pa[g], p_lo);
+      _mm256_store_ps(pa[g] + 8, p_hi);
+      const __m256 rs = _mm256_set1_ps(rescale);
+      for (int v = 0; v < kNv; ++v) acc[g][v] = _mm256_mul_ps(acc[g][v], rs);
+      m[g] = new_m;
+    }
+    for (int64_t r = r0; r < n; ++r) {
+      for (int v = 0; v < kNv; ++v) {
+        const __m256 vr = load8(vt + r * HD + 8 * v);
+        for (int g = 0; g < G; ++g) acc[g][v] = _mm256_fmadd_ps(_mm256_set1_ps(pa[g][r]), vr, acc[g][v]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    alignas(32) float o[HD];
+    const __m256 inv = _mm256_set1_ps(1.f / l[g]);
+    for (int v = 0; v < kNv; ++v) _mm256_store_ps(o + 8 * v, _mm256_mul_ps(acc[g][v], inv));
+    T* oh = out + (kvh * group + g0 + g) * HD;
+    for (int i = 0; i < HD; ++i) oh[i] = static_cast<T>(o[i]);
+  }
+}
+
+// Heads g0 .. g0 + gn - 1 in passes of two (one at head dim 128 and up: 16 registers).
+template <typename T, int HD>
+__attribute__((target("avx2,fma"))) void attend_token_avx2(const T* q, T* out, const T* k, const T* v,
+                                                          const int32_t* bt, int64_t first, int64_t ctx, int64_t kvh,
+                                                          int64_t g0, int64_t gn, const Shape& s) {
+  for (int64_t g = g0; g < g0 + gn;) {
+    if (HD < 128 && g0 + gn - g >= 2) attend_heads_avx2<T, HD, 2>(q, out, k, v, bt, first, ctx, kvh, g, s), g += 2;
+    else attend_heads_avx2<T, HD, 1>(q, out, k, v, bt, first, ctx, kvh, g, s), g += 1;
+  }
+}
 #endif
 
 template <typename T>
@@ -253,6 +361,11 @@ inline __attribute__((always_inline)) void attend_token_any(const T* q, T* out, 
     if (s.head_dim == 128) return attend_token_avx512<T, 128>(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
     if (s.head_dim == 256) return attend_token_avx512<T, 256>(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
   }
+  if (s.block_size == 16 && brisk_isa::active() == brisk_isa::Level::kAvx2) {
+    if (s.head_dim == 64) return attend_token_avx2<T, 64>(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
+    if (s.head_dim == 128) return attend_token_avx2<T, 128>(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
+    if (s.head_dim == 256) return attend_token_avx2<T, 256>(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
+  }
 #endif
   if (s.block_size == 16 && s.head_dim == 64)
     return attend_token<T, 16, 64>(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
@@ -263,15 +376,42 @@ inline __attribute__((always_inline)) void attend_token_any(const T* q, T* out, 
   return attend_token<T, 0, 0>(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
 }
 
-BRISK_CLONES void attend_token_f32(const float* q, float* out, const float* k, const float* v, const int32_t* bt,
-                                   int64_t first, int64_t ctx, int64_t kvh, int64_t g0, int64_t gn, const Shape& s) {
-  attend_token_any(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
+// attend_token_any compiled whole (flatten: every call inside inlined) for each instruction set, and
+// picked by the one the kernels use (BRISK_CPU_ISA can lower it, so each copy runs in the tests;
+// target_clones would pick by the CPU alone).
+#define BRISK_ATTEND(NAME, T, ATTR)                                                                          \
+  ATTR __attribute__((flatten)) void NAME(const T* q, T* out, const T* k, const T* v, const int32_t* bt,    \
+                                          int64_t first, int64_t ctx, int64_t kvh, int64_t g0, int64_t gn,  \
+                                          const Shape& s) {                                                 \
+    attend_token_any(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);                                         \
+  }
+BRISK_ATTEND(attend_base_f32, float, )
+BRISK_ATTEND(attend_base_bf16, c10::BFloat16, )
+#ifdef BRISK_X86
+BRISK_ATTEND(attend_avx2_f32, float, __attribute__((target("avx2,fma"))))
+BRISK_ATTEND(attend_avx2_bf16, c10::BFloat16, __attribute__((target("avx2,fma"))))
+BRISK_ATTEND(attend_avx512_f32, float, __attribute__((target("avx512f"))))
+BRISK_ATTEND(attend_avx512_bf16, c10::BFloat16, __attribute__((target("avx512f"))))
+#endif
+#undef BRISK_ATTEND
+
+void attend_token_f32(const float* q, float* out, const float* k, const float* v, const int32_t* bt, int64_t first,
+                      int64_t ctx, int64_t kvh, int64_t g0, int64_t gn, const Shape& s) {
+#ifdef BRISK_X86
+  if (brisk_isa::avx512()) return attend_avx512_f32(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
+  if (brisk_isa::at_least_avx2()) return attend_avx2_f32(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
+#endif
+  attend_base_f32(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
 }
 
-BRISK_CLONES void attend_token_bf16(const c10::BFloat16* q, c10::BFloat16* out, const c10::BFloat16* k,
-                                    const c10::BFloat16* v, const int32_t* bt, int64_t first, int64_t ctx, int64_t kvh,
-                                    int64_t g0, int64_t gn, const Shape& s) {
-  attend_token_any(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
+void attend_token_bf16(const c10::BFloat16* q, c10::BFloat16* out, const c10::BFloat16* k, const c10::BFloat16* v,
+                       const int32_t* bt, int64_t first, int64_t ctx, int64_t kvh, int64_t g0, int64_t gn,
+                       const Shape& s) {
+#ifdef BRISK_X86
+  if (brisk_isa::avx512()) return attend_avx512_bf16(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
+  if (brisk_isa::at_least_avx2()) return attend_avx2_bf16(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
+#endif
+  attend_base_bf16(q, out, k, v, bt, first, ctx, kvh, g0, gn, s);
 }
 
 }  // namespace

@@ -142,8 +142,7 @@ __attribute__((target("avx512f,f16c"))) void dequant_row(const GroupWeights& w, 
 }
 #endif
 
-// The portable path, for every ISA below AVX-512 (on x86 also compiled for AVX2+FMA, which the
-// compiler vectorizes: the 8 lanes below are one ymm fma). Each run of 32 weights is dequantized
+// The portable path, for CPUs without AVX2 (the AVX2 kernel below computes the same floats). Each run of 32 weights is dequantized
 // exactly as the AVX-512 table does (fma(q, scale, zero) / q * scale), then every (x row, weight
 // row) pair sums in 8 lanes, in column order, added at the end: batch-invariant like the AVX-512
 // path, and within float rounding of it (another summation order).
@@ -192,10 +191,86 @@ inline float half(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); 
   }
 
 BRISK_GROUP_PORTABLE(gemm_range_portable, )
-#ifdef BRISK_X86
-BRISK_GROUP_PORTABLE(gemm_range_avx2, __attribute__((target("avx2,fma"))))
-#endif
 #undef BRISK_GROUP_PORTABLE
+
+#ifdef BRISK_X86
+// The portable path's arithmetic on 256-bit vectors: the same dequantized weights (one fma or
+// multiply per weight), the same 8-lane accumulators in column order and the same final lane sum,
+// so its results are the portable path's bit for bit (where that one is compiled with FMA), at
+// vector speed: R weight rows x MB x rows per tile share every load.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+
+// Row r's run of 32 columns as four vectors of 8 floats.
+template <int Bits>
+inline void unpack(const uint8_t* p, __m256 s, __m256 z, __m256 (&w)[4]) {
+  if constexpr (Bits == 4) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);  // columns 0-15, 16-31
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), s, z);
+  } else {
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm256_mul_ps(
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)))), s);
+  }
+}
+
+template <int Bits, int MB, int R>
+inline void tile(const GroupWeights& w, const float* x, float* y, int64_t m0, int64_t r) {
+  const int64_t ahead = w.tiled ? 1024 : 2 * R * w.run_bytes * (w.in / 32);
+  __m256 acc[R][MB];
+  for (int j = 0; j < R; ++j)
+    for (int k = 0; k < MB; ++k) acc[j][k] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m256 s[R], z[R];
+    for (int j = 0; j < R; ++j) {
+      const int64_t at = w.at(r + j, g);
+      s[j] = _mm256_set1_ps(_cvtsh_ss(w.scale[at]));
+      z[j] = _mm256_set1_ps(w.zero ? _cvtsh_ss(w.zero[at]) : 0.0f);
+    }
+    for (int64_t i = g * w.group; i < (g + 1) * w.group; i += 32) {
+      for (int j = 0; j < R; ++j) {
+        const uint8_t* p = w.run(r + j, i / 32);
+        _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
+        __m256 wv[4];
+        unpack<Bits>(p, s[j], z[j], wv);
+        for (int k = 0; k < MB; ++k) {
+          const float* xr = x + (m0 + k) * w.in + i;
+          for (int c = 0; c < 4; ++c) acc[j][k] = _mm256_fmadd_ps(wv[c], _mm256_loadu_ps(xr + 8 * c), acc[j][k]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < R; ++j)
+    for (int k = 0; k < MB; ++k) {
+      alignas(32) float t[8];
+      _mm256_store_ps(t, acc[j][k]);
+      float sum = 0.0f;
+      for (int l = 0; l < 8; ++l) sum += t[l];
+      y[(m0 + k) * w.out + r + j] = sum;
+    }
+}
+
+template <int Bits, int MB, int R>
+void rows(const GroupWeights& w, const float* x, float* y, int64_t m0, int64_t r0, int64_t r1) {
+  int64_t r = r0;
+  for (; r + R <= r1; r += R) tile<Bits, MB, R>(w, x, y, m0, r);
+  for (; r < r1; ++r) tile<Bits, MB, 1>(w, x, y, m0, r);
+}
+
+template <int Bits>
+void gemm_range(const GroupWeights& w, const float* x, float* y, int64_t m, int64_t r0, int64_t r1) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= m; m0 += 4) rows<Bits, 4, 2>(w, x, y, m0, r0, r1);
+  for (; m0 + 2 <= m; m0 += 2) rows<Bits, 2, 2>(w, x, y, m0, r0, r1);
+  for (; m0 < m; ++m0) rows<Bits, 1, 4>(w, x, y, m0, r0, r1);
+}
+
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
 
 void gemm_range_any(const GroupWeights& w, const float* x, float* y, int64_t m, int64_t r0, int64_t r1) {
 #ifdef BRISK_X86
@@ -203,7 +278,10 @@ void gemm_range_any(const GroupWeights& w, const float* x, float* y, int64_t m, 
     if (w.run_bytes == 16) return gemm_range<4>(w, x, y, m, r0, r1);
     return gemm_range<8>(w, x, y, m, r0, r1);
   }
-  if (brisk_isa::active() == brisk_isa::Level::kAvx2) return gemm_range_avx2(w, x, y, m, r0, r1);
+  if (brisk_isa::at_least_avx2()) {
+    if (w.run_bytes == 16) return avx2::gemm_range<4>(w, x, y, m, r0, r1);
+    return avx2::gemm_range<8>(w, x, y, m, r0, r1);
+  }
 #endif
   gemm_range_portable(w, x, y, m, r0, r1);
 }

@@ -14,9 +14,15 @@
 //   4-bit: u_w = q_w, z' = z;   8-bit: u_w = q_w + 128 (vpdpbusd's unsigned operand), z' = -128 s
 //   (the + 128 terms cancel in float32: a few ulps more rounding than a signed product would have).
 // Every (x row, weight row) pair is summed in the same order whatever the batch: batch invariant.
+// Three paths compute the same integers and the same float operations per lane, so their results
+// are bit-identical: AVX512-VNNI (below), AVX2 (vpmaddubsw / vpmaddwd on 256-bit halves of a tile)
+// and a portable loop (any CPU).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -71,7 +77,7 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_act_row(const float* x
           for (int m = 0; m < 8; ++m) qb[8 * e + m] = static_cast<T>(v[2 * m + e / 2 + 16 * (e % 2)]);
       }
       a[b] = ab;
-      cg += ab * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+      cg = std::fma(ab, static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1))), cg);  // one rounding, on every path
     }
     c[g] = cg;
   }
@@ -98,7 +104,7 @@ __attribute__((target("avx512f"))) inline void load_rows(const GroupWeights& w, 
 // one 8-byte load each; row-major: gathered in registers (scalar stores read back as one vector
 // would stall store forwarding).
 template <int Bits>
-__attribute__((target("avx512f,f16c"))) inline void group_params(const GroupWeights& w, int64_t r, int64_t g,
+__attribute__((target("f16c"))) inline void group_params(const GroupWeights& w, int64_t r, int64_t g,
                                                                 int nrows, __m128& s4, __m128& z4) {
   if (w.tiled) {
     const int64_t at = w.at(r, g);
@@ -300,15 +306,303 @@ struct A16Kernel {
   }
 };
 
+// ---- the same kernels on 256-bit vectors (AVX2) -------------------------------------------------
+// A 4-row tile's run is two (4-bit: rows 2h, 2h + 1 in vector h) or four (8-bit: row j in vector j)
+// 256-bit vectors whose int32 lanes hold exactly the integers the 512-bit kernels' lanes hold:
+// vpdpbusd becomes vpmaddubsw + vpmaddwd (4-bit: nibble x int8 pairs are at most 3,810, no
+// saturation), vpdpwssd becomes vpmaddwd + add. The 8-bit kernel multiplies |q| by x with q's sign
+// (pairs at most 32,512) and adds 128 * sum(x) per lane, the integer vpdpbusd gets from q + 128.
+// The float operations per lane and the final row sums are the AVX-512 kernels' own, so every
+// result is bit-identical to theirs.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+
+template <int Bits>
+constexpr int kVecs = Bits == 4 ? 2 : 4;
+
+template <int Bits>
+inline void load_rows(const GroupWeights& w, int64_t r, int64_t c, int nrows, __m256i (&v)[kVecs<Bits>]) {
+  if (w.tiled) {
+    const uint8_t* p = w.run(r, c);
+    for (int i = 0; i < kVecs<Bits>; ++i) v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
+    return;
+  }
+  alignas(32) uint8_t buf[32 * kVecs<Bits>] = {};
+  for (int j = 0; j < nrows; ++j) std::memcpy(buf + j * w.run_bytes, w.run(r + j, c), w.run_bytes);
+  for (int i = 0; i < kVecs<Bits>; ++i) v[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(buf + 32 * i));
+}
+
+// Each row's scale over its lanes: 4-bit vector h holds rows 2h (lanes 0-3) and 2h + 1 (4-7).
+template <int Bits>
+inline void spread(__m128 s4, __m256 (&out)[kVecs<Bits>]) {
+  const __m256 s = _mm256_castps128_ps256(s4);
+  for (int i = 0; i < kVecs<Bits>; ++i) {
+    const __m256i idx = Bits == 4 ? _mm256_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1)
+                                  : _mm256_set1_epi32(i);
+    out[i] = _mm256_permutevar8x32_ps(s, idx);
+  }
+}
+
+// [row 0, row 1, row 2, row 3] sums, in row_sums' order.
+template <int Bits>
+inline __m128 row_sums(const __m256 (&acc)[kVecs<Bits>]) {
+  __m128 r[4];
+  for (int i = 0; i < kVecs<Bits>; ++i) {
+    const __m128 lo = _mm256_castps256_ps128(acc[i]), hi = _mm256_extractf128_ps(acc[i], 1);
+    if constexpr (Bits == 4) r[2 * i] = lo, r[2 * i + 1] = hi;
+    else r[i] = _mm_add_ps(lo, hi);
+  }
+  return _mm_hadd_ps(_mm_hadd_ps(r[0], r[1]), _mm_hadd_ps(r[2], r[3]));
+}
+
+template <int Bits, int MB>
+inline void finish(const GroupWeights& w, float* y, int64_t m0, int64_t r, int nrows, const __m256 (&acc)[MB][kVecs<Bits>],
+                   const __m128 (&zacc)[MB]) {
+  for (int k = 0; k < MB; ++k) {
+    alignas(16) float t[4];
+    _mm_store_ps(t, _mm_add_ps(row_sums<Bits>(acc[k]), zacc[k]));
+    for (int j = 0; j < nrows; ++j) y[(m0 + k) * w.out + r + j] = t[j];
+  }
+}
+
+// vnni_tile on 256-bit vectors.
+template <int Bits, int MB>
+void int8_tile(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64_t r, int nrows) {
+  constexpr int V = kVecs<Bits>;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
+  const int64_t per_group = w.group / kBlock;
+  const int64_t ahead = w.tiled ? 1024 : 0;
+  __m256 acc[MB][V];
+  __m128 zacc[MB];
+  for (int k = 0; k < MB; ++k) {
+    zacc[k] = _mm_setzero_ps();
+    for (int i = 0; i < V; ++i) acc[k][i] = _mm256_setzero_ps();
+  }
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m128 s4, z4;
+    group_params<Bits>(w, r, g, nrows, s4, z4);
+    __m256 svec[V];
+    spread<Bits>(s4, svec);
+    __m256 gacc[MB][V];
+    for (int k = 0; k < MB; ++k)
+      for (int i = 0; i < V; ++i) gacc[k][i] = _mm256_setzero_ps();
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w.run(r, b)) + ahead, _MM_HINT_T0);
+      __m256i v[V];
+      load_rows<Bits>(w, r, b, nrows, v);
+      __m256i lo[V], hi[V];  // 4-bit: the columns 0..15 and 16..31 of both rows; 8-bit: |q|
+      for (int i = 0; i < V; ++i) {
+        if constexpr (Bits == 4) {
+          lo[i] = _mm256_and_si256(v[i], nibble);
+          hi[i] = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), nibble);
+        } else {
+          lo[i] = _mm256_abs_epi8(v[i]);  // |-128| reads as 128 unsigned
+        }
+      }
+      for (int k = 0; k < MB; ++k) {
+        const int8_t* xq = x.q + (m0 + k) * x.in + b * kBlock;
+        const __m256 ab = _mm256_set1_ps(x.a[(m0 + k) * x.blocks + b]);
+        __m256i d[V];
+        if constexpr (Bits == 4) {
+          const __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
+          const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
+          for (int i = 0; i < V; ++i)
+            d[i] = _mm256_madd_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], xlo), _mm256_maddubs_epi16(hi[i], xhi)), ones16);
+        } else {
+          const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+          const __m256i x128 = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xb), ones16), 7);
+          for (int i = 0; i < V; ++i)
+            d[i] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo[i], _mm256_sign_epi8(xb, v[i])), ones16),
+                                    x128);
+        }
+        for (int i = 0; i < V; ++i) gacc[k][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[i]), ab, gacc[k][i]);
+      }
+    }
+    for (int k = 0; k < MB; ++k) {
+      for (int i = 0; i < V; ++i) acc[k][i] = _mm256_fmadd_ps(gacc[k][i], svec[i], acc[k][i]);
+      zacc[k] = _mm_fmadd_ps(z4, _mm_set1_ps(x.c[(m0 + k) * x.groups + g]), zacc[k]);
+    }
+  }
+  finish<Bits, MB>(w, y, m0, r, nrows, acc, zacc);
+}
+
+// a16_tile on 256-bit vectors.
+template <int MB>
+void int16_tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
+  const __m256i field = _mm256_set1_epi16(0x000F);
+  const int64_t per_group = w.group / kBlock;
+  const int64_t ahead = w.tiled ? 1024 : 0;
+  __m256 acc[MB][2];
+  __m128 zacc[MB];
+  for (int k = 0; k < MB; ++k) acc[k][0] = acc[k][1] = _mm256_setzero_ps(), zacc[k] = _mm_setzero_ps();
+  const auto bcast8 = [](const int16_t* p) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  };
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m256 gacc[MB][2];
+    for (int k = 0; k < MB; ++k) gacc[k][0] = gacc[k][1] = _mm256_setzero_ps();
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w.run(r, b)) + ahead, _MM_HINT_T0);
+      __m256i v[2];
+      load_rows<4>(w, r, b, nrows, v);
+      __m256i f[2][4];
+      for (int h = 0; h < 2; ++h) {
+        f[h][0] = _mm256_and_si256(v[h], field);
+        f[h][1] = _mm256_and_si256(_mm256_srli_epi16(v[h], 4), field);
+        f[h][2] = _mm256_and_si256(_mm256_srli_epi16(v[h], 8), field);
+        f[h][3] = _mm256_srli_epi16(v[h], 12);
+      }
+      for (int k = 0; k < MB; ++k) {
+        const int16_t* xq = x.q + (m0 + k) * x.in + b * kBlock;
+        const __m256i x0 = bcast8(xq), x1 = bcast8(xq + 8), x2 = bcast8(xq + 16), x3 = bcast8(xq + 24);
+        const __m256 ab = _mm256_set1_ps(x.a[(m0 + k) * x.blocks + b]);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i d01 = _mm256_add_epi32(_mm256_madd_epi16(f[h][0], x0), _mm256_madd_epi16(f[h][1], x1));
+          const __m256i d23 = _mm256_add_epi32(_mm256_madd_epi16(f[h][2], x2), _mm256_madd_epi16(f[h][3], x3));
+          gacc[k][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d01, d23)), ab, gacc[k][h]);
+        }
+      }
+    }
+    __m128 s4, z4;
+    group_params<4>(w, r, g, nrows, s4, z4);
+    __m256 svec[2];
+    spread<4>(s4, svec);
+    for (int k = 0; k < MB; ++k) {
+      for (int h = 0; h < 2; ++h) acc[k][h] = _mm256_fmadd_ps(gacc[k][h], svec[h], acc[k][h]);
+      zacc[k] = _mm_fmadd_ps(z4, _mm_set1_ps(x.c[(m0 + k) * x.groups + g]), zacc[k]);
+    }
+  }
+  finish<4, MB>(w, y, m0, r, nrows, acc, zacc);
+}
+
+}  // namespace avx2
+#pragma GCC pop_options
+
+template <int Bits>
+struct Int8Kernel256 {
+  template <int MB>
+  static void tile(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64_t r, int nrows) {
+    avx2::int8_tile<Bits, MB>(w, x, y, m0, r, nrows);
+  }
+};
+
+struct Int16Kernel256 {
+  template <int MB>
+  static void tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
+    avx2::int16_tile<MB>(w, x, y, m0, r, nrows);
+  }
+};
+#endif  // BRISK_X86
+
+// ---- the portable path -----------------------------------------------------------------------
+// quantize_act_row one value at a time: the same integers and floats (max, IEEE division, round
+// half to even, clamp; exact integer block sums, C_g one fma a block as there). Compiled for the
+// baseline ISA and, for the AVX2 kernels, for AVX2 + FMA (where nearbyint and fma are instructions).
+#define BRISK_QUANTIZE_ROW(NAME, ATTR)                                                                   \
+  template <typename T, int Levels>                                                                       \
+  ATTR void NAME(const float* x, const GroupWeights& w, T* q, float* a, float* c) {                       \
+    const int64_t per_group = w.group / kBlock;                                                           \
+    for (int64_t g = 0; g < w.groups; ++g) {                                                              \
+      float cg = 0.0f;                                                                                    \
+      for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {                                     \
+        const float* xb = x + b * kBlock;                                                                 \
+        float amax = 0.0f;                                                                                \
+        for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));                         \
+        const float ab = amax / static_cast<float>(Levels);                                               \
+        int32_t v[kBlock] = {};                                                                           \
+        int32_t sum = 0;                                                                                  \
+        if (ab > 0.0f) {                                                                                  \
+          const float l = static_cast<float>(Levels);                                                     \
+          for (int i = 0; i < kBlock; ++i) {                                                              \
+            v[i] = static_cast<int32_t>(std::min(std::max(std::nearbyint(xb[i] / ab), -l), l));           \
+            sum += v[i];                                                                                  \
+          }                                                                                               \
+        }                                                                                                 \
+        T* qb = q + b * kBlock;                                                                           \
+        for (int i = 0; i < kBlock; ++i) qb[act_slot<T>(i)] = static_cast<T>(v[i]);                       \
+        a[b] = ab;                                                                                        \
+        cg = std::fma(ab, static_cast<float>(sum), cg);                                                   \
+      }                                                                                                   \
+      c[g] = cg;                                                                                          \
+    }                                                                                                     \
+  }
+
+// Where column i of a 32-column block is stored: in place (int8), or at a16_tile's permuted slot
+// (int16: slot 8 e + m holds column 2 m + e / 2 + 16 (e % 2)).
+template <typename T>
+constexpr int act_slot(int i) {
+  if constexpr (sizeof(T) == 1) return i;
+  const int high = i >= 16, rem = i - 16 * high;
+  return 8 * (2 * (rem % 2) + high) + rem / 2;
+}
+
+BRISK_QUANTIZE_ROW(quantize_act_row_portable, )
+#ifdef BRISK_X86
+BRISK_QUANTIZE_ROW(quantize_act_row_avx2, __attribute__((target("avx2,fma"))))
+#endif
+#undef BRISK_QUANTIZE_ROW
+
+// The tile kernels' integers and floats one lane at a time. A weight row's int32 lane t sums, per
+// 32-column block, 4-bit: columns 4t..4t+3 and 16+4t..16+4t+3 (4 lanes; int8 and int16 acts
+// alike), 8-bit: columns 4t..4t+3 with q + 128 (8 lanes). Each lane's float steps and the final
+// lane sums follow vnni_tile / a16_tile and row_sums, so the results are theirs, bit for bit.
+template <int Bits, typename T>
+void portable_rows(const GroupWeights& w, const ActsT<T>& x, float* y, int64_t m, int64_t r0, int64_t r1) {
+  constexpr int L = Bits == 4 ? 4 : 8;
+  const int64_t per_group = w.group / kBlock;
+  for (int64_t r = r0; r < std::min(r1, w.out); ++r) {
+    for (int64_t k = 0; k < m; ++k) {
+      float acc[L] = {}, zacc = 0.0f;
+      for (int64_t g = 0; g < w.groups; ++g) {
+        const float s = c10::detail::fp16_ieee_to_fp32_value(w.scale[w.at(r, g)]);
+        const float z = Bits == 4 ? c10::detail::fp16_ieee_to_fp32_value(w.zero[w.at(r, g)]) : -128.0f * s;
+        float gacc[L] = {};
+        for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+          const uint8_t* p = w.run(r, b);
+          const T* xq = x.q + k * x.in + b * kBlock;
+          int32_t d[L] = {};
+          if constexpr (Bits == 4) {
+            for (int c = 0; c < 16; ++c)
+              d[c / 4] += (p[c] & 15) * xq[act_slot<T>(c)] + (p[c] >> 4) * xq[act_slot<T>(c + 16)];
+          } else {
+            for (int c = 0; c < 32; ++c) d[c / 4] += (static_cast<int8_t>(p[c]) + 128) * xq[c];
+          }
+          const float ab = x.a[k * x.blocks + b];
+          for (int t = 0; t < L; ++t) gacc[t] = std::fma(static_cast<float>(d[t]), ab, gacc[t]);
+        }
+        for (int t = 0; t < L; ++t) acc[t] = std::fma(gacc[t], s, acc[t]);
+        zacc = std::fma(z, x.c[k * x.groups + g], zacc);
+      }
+      float lanes[4];
+      for (int t = 0; t < 4; ++t) lanes[t] = L == 4 ? acc[t] : acc[t] + acc[t + 4];
+      y[k * w.out + r] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + zacc;
+    }
+  }
+}
+
 template <typename T, int Levels>
 void quantize_rows_into(const GroupWeights& w, const float* x, int64_t m, std::vector<T>& q,
                         brisk_range::QuantizedActs& out) {
   const int64_t in = w.in, groups = w.groups;
   out.levels = Levels;
   q.resize(m * in), out.a.resize(m * (in / kBlock)), out.c.resize(m * groups);
-  for (int64_t i = 0; i < m; ++i)
-    quantize_act_row<T, Levels>(x + i * in, w, q.data() + i * in, out.a.data() + i * (in / kBlock),
-                                out.c.data() + i * groups);
+  for (int64_t i = 0; i < m; ++i) {
+    T* qi = q.data() + i * in;
+    float *ai = out.a.data() + i * (in / kBlock), *ci = out.c.data() + i * groups;
+#ifdef BRISK_X86
+    if (brisk_isa::vnni()) {
+      quantize_act_row<T, Levels>(x + i * in, w, qi, ai, ci);
+      continue;
+    }
+    if (brisk_isa::at_least_avx2()) {
+      quantize_act_row_avx2<T, Levels>(x + i * in, w, qi, ai, ci);
+      continue;
+    }
+#endif
+    quantize_act_row_portable<T, Levels>(x + i * in, w, qi, ai, ci);
+  }
 }
 
 // The acts of x's rows quantized for `w` (levels 127: int8, 32767: int16).
@@ -324,7 +618,6 @@ ActsT<T> acts_of(const GroupWeights& w, const brisk_range::QuantizedActs& x) {
 // token: three allocations each were measurable), then multiply.
 torch::Tensor qact_gemm(const char* name, int levels, const torch::Tensor& x, const GroupWeights& w,
                         const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(have_vnni(), "brisk ", name, ": needs AVX512-VNNI");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == w.in, "brisk ", name, ": x does not fit the weight");
   const int64_t m = x.size(0);
   auto xf = x.to(torch::kFloat32).contiguous();
@@ -339,57 +632,56 @@ torch::Tensor qact_gemm(const char* name, int levels, const torch::Tensor& x, co
   if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
   return y;
 }
-#endif
 
 }  // namespace
 
 // y[M, out] = quantize_act_blocks(x) @ W^T (+ bias) up to float rounding (the sums run in another
 // order than a float GEMM's): W as group_gemm's, x quantized to int8 per row and 32-column block.
-// Needs AVX512-VNNI (brisk.kernels checks have_vnni before choosing it).
 torch::Tensor group_gemm_q8act(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                                const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
                                const c10::optional<torch::Tensor>& bias, bool tiled) {
   const GroupWeights w = brisk_group::check_group_weights(q, scale, zero, group, bits, tiled);
-#ifdef BRISK_X86
-  TORCH_CHECK(brisk_isa::vnni(), "brisk group_gemm_q8act: needs AVX512-VNNI");
   return qact_gemm("group_gemm_q8act", 127, x, w, bias);
-#else
-  TORCH_CHECK(false, "brisk group_gemm_q8act: needs an x86-64 CPU");
-#endif
 }
 
 // y[M, out] = quantize_act_blocks(x, "int16") @ W^T (+ bias) up to float rounding: 4-bit W as
-// group_gemm's, x quantized to int16 per row and 32-column block. Needs AVX512-VNNI.
+// group_gemm's, x quantized to int16 per row and 32-column block.
 torch::Tensor group_gemm_q16act(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                                 const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
                                 const c10::optional<torch::Tensor>& bias, bool tiled) {
   TORCH_CHECK(bits == 4, "brisk group_gemm_q16act: int16 activations are for 4-bit weights");
   const GroupWeights w = brisk_group::check_group_weights(q, scale, zero, group, bits, tiled);
-#ifdef BRISK_X86
-  TORCH_CHECK(brisk_isa::vnni(), "brisk group_gemm_q16act: needs AVX512-VNNI");
   return qact_gemm("group_gemm_q16act", kAct16Levels, x, w, bias);
-#else
-  TORCH_CHECK(false, "brisk group_gemm_q16act: needs an x86-64 CPU");
-#endif
 }
 
 namespace brisk_range {
 
 void quantize_acts(int levels, const GroupWeights& w, const float* x, int64_t m, QuantizedActs& out) {
-#ifdef BRISK_X86
   if (levels == kAct16Levels) quantize_rows_into<int16_t, kAct16Levels>(w, x, m, out.q16, out);
   else quantize_rows_into<int8_t, 127>(w, x, m, out.q8, out);
-#endif
 }
 
-// Weight rows [r0, r1) (r0 a multiple of 4) of the VNNI group kernels on x quantized by quantize_acts.
+// Weight rows [r0, r1) (r0 a multiple of 4) of the integer-activation group kernels on x quantized
+// by quantize_acts: AVX512-VNNI where the CPU has it, else the AVX2 kernels, else the portable
+// loop (all three bit-identical).
 void group_qact_rows(const GroupWeights& w, const QuantizedActs& x, float* y, int64_t m, int64_t r0, int64_t r1) {
+  const bool a16 = x.levels == kAct16Levels;
 #ifdef BRISK_X86
   const int64_t t0 = r0 / 4, t1 = (std::min(r1, w.out) + 3) / 4;
-  if (x.levels == kAct16Levels) tile_range<A16Kernel>(w, acts_of<int16_t>(w, x), y, m, t0, t1);
-  else if (w.run_bytes == 16) tile_range<VnniKernel<4>>(w, acts_of<int8_t>(w, x), y, m, t0, t1);
-  else tile_range<VnniKernel<8>>(w, acts_of<int8_t>(w, x), y, m, t0, t1);
+  if (brisk_isa::vnni()) {
+    if (a16) return tile_range<A16Kernel>(w, acts_of<int16_t>(w, x), y, m, t0, t1);
+    if (w.run_bytes == 16) return tile_range<VnniKernel<4>>(w, acts_of<int8_t>(w, x), y, m, t0, t1);
+    return tile_range<VnniKernel<8>>(w, acts_of<int8_t>(w, x), y, m, t0, t1);
+  }
+  if (brisk_isa::at_least_avx2()) {
+    if (a16) return tile_range<Int16Kernel256>(w, acts_of<int16_t>(w, x), y, m, t0, t1);
+    if (w.run_bytes == 16) return tile_range<Int8Kernel256<4>>(w, acts_of<int8_t>(w, x), y, m, t0, t1);
+    return tile_range<Int8Kernel256<8>>(w, acts_of<int8_t>(w, x), y, m, t0, t1);
+  }
 #endif
+  if (a16) return portable_rows<4>(w, acts_of<int16_t>(w, x), y, m, r0, r1);
+  if (w.run_bytes == 16) return portable_rows<4>(w, acts_of<int8_t>(w, x), y, m, r0, r1);
+  portable_rows<8>(w, acts_of<int8_t>(w, x), y, m, r0, r1);
 }
 
 }  // namespace brisk_range

@@ -15,6 +15,7 @@ void set(Level level);  // clamps to cpu(); call before any kernel runs (brisk.k
 bool vnni();      // AVX512-VNNI and AVX512-BW present, and avx512 active
 
 inline bool avx512() { return active() == Level::kAvx512; }
+inline bool at_least_avx2() { return active() >= Level::kAvx2; }
 
 std::string name(Level level);
 Level parse(const std::string& name);  // "avx512" | "avx2" | "scalar"; anything else throws

@@ -50,6 +50,25 @@ __attribute__((target("avx512f"))) inline __m512 exp512_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// exp512_nonpositive on 8 lanes: the same steps, with scalef's 2^n built in the exponent field
+// (n >= -126 after the clamp, so 2^n is a normal float and p * 2^n rounds as scalef does).
+__attribute__((target("avx2,fma"))) inline __m256 exp256_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
 // Round half to even (as torch.round), clamp to [-levels, levels], as int32: the activation
 // quantizers' step (127: int8, 32767: int16).
 __attribute__((target("avx512f"))) inline __m512i round_clamp(__m512 v, int levels) {

@@ -42,8 +42,8 @@ LinearOp = tuple[int, torch.Tensor, Any, Any, Any, int, int, bool]
 
 
 def plan_supported() -> bool:
-    """The extension has the plan and the kernels it calls, and runs AVX-512 (the plan's only path yet)."""
-    return (kernels.CAPS.avx512 and all(kernels.CAPS.has(k) for k in ("DecodePlan", "rotary", "kv_store"))
+    """The extension has the plan and the kernels it calls (each has an AVX-512, AVX2 and portable path)."""
+    return (kernels.CAPS.built and all(kernels.CAPS.has(k) for k in ("DecodePlan", "rotary", "kv_store"))
             and HAVE_PAGED_KERNEL and kernels.SMALL_GEMM_MAX_ROWS >= PLAN_MAX_ROWS)
 
 

@@ -17,7 +17,7 @@ from brisk.model.layers import Linear
 from brisk.quant.base import tile_rows
 from brisk.quant.grouped import KERNEL_MAX_ROWS, GroupLinear, quantize_act_blocks
 
-needs_vnni = pytest.mark.skipif(not kernels.group_qact_supported("int16", 4), reason="needs the AVX512-VNNI kernels")
+needs_vnni = pytest.mark.skipif(not kernels.group_qact_supported("int16", 4), reason="needs the integer-activation group kernels")
 
 
 def test_block_quantization_is_round_half_even_of_x_over_max_by_127() -> None:
