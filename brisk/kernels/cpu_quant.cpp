@@ -142,10 +142,13 @@ __attribute__((target("avx512f,f16c"))) void dequant_row(const GroupWeights& w, 
 }
 #endif
 
-// The portable path, for CPUs without AVX2 (the AVX2 kernel below computes the same floats). Each run of 32 weights is dequantized
-// exactly as the AVX-512 table does (fma(q, scale, zero) / q * scale), then every (x row, weight
-// row) pair sums in 8 lanes, in column order, added at the end: batch-invariant like the AVX-512
-// path, and within float rounding of it (another summation order).
+// The portable path, for CPUs without AVX2 (the AVX2 kernel below computes the same floats). Every
+// (x row, weight row) pair sums in 8 lanes, in column order, added at the end: batch-invariant like
+// the AVX-512 path, and within float rounding of it (another order). 4-bit: each run of 32 weights
+// is dequantized as the AVX-512 table does (fma(q, scale, zero)) and multiplied in; 8-bit: q x sums
+// over the group, then one fma by the group's scale (a multiply per weight fewer: the 8-bit head
+// is the largest matrix of a decode step, and on 8-lane vectors its instructions, not memory, set
+// the pace).
 inline void unpack_run(const GroupWeights& w, int64_t r, int64_t c, float s, float z, float* o) {
   const uint8_t* p = w.run(r, c);
   if (w.run_bytes == 16) {
@@ -161,46 +164,62 @@ inline void unpack_run(const GroupWeights& w, int64_t r, int64_t c, float s, flo
 
 inline float half(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
-#define BRISK_GROUP_PORTABLE(NAME, ATTR)                                                                \
-  ATTR void NAME(const GroupWeights& w, const float* x, float* y, int64_t m, int64_t r0, int64_t r1) {  \
-    constexpr int kMaxM = 16;                                                                           \
-    float run[32];                                                                                      \
-    for (int64_t m0 = 0; m0 < m; m0 += kMaxM) {                                                         \
-      const int64_t mb = std::min<int64_t>(kMaxM, m - m0);                                              \
-      for (int64_t r = r0; r < r1; ++r) {                                                               \
-        float acc[kMaxM][8] = {};                                                                       \
-        for (int64_t g = 0; g < w.groups; ++g) {                                                        \
-          const int64_t at = w.at(r, g);                                                                \
-          const float s = half(w.scale[at]), z = w.zero ? half(w.zero[at]) : 0.0f;                      \
-          for (int64_t i = g * w.group; i < (g + 1) * w.group; i += 32) {                               \
-            unpack_run(w, r, i / 32, s, z, run);                                                        \
-            for (int64_t k = 0; k < mb; ++k) {                                                          \
-              const float* xr = x + (m0 + k) * w.in + i;                                                \
-              for (int j = 0; j < 32; j += 8)                                                           \
-                for (int l = 0; l < 8; ++l) acc[k][l] = std::fma(run[j + l], xr[j + l], acc[k][l]);     \
-            }                                                                                           \
-          }                                                                                             \
-        }                                                                                               \
-        for (int64_t k = 0; k < mb; ++k) {                                                              \
-          float sum = 0.0f;                                                                             \
-          for (int l = 0; l < 8; ++l) sum += acc[k][l];                                                 \
-          y[(m0 + k) * w.out + r] = sum;                                                                \
-        }                                                                                               \
-      }                                                                                                 \
-    }                                                                                                   \
+void gemm_range_portable(const GroupWeights& w, const float* x, float* y, int64_t m, int64_t r0, int64_t r1) {
+  constexpr int kMaxM = 16;
+  const bool eight = w.run_bytes == 32;
+  float run[32];
+  for (int64_t m0 = 0; m0 < m; m0 += kMaxM) {
+    const int64_t mb = std::min<int64_t>(kMaxM, m - m0);
+    for (int64_t r = r0; r < r1; ++r) {
+      float acc[kMaxM][8] = {};
+      for (int64_t g = 0; g < w.groups; ++g) {
+        const int64_t at = w.at(r, g);
+        const float s = half(w.scale[at]), z = w.zero ? half(w.zero[at]) : 0.0f;
+        float gacc[kMaxM][8] = {};  // 8-bit: the group's q x sums
+        for (int64_t i = g * w.group; i < (g + 1) * w.group; i += 32) {
+          if (eight) {
+            const int8_t* q = reinterpret_cast<const int8_t*>(w.run(r, i / 32));
+            for (int j = 0; j < 32; ++j) run[j] = static_cast<float>(q[j]);
+          } else {
+            unpack_run(w, r, i / 32, s, z, run);
+          }
+          for (int64_t k = 0; k < mb; ++k) {
+            const float* xr = x + (m0 + k) * w.in + i;
+            float* a = eight ? gacc[k] : acc[k];
+            for (int j = 0; j < 32; j += 8)
+              for (int l = 0; l < 8; ++l) a[l] = std::fma(run[j + l], xr[j + l], a[l]);
+          }
+        }
+        if (eight)
+          for (int64_t k = 0; k < mb; ++k)
+            for (int l = 0; l < 8; ++l) acc[k][l] = std::fma(gacc[k][l], s, acc[k][l]);
+      }
+      for (int64_t k = 0; k < mb; ++k) {
+        float sum = 0.0f;
+        for (int l = 0; l < 8; ++l) sum += acc[k][l];
+        y[(m0 + k) * w.out + r] = sum;
+      }
+    }
   }
-
-BRISK_GROUP_PORTABLE(gemm_range_portable, )
-#undef BRISK_GROUP_PORTABLE
+}
 
 #ifdef BRISK_X86
-// The portable path's arithmetic on 256-bit vectors: the same dequantized weights (one fma or
-// multiply per weight), the same 8-lane accumulators in column order and the same final lane sum,
+// The portable path's arithmetic on 256-bit vectors: the same weights and group sums, the same
+// 8-lane accumulators in column order and the same final lane sum,
 // so its results are the portable path's bit for bit (where that one is compiled with FMA), at
 // vector speed: R weight rows x MB x rows per tile share every load.
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
+
+// The 8 lanes added in order (the portable path's sum).
+inline float lane_sum(__m256 v) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  float sum = 0.0f;
+  for (int l = 0; l < 8; ++l) sum += t[l];
+  return sum;
+}
 
 // Row r's run of 32 columns as four vectors of 8 floats.
 template <int Bits>
@@ -217,8 +236,49 @@ inline void unpack(const uint8_t* p, __m256 s, __m256 z, __m256 (&w)[4]) {
   }
 }
 
+// 8-bit: per group, q x summed in `gacc`, then one fma by the scale (the portable path's order).
+template <int MB, int R>
+inline void tile8(const GroupWeights& w, const float* x, float* y, int64_t m0, int64_t r) {
+  const int64_t ahead = w.tiled ? 1024 : 2 * R * w.run_bytes * (w.in / 32);
+  __m256 acc[R][MB];
+  for (int j = 0; j < R; ++j)
+    for (int k = 0; k < MB; ++k) acc[j][k] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m256 gacc[R][MB];
+    for (int j = 0; j < R; ++j)
+      for (int k = 0; k < MB; ++k) gacc[j][k] = _mm256_setzero_ps();
+    for (int64_t i = g * w.group; i < (g + 1) * w.group; i += 32) {
+      if (w.tiled) {
+        const char* p = reinterpret_cast<const char*>(w.run(r, i / 32)) + ahead;
+        _mm_prefetch(p, _MM_HINT_T0);
+        _mm_prefetch(p + 64, _MM_HINT_T0);
+      }
+      for (int j = 0; j < R; ++j) {
+        const uint8_t* p = w.run(r + j, i / 32);
+        if (!w.tiled) _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
+        __m256 qv[4];
+        for (int c = 0; c < 4; ++c)
+          qv[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * c))));
+        for (int k = 0; k < MB; ++k) {
+          const float* xr = x + (m0 + k) * w.in + i;
+          for (int c = 0; c < 4; ++c) gacc[j][k] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(xr + 8 * c), gacc[j][k]);
+        }
+      }
+    }
+    for (int j = 0; j < R; ++j) {
+      const __m256 s = _mm256_set1_ps(_cvtsh_ss(w.scale[w.at(r + j, g)]));
+      for (int k = 0; k < MB; ++k) acc[j][k] = _mm256_fmadd_ps(gacc[j][k], s, acc[j][k]);
+    }
+  }
+  for (int j = 0; j < R; ++j)
+    for (int k = 0; k < MB; ++k) y[(m0 + k) * w.out + r + j] = lane_sum(acc[j][k]);
+}
+
 template <int Bits, int MB, int R>
 inline void tile(const GroupWeights& w, const float* x, float* y, int64_t m0, int64_t r) {
+  if constexpr (Bits == 8) {
+    return tile8<MB, R>(w, x, y, m0, r);
+  }
   const int64_t ahead = w.tiled ? 1024 : 2 * R * w.run_bytes * (w.in / 32);
   __m256 acc[R][MB];
   for (int j = 0; j < R; ++j)
@@ -231,9 +291,13 @@ inline void tile(const GroupWeights& w, const float* x, float* y, int64_t m0, in
       z[j] = _mm256_set1_ps(w.zero ? _cvtsh_ss(w.zero[at]) : 0.0f);
     }
     for (int64_t i = g * w.group; i < (g + 1) * w.group; i += 32) {
+      if (w.tiled) {  // the 4-row tile's run is 64 (4-bit) or 128 bytes of one stream: one or two lines
+        const char* p = reinterpret_cast<const char*>(w.run(r, i / 32)) + ahead;
+        _mm_prefetch(p, _MM_HINT_T0);
+      }
       for (int j = 0; j < R; ++j) {
         const uint8_t* p = w.run(r + j, i / 32);
-        _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
+        if (!w.tiled) _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
         __m256 wv[4];
         unpack<Bits>(p, s[j], z[j], wv);
         for (int k = 0; k < MB; ++k) {
@@ -244,13 +308,7 @@ inline void tile(const GroupWeights& w, const float* x, float* y, int64_t m0, in
     }
   }
   for (int j = 0; j < R; ++j)
-    for (int k = 0; k < MB; ++k) {
-      alignas(32) float t[8];
-      _mm256_store_ps(t, acc[j][k]);
-      float sum = 0.0f;
-      for (int l = 0; l < 8; ++l) sum += t[l];
-      y[(m0 + k) * w.out + r + j] = sum;
-    }
+    for (int k = 0; k < MB; ++k) y[(m0 + k) * w.out + r + j] = lane_sum(acc[j][k]);
 }
 
 template <int Bits, int MB, int R>
@@ -263,9 +321,23 @@ void rows(const GroupWeights& w, const float* x, float* y, int64_t m0, int64_t r
 template <int Bits>
 void gemm_range(const GroupWeights& w, const float* x, float* y, int64_t m, int64_t r0, int64_t r1) {
   int64_t m0 = 0;
-  for (; m0 + 4 <= m; m0 += 4) rows<Bits, 4, 2>(w, x, y, m0, r0, r1);
+  for (; m0 + 4 <= m; m0 += 4) rows<Bits, 4, Bits == 8 ? 1 : 2>(w, x, y, m0, r0, r1);  // 8-bit: 16 registers
   for (; m0 + 2 <= m; m0 += 2) rows<Bits, 2, 2>(w, x, y, m0, r0, r1);
   for (; m0 < m; ++m0) rows<Bits, 1, 4>(w, x, y, m0, r0, r1);
+}
+
+// Weight row r as floats into o [in]: unpack_run's values.
+template <int Bits>
+void dequant_row(const GroupWeights& w, int64_t r, float* o) {
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const int64_t at = w.at(r, g);
+    const __m256 s = _mm256_set1_ps(_cvtsh_ss(w.scale[at])), z = _mm256_set1_ps(w.zero ? _cvtsh_ss(w.zero[at]) : 0.0f);
+    for (int64_t i = g * w.group; i < (g + 1) * w.group; i += 32) {
+      __m256 wv[4];
+      unpack<Bits>(w.run(r, i / 32), s, z, wv);
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(o + i + 8 * c, wv[c]);
+    }
+  }
 }
 
 }  // namespace avx2
@@ -297,6 +369,7 @@ void gemm(const GroupWeights& w, const float* x, float* y, int64_t m_rows) {
 void dequant_row_any(const GroupWeights& w, int64_t r, float* o) {
 #ifdef BRISK_X86
   if (brisk_isa::avx512()) return w.run_bytes == 16 ? dequant_row<4>(w, r, o) : dequant_row<8>(w, r, o);
+  if (brisk_isa::at_least_avx2()) return w.run_bytes == 16 ? avx2::dequant_row<4>(w, r, o) : avx2::dequant_row<8>(w, r, o);
 #endif
   for (int64_t g = 0; g < w.groups; ++g) {
     const int64_t at = w.at(r, g);

@@ -130,15 +130,20 @@ def test_float_and_int8_gemms_on_each_path(level: str) -> None:
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_float_group_kernel_on_each_path(bits: int) -> None:
-    """The float-activation group kernel: AVX2 and portable within float rounding of AVX-512,
-    batch-invariant on each."""
+    """The float-activation group kernel: AVX2 (bit-identical to the portable loop) within float
+    rounding of AVX-512, batch-invariant on each; its dequantized weights bit-identical everywhere."""
     torch.manual_seed(0)
     q, scale, zero = _group_weights(64, 256, 32, bits, tiled=True)
     x = torch.randn(6, 256)
     ref = kernels._C.group_dequantize(q, scale, zero, 32, bits, True)
+    for level, weights in at_each(partial(kernels._C.group_dequantize, q, scale, zero, 32, bits, True), HERE).items():
+        assert torch.equal(weights, ref), level  # the prompt path's weights: the same floats everywhere
+    got = {}
     for level in HERE:
         with isa(level):
-            y = kernels._C.group_gemm(x, q, scale, zero, 32, bits, None, True)
+            got[level] = y = kernels._C.group_gemm(x, q, scale, zero, 32, bits, None, True)
             alone = kernels._C.group_gemm(x[3:4], q, scale, zero, 32, bits, None, True)
         torch.testing.assert_close(y, (x.double() @ ref.double().T).float(), rtol=1e-5, atol=1e-4)
         assert torch.equal(alone, y[3:4]), level
+    if "avx2" in got:  # the AVX2 kernel is the portable loop's arithmetic on vectors
+        assert torch.equal(got["avx2"], got["scalar"])
