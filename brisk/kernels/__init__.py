@@ -161,7 +161,7 @@ def int8_gemm_tiled(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 
 def group_kernel_supported(qweight: torch.Tensor, x: torch.Tensor | None = None) -> bool:
     """True when `group_gemm` / `group_dequantize` can serve this weight and input: CPU, extension
-    built (AVX-512 kernels, or the portable path compiled for AVX2 as well)."""
+    built (AVX-512, AVX2 and portable kernels)."""
     return (CAPS.has("group_gemm") and qweight.device.type == "cpu"
             and qweight.is_contiguous() and (x is None or x.device.type == "cpu"))
 
@@ -270,7 +270,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def silu_mul_supported(gate_up: torch.Tensor) -> bool:
-    """True when `silu_mul` can serve this [n, 2 * inter] tensor (float32, CPU; AVX-512 or portable)."""
+    """True when `silu_mul` can serve this [n, 2 * inter] tensor (float32, CPU; AVX-512, AVX2 or portable)."""
     return (CAPS.has("silu_mul") and gate_up.device.type == "cpu"
             and gate_up.dtype == torch.float32 and gate_up.dim() == 2 and gate_up.is_contiguous())
 

@@ -138,6 +138,20 @@ inline __attribute__((always_inline)) void attend_token(const T* __restrict q, T
 }
 
 #ifdef BRISK_X86
+// Blocks are scattered, so the hardware prefetcher cannot guess the next ones: the vector kernels
+// fetch the key and value tiles of the block two ahead into L2 while this one is computed.
+template <typename T, int HD>
+inline void prefetch_tiles(const T* k_cache, const T* v_cache, int32_t block, int64_t kvh, const Shape& s) {
+  constexpr int64_t kTile = 16 * HD;
+  const int64_t at = (static_cast<int64_t>(block) * s.num_kv_heads + kvh) * kTile;
+  const char* kn = reinterpret_cast<const char*>(k_cache + at);
+  const char* vn = reinterpret_cast<const char*>(v_cache + at);
+  for (size_t c = 0; c < kTile * sizeof(T); c += 64) {
+    _mm_prefetch(kn + c, _MM_HINT_T1);
+    _mm_prefetch(vn + c, _MM_HINT_T1);
+  }
+}
+
 // The common shape (block 16, head dim a multiple of 16) in AVX-512: a block's 16 scores are one
 // register; keys stream in as head_dim broadcast-FMAs, values as 16 x head_dim/16 FMAs. G query
 // heads go through each block together: their independent FMA chains hide each other's latency
@@ -169,17 +183,7 @@ __attribute__((target("avx512f"))) void attend_heads_avx512(const T* q, T* out, 
     const int64_t base = (static_cast<int64_t>(block_table[j]) * s.num_kv_heads + kvh) * kBs * HD;
     const T* kt = k_cache + base;  // [HD][16]
     const T* vt = v_cache + base;  // [16][HD]
-    if ((j + 2) * kBs < ctx_len) {
-      // Blocks are scattered, so the hardware prefetcher cannot guess the next ones: fetch the
-      // key and value tiles two blocks ahead into L2 while this block is computed.
-      const int64_t next = (static_cast<int64_t>(block_table[j + 2]) * s.num_kv_heads + kvh) * kBs * HD;
-      const char* kn = reinterpret_cast<const char*>(k_cache + next);
-      const char* vn = reinterpret_cast<const char*>(v_cache + next);
-      for (size_t c = 0; c < kBs * HD * sizeof(T); c += 64) {
-        _mm_prefetch(kn + c, _MM_HINT_T1);
-        _mm_prefetch(vn + c, _MM_HINT_T1);
-      }
-    }
+    if ((j + 2) * kBs < ctx_len) prefetch_tiles<T, HD>(k_cache, v_cache, block_table[j + 2], kvh, s);
     __m512 s0[G], s1[G];
     for (int g = 0; g < G; ++g) s0[g] = s1[g] = _mm512_setzero_ps();
     for (int i = 0; i < HD; i += 2) {
@@ -285,15 +289,7 @@ __attribute__((target("avx2,fma"))) void attend_heads_avx2(const T* q, T* out, c
     const int64_t base = (static_cast<int64_t>(block_table[j]) * s.num_kv_heads + kvh) * kBs * HD;
     const T* kt = k_cache + base;
     const T* vt = v_cache + base;
-    if ((j + 2) * kBs < ctx_len) {
-      const int64_t next = (static_cast<int64_t>(block_table[j + 2]) * s.num_kv_heads + kvh) * kBs * HD;
-      const char* kn = reinterpret_cast<const char*>(k_cache + next);
-      const char* vn = reinterpret_cast<const char*>(v_cache + next);
-      for (size_t c = 0; c < kBs * HD * sizeof(T); c += 64) {
-        _mm_prefetch(kn + c, _MM_HINT_T1);
-        _mm_prefetch(vn + c, _MM_HINT_T1);
-      }
-    }
+    if ((j + 2) * kBs < ctx_len) prefetch_tiles<T, HD>(k_cache, v_cache, block_table[j + 2], kvh, s);
     __m256 s0[G][2], s1[G][2];  // [head][slots 0-7, 8-15], even and odd i
     for (int g = 0; g < G; ++g) s0[g][0] = s0[g][1] = s1[g][0] = s1[g][1] = _mm256_setzero_ps();
     for (int i = 0; i < HD; i += 2) {

@@ -8,7 +8,7 @@ and accumulates in float32 (`kernels.int8_gemm`), so the only error is the round
 128 rows it beats dequantize + float GEMM by 1.1-1.8x (8x on the 49,152-row LM head, where
 dequantizing writes 113 MB per call). At 256-512 rows the two are even in isolation and one
 in-model run with the kernel at every size was slower (161 vs 178-195 tokens/s batched), so
-prefill chunks dequantize per call. Without the kernel (no AVX-512, not CPU) the weight is
+prefill chunks dequantize per call. Without the kernel (extension not built, not CPU) the weight is
 always dequantized.
 
 On the CPU the weight is held in 4-row x 64-column tiles (quant/base.TiledLinear).
