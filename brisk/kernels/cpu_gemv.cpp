@@ -164,7 +164,8 @@ void check_int8(const char* name, const torch::Tensor& x, const torch::Tensor& q
               ": scale must be float32 [out]");
 }
 
-torch::Tensor int8_epilogue_(torch::Tensor y, const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias) {
+// y *= scale per output row (+ bias): the int8 modules' epilogue, one rounding each as torch's ops
+torch::Tensor scale_rows_(torch::Tensor y, const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias) {
   y.mul_(scale.view({1, y.size(1)}));
   if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
   return y;
@@ -180,7 +181,7 @@ torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const to
   auto xf = x.to(torch::kFloat32).contiguous();
   auto y = torch::empty({x.size(0), q.size(0)}, x.options().dtype(torch::kFloat32));
   small_gemm_rows(q.data_ptr<int8_t>(), xf.data_ptr<float>(), y.data_ptr<float>(), x.size(0), q.size(0), q.size(1));
-  return int8_epilogue_(y, scale, bias);
+  return scale_rows_(y, scale, bias);
 }
 
 // int8_gemm with q in the tiled layout (quant/int8.py tile_rows): out % 4 == 0, in % 64 == 0; the
@@ -197,7 +198,7 @@ torch::Tensor int8_gemm_tiled(const torch::Tensor& x, const torch::Tensor& q, co
   const float* xp = xf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, out / kRows, 8, [&](int64_t g0, int64_t g1) { tiled_any(t, xp, yp, m_rows, out, g0, g1, in); });
-  return int8_epilogue_(y, scale, bias);
+  return scale_rows_(y, scale, bias);
 }
 
 namespace brisk_range {

@@ -251,7 +251,7 @@ class GroupLinear(TiledLinear):
             if mode != "float" and group_qact_supported(mode, self.bits):
                 y = group_gemm_qact(flat, b["qweight"], b["scale"], b["zero"], self.group, self.bits, mode, b["bias"],
                                     tiled)
-            else:  # where the CPU lacks VNNI: the same quantized activations, multiplied in floats
+            else:  # a build without the integer-activation kernels: the same activations, multiplied in floats
                 flat = flat if mode == "float" else quantize_act_blocks(flat, mode)
                 y = group_gemm(flat, b["qweight"], b["scale"], b["zero"], self.group, self.bits, b["bias"], tiled)
         else:
