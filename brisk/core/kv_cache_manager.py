@@ -28,6 +28,7 @@ from array import array
 from collections.abc import Iterable, Sequence
 
 from brisk.core.block_pool import BlockHash, BlockPool, KVBlock
+from brisk.core.kv_manager import MemoryOp
 from brisk.request import Request
 
 
@@ -57,7 +58,7 @@ NO_BLOCK = -1  # a table entry whose block was let go: wholly before a sliding g
 
 
 class KVCacheManager:
-    """Per-request block tables (one per KV group) over one `BlockPool`, plus prefix-cache lookups
+    """The paged layout's manager (core/kv_manager.py's protocol): per-request block tables (one per KV group) over one `BlockPool`, plus prefix-cache lookups
     and statistics.
 
     Capacity is a return value: `allocate_slots` answers None and changes nothing when the pool is
@@ -99,6 +100,14 @@ class KVCacheManager:
         `chunk` tokens a step (the scheduler's liveness bound and prompt check)."""
         n = cdiv(num_tokens, self.block_size)
         return sum(n if not w else min(n, self.window_blocks(w, chunk)) for w in self.windows)
+
+    def fits_alone(self, num_tokens: int, chunk: int) -> bool:
+        return self.blocks_needed(num_tokens, chunk) <= self.pool.num_blocks
+
+    def capacity_error(self, num_tokens: int, chunk: int) -> str:
+        return (f"prompt has {num_tokens} tokens and needs {self.blocks_needed(num_tokens, chunk)} KV blocks of "
+                f"{self.block_size} tokens, but the KV cache has only {self.pool.num_blocks} blocks; shorten the "
+                "prompt or give the cache more memory")
 
     # ----------------------------------------------------------------------------- hashing
 
@@ -258,6 +267,12 @@ class KVCacheManager:
                     self.pool.cache_full_block(block, self._key(hashes[i], g), tokens)
         self._num_cached[rid] = num_full
 
+    def uncache(self, block_ids: Iterable[int]) -> None:
+        self.pool.uncache(b for b in block_ids if b != NO_BLOCK)
+
+    def take_memory_ops(self) -> list[MemoryOp]:
+        return []  # the pool's tensors are allocated once, whole
+
     def free(self, request: Request) -> None:
         """Release the request's blocks (preemption or finish). Tail blocks are freed first so
         that eviction takes a prefix's tail before its head, which later requests share."""
@@ -275,6 +290,10 @@ class KVCacheManager:
         if tables is None:
             return [[] for _ in self.windows]
         return [self._ids(table, w) for table, w in zip(tables, self.windows)]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
 
     @property
     def num_free_blocks(self) -> int:

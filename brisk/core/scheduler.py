@@ -4,7 +4,8 @@ Every request has `num_computed_tokens`; a step lets it catch up by as many toke
 (a whole prompt, a chunk of one, or one decode token plus slots for the drafts that speculative
 decoding verifies in the same step). Running requests are served first, so a
 long prompt arriving never stalls the decodes (stall-free batching); waiting requests are then
-admitted first-come first-served. When KV blocks run out, the newest running request is
+admitted first-come first-served. The KV layout is the manager the scheduler is handed
+(core/kv_manager.py): it only asks it for room. When KV blocks run out, the newest running request is
 preempted by recompute: its blocks are freed and it starts over from the front of the queue
 (often finding its own blocks still in the prefix cache).
 
@@ -16,10 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Sequence
 
 from brisk.config import SchedulerConfig
-from brisk.core.kv_cache_manager import NO_BLOCK, KVCacheManager, request_tokens
+from brisk.core.kv_cache_manager import request_tokens
+from brisk.core.kv_manager import KVManager
 from brisk.core.outputs import ScheduledRequest, SchedulerOutput
 from brisk.core.step_cost import StepCostModel
 from brisk.request import FinishReason, Request, RequestStatus
@@ -31,15 +32,13 @@ _STATUS_OF = {FinishReason.STOP: RequestStatus.FINISHED_STOPPED, FinishReason.LE
 class Scheduler:
     """Decides, each step, which requests advance by how many tokens. Ints and lists only."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, block_size: int, num_blocks: int,
-                 enable_prefix_caching: bool, kv_windows: Sequence[int] = (0,)) -> None:
-        """`kv_windows`: per KV group (core/kv_groups.py), 0 for full attention or its window."""
+    def __init__(self, scheduler_config: SchedulerConfig, kv: KVManager) -> None:
+        """`kv`: the KV layout's manager (core/kv_manager.py), built by the engine."""
         self.config = scheduler_config
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, kv_windows)
-        # The KV pool is a second context limit: a sequence ends (LENGTH) once its next token
-        # could not be computed even with every block. This bound is what makes preemption live.
+        self.kv = kv
+        self.block_size = kv.block_size
+        # The KV cache is a second context limit: a sequence ends (LENGTH) once its next token
+        # could not be computed even with the whole cache. This bound is what makes preemption live.
         self.max_seq_len = self._pool_length_limit()
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests re-enter at the front
         self.running: list[Request] = []  # admission order: the last one is the newest
@@ -54,7 +53,7 @@ class Scheduler:
         chunk, lo, hi = self.config.max_num_batched_tokens, 0, self.config.max_model_len
         while lo < hi:  # the most tokens whose blocks fit: blocks_needed grows with the length
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self.kv.blocks_needed(mid, chunk) <= self.num_blocks else (lo, mid - 1)
+            lo, hi = (mid, hi) if self.kv.fits_alone(mid, chunk) else (lo, mid - 1)
         return min(self.config.max_model_len, lo + 1)
 
     # ----------------------------------------------------------------------------- requests in
@@ -70,11 +69,8 @@ class Scheduler:
             raise ValueError(
                 f"prompt has {n} tokens; max_model_len is {max_len}, which leaves no room to generate a "
                 f"token; shorten the prompt to at most {max_len - 1} tokens or raise max_model_len")
-        needed = self.kv.blocks_needed(n, self.config.max_num_batched_tokens)
-        if needed > self.num_blocks:
-            raise ValueError(
-                f"prompt has {n} tokens and needs {needed} KV blocks of {self.block_size} tokens, but the "
-                f"KV cache has only {self.num_blocks} blocks; shorten the prompt or give the cache more memory")
+        if not self.kv.fits_alone(n, self.config.max_num_batched_tokens):
+            raise ValueError(self.kv.capacity_error(n, self.config.max_num_batched_tokens))
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self.waiting.append(request)
@@ -281,7 +277,7 @@ class Scheduler:
         """Undo a step whose forward pass failed: abort its requests and withdraw every block it
         touched from the prefix cache, since blocks published at schedule time hold no valid KV."""
         aborted = [s.request_id for s in sched_out.scheduled if self.abort_request(s.request_id)]
-        self.kv.pool.uncache({b for s in sched_out.scheduled for table in s.block_ids for b in table if b != NO_BLOCK})
+        self.kv.uncache({b for s in sched_out.scheduled for table in s.block_ids for b in table})
         return aborted
 
     def finish_request(self, request_id: str, reason: FinishReason) -> bool:

@@ -24,6 +24,7 @@ from typing import TypeVar
 import torch
 
 from brisk.config import CacheConfig, SchedulerConfig, SpecConfig
+from brisk.core.kv_cache_manager import KVCacheManager
 from brisk.core.outputs import ScheduledRequest, SchedulerOutput
 from brisk.core.scheduler import Scheduler
 from brisk.engine.detokenizer import IncrementalDetokenizer
@@ -103,8 +104,9 @@ class LLMEngine:
             groups = model_kv_groups(model, scheduler.max_model_len)  # which layers share a block table
             self.num_blocks = num_kv_blocks(cache, kv_block_bytes(model, cache.block_size, groups))
             self.runner = PagedModelRunner(model, self.num_blocks, cache.block_size, pack_weights, groups)
-        self.scheduler = Scheduler(scheduler, cache.block_size, self.num_blocks, cache.enable_prefix_caching,
-                                   [g.window for g in self.runner.groups])
+        kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching,
+                            [g.window for g in self.runner.groups])
+        self.scheduler = Scheduler(scheduler, kv)
         self.spec = None if speculative is None else build_speculator(
             speculative, self.runner, cache, self.num_blocks, draft_model, pack_weights, seed)
         self._seeds = random.Random(seed)  # seeds for sampled requests that bring none

@@ -100,8 +100,8 @@ def test_a_long_request_holds_the_full_layers_kv_plus_the_windows() -> None:
     prefilled in chunks of 512 and decoded: the blocks it holds, and their layers' worth, against
     one table for every layer."""
     groups = kv_groups(_gemma_like(), max_model_len=8192)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=4, max_model_len=8192), 16, 2000,
-                      True, [g.window for g in groups])
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=4, max_model_len=8192),
+                      KVCacheManager(2000, 16, True, [g.window for g in groups]))
     req = _req("long", [i % 50 for i in range(4000)])
     req.eos_token_ids = frozenset()
     sched.add_request(req)
@@ -110,7 +110,7 @@ def test_a_long_request_holds_the_full_layers_kv_plus_the_windows() -> None:
         out = sched.schedule()
         sched.update_from_output(out, {s.request_id: [7] for s in out.scheduled if s.sample})
         sched.check_invariants()
-        peak = max(peak, sched.num_blocks - sched.kv.num_free_blocks)
+        peak = max(peak, sched.kv.num_blocks - sched.kv.num_free_blocks)
     tables = sched.kv.get_block_ids("long")
     tokens = req.num_computed_tokens  # 4015 computed
     full_blocks = -(-tokens // 16)
@@ -119,7 +119,7 @@ def test_a_long_request_holds_the_full_layers_kv_plus_the_windows() -> None:
     # the last step's query (position 4014) saw 3503..4014; blocks are let go one token early (a
     # decode token's query precedes its draft slots): each sliding group holds blocks 218..250
     assert held[1:] == [full_blocks - (4014 - 1 - 512 + 1) // 16] * 5 == [33] * 5
-    in_use = sched.num_blocks - sched.kv.num_free_blocks
+    in_use = sched.kv.num_blocks - sched.kv.num_free_blocks
     assert in_use == 251 + 5 * 33
     layers_per_block = len(groups[0].layers)  # each block holds 3 layers' KV
     all_full = full_blocks * 18  # layer-blocks with one table for all 18 layers

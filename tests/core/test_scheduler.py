@@ -10,6 +10,7 @@ import pytest
 
 from brisk.config import SchedulerConfig
 from brisk.core.outputs import SchedulerOutput
+from brisk.core.kv_cache_manager import KVCacheManager
 from brisk.core.scheduler import Scheduler
 from brisk.request import FinishReason, Request, RequestStatus, SamplingParams
 
@@ -21,7 +22,7 @@ def make_sched(budget: int = 64, max_seqs: int = 8, max_len: int = 64, chunked: 
                num_blocks: int = 16, caching: bool = True) -> Scheduler:
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len,
                           enable_chunked_prefill=chunked)
-    return Scheduler(cfg, BS, num_blocks, caching)
+    return Scheduler(cfg, KVCacheManager(num_blocks, BS, caching))
 
 
 def make(rid: str, n: int | list[int], max_tokens: int = 16, base: int = 1000, **params: Any) -> Request:
@@ -317,7 +318,7 @@ class FakeRunner:
             req = sched.get_request(s.request_id)
             assert req is not None
             end = s.start_pos + s.num_tokens
-            assert len(s.block_ids[0]) * BS >= end and len(s.block_ids[0]) <= sched.num_blocks
+            assert len(s.block_ids[0]) * BS >= end and len(s.block_ids[0]) <= sched.kv.num_blocks
             for p, tok in enumerate(s.token_ids, start=s.start_pos):
                 self.slots[s.block_ids[0][p // BS]][p % BS] = tok
             seen = [self.slots[s.block_ids[0][p // BS]][p % BS] for p in range(end)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from brisk.config import SchedulerConfig
+from brisk.core.kv_cache_manager import KVCacheManager
 from brisk.core.scheduler import Scheduler
 from brisk.core.step_cost import StepCostModel
 from brisk.request import Request, SamplingParams
@@ -52,7 +53,7 @@ def _req(rid: str, n: int, base: int) -> Request:
 
 def test_scheduler_caps_prompt_chunks_beside_decodes() -> None:
     cfg = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512, max_decode_slowdown=2.0)
-    sched = Scheduler(cfg, 4, 256, True)
+    sched = Scheduler(cfg, KVCacheManager(256, 4, True))
     for i in range(4):
         sched.add_request(_req(f"d{i}", 5, 1000 + 10 * i))
     out = sched.schedule()  # no decodes running yet: the whole budget
