@@ -109,6 +109,21 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     stb.add_argument("--fields", type=int, default=20, help="fields of the record schema (default 20)")
     stb.add_argument("--repeats", type=int, default=3, help="free/constrained run pairs (default 3)")
 
+    kvb = bsub.add_parser("kv", help="KV layouts side by side (paged blocks, virtual rows): prefill and decode "
+                                     "tokens/s, committed vs used bytes, page-fault waits")
+    add_model(kvb)
+    kvb.add_argument("--layouts", default="paged,virtual",
+                     help="comma-separated: paged, virtual, virtual_thp (virtual rows on 2 MB transparent huge "
+                          "pages) (default paged,virtual)")
+    kvb.add_argument("--batches", default="1,8,32", help="sequences per cell (default 1,8,32)")
+    kvb.add_argument("--contexts", default="256,2048", help="prompt tokens per cell (default 256,2048)")
+    kvb.add_argument("--decode-tokens", type=int, default=32, help="decode steps per cell (default 32)")
+    kvb.add_argument("--kv-cache-memory-gib", type=float, default=4.0,
+                     help="KV memory of each layout (default 4: batch 32 x 2k tokens of the default model fit)")
+    kvb.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (default 512)")
+    kvb.add_argument("--block-size", type=int, default=16, help="tokens per KV block / tile (default 16)")
+    add_quant(kvb, "quantize the model at load")
+
     par = bsub.add_parser("parallel", help="tensor x pipeline parallel grids beside one process: tokens/s, bytes/token")
     add_model(par)
     par.add_argument("--grid", default="1x1,2x1,3x1,1x2", help="TxP configurations (default 1x1,2x1,3x1,1x2)")
@@ -151,6 +166,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return _bench_parallel(args)
     if args.bench == "structured":
         return _bench_structured(args)
+    if args.bench == "kv":
+        return _bench_kv(args)
     from brisk.bench.latency import DEFAULT_PROMPT, bench_latency
 
     if args.new_tokens < 2 or args.repeats < 1:
@@ -180,6 +197,30 @@ def _bench_engine(args: argparse.Namespace) -> int:
         result = bench_mixed(llm, args.decoders, args.long_len, args.every, args.steps, args.seed)
     result.update(model=args.model, dtype=args.dtype)
     print(json.dumps(result), flush=True)
+    return 0
+
+
+def _bench_kv(args: argparse.Namespace) -> int:
+    from brisk.bench.kv_bench import LAYOUTS, bench_kv
+
+    def ints(name: str) -> list[int]:
+        try:
+            values = [int(v) for v in getattr(args, name).split(",") if v]
+        except ValueError:
+            values = []
+        if not values or min(values) < 1:
+            raise ValueError(f"--{name} takes comma-separated positive integers, got {getattr(args, name)!r}")
+        return values
+
+    layouts = [v for v in args.layouts.split(",") if v]
+    if not layouts or set(layouts) - set(LAYOUTS):
+        raise ValueError(f"--layouts takes {', '.join(LAYOUTS)}, got {args.layouts!r}")
+    if args.decode_tokens < 2:
+        raise ValueError("--decode-tokens must be >= 2")
+    engine = {"dtype": args.dtype, "kv_cache_memory_gib": args.kv_cache_memory_gib, "block_size": args.block_size,
+              "max_num_batched_tokens": args.max_num_batched_tokens, **quant_kwargs(args)}
+    print(json.dumps(bench_kv(args.model, layouts, ints("batches"), ints("contexts"), args.decode_tokens, engine)),
+          flush=True)
     return 0
 
 

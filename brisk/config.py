@@ -175,19 +175,34 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
 
+KV_LAYOUTS = ("paged", "virtual")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache: fixed-size blocks. The number of blocks is found at start-up from
+    """The KV cache. `kv_layout` "paged": a pool of fixed-size blocks, allocated whole at
+    start-up; "virtual": one contiguous row of reserved address space per sequence, backed by
+    physical memory only as tokens arrive (vAttention; core/virtual_kv.py), CPU on Linux. The
+    number of blocks (virtual: committed tiles of `block_size` tokens) is found at start-up from
     `num_kv_blocks` or `kv_cache_memory_gib` and handed to the cache manager as an argument."""
 
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: size from kv_cache_memory_gib
     kv_cache_memory_gib: float = 2.0
     enable_prefix_caching: bool = True
+    kv_layout: str = "paged"
+    kv_huge_pages: bool = False  # virtual: back the rows with 2 MB transparent huge pages
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        if self.kv_layout == "virtual" and self.enable_prefix_caching:
+            raise ValueError("prefix caching is not built for kv_layout='virtual' (rows do not share pages yet); "
+                             "turn it off (enable_prefix_caching=False, --no-prefix-caching) or use kv_layout='paged'")
+        if self.kv_huge_pages and self.kv_layout != "virtual":
+            raise ValueError("kv_huge_pages applies to kv_layout='virtual' only")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gib <= 0:

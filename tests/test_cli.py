@@ -169,6 +169,23 @@ def test_bench_spec_prints_json(gguf_path, capsys) -> None:
     assert result["workloads"]["open_chat"]["plain_tokens_per_s"] > 0
 
 
+def test_bench_kv_prints_both_layouts_side_by_side(gguf_path, capsys) -> None:
+    code, out, _ = _run(capsys, "bench", "kv", "--batches", "2", "--contexts", "40", "--decode-tokens", "4",
+                        "--kv-cache-memory-gib", "0.25")
+    assert code == 0
+    cell = json.loads(out.strip().splitlines()[-1])["cells"][0]
+    assert cell["paged"]["decode_steps"] == cell["virtual"]["decode_steps"] == 4
+    assert cell["virtual"]["used_mib"] < cell["virtual"]["committed_mib"] < 8 < 255 < cell["paged"]["committed_mib"] <= 256
+    assert cell["virtual_over_paged_decode"] > 0 and cell["virtual"]["steady_faulting_steps"] == 0
+
+
+def test_generate_runs_the_virtual_layout(gguf_path, capsys) -> None:
+    code, out, err = _run(capsys, "generate", "--kv-layout", "virtual", "--max-tokens", "4", "--prompt", "Hi")
+    assert code == 0 and "generated 4 tokens" in err + out
+    code, _, err = _run(capsys, "bench", "kv", "--layouts", "paged,contiguous")
+    assert code == 2 and "--layouts takes paged, virtual, virtual_thp" in err
+
+
 def _patch_tensor_info(path: Path, name: bytes, dims0: int | None = None, type_id: int | None = None) -> None:
     """Overwrite the first dimension or the type id of tensor `name` in a GGUF header."""
     data = bytearray(path.read_bytes())

@@ -24,9 +24,12 @@ from typing import TypeVar
 import torch
 
 from brisk.config import CacheConfig, SchedulerConfig, SpecConfig
-from brisk.core.kv_cache_manager import KVCacheManager
+from brisk.core.kv_cache_manager import KVCacheManager, cdiv
+from brisk.core.kv_groups import KVGroup
+from brisk.core.kv_manager import KVManager
 from brisk.core.outputs import ScheduledRequest, SchedulerOutput
 from brisk.core.scheduler import Scheduler
+from brisk.core.virtual_kv import VirtualKVManager
 from brisk.engine.detokenizer import IncrementalDetokenizer
 from brisk.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from brisk.engine.speculative import build_speculator
@@ -40,6 +43,7 @@ from brisk.runtime.paged_runner import (
     model_kv_groups,
 )
 from brisk.runtime.parallel_runner import ParallelRunner
+from brisk.runtime.virtual_kv import VirtualKV
 from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs
 from brisk.sample.sampler import SamplingBatch, sample
 from brisk.sample.structured import Constraint, GrammarCompiler
@@ -85,6 +89,19 @@ def num_kv_blocks(cache: CacheConfig, block_bytes: int) -> int:
     return max(1, int(cache.kv_cache_memory_gib * 2**30) // block_bytes)
 
 
+def _virtual_layout(model: CausalLM, cache: CacheConfig, scheduler: SchedulerConfig,
+                    pack_weights: bool) -> tuple[PagedModelRunner, VirtualKVManager]:
+    """A row of `max_model_len` tokens per sequence slot, every layer its own (one KV group);
+    tiles of `block_size` tokens, doubled until a tile is whole pages."""
+    probe = VirtualKV.tile_for(model, cache.block_size)
+    rows, row_tiles = scheduler.max_num_seqs, cdiv(scheduler.max_model_len, probe)
+    tensors = VirtualKV(model, rows, row_tiles, probe, cache.kv_huge_pages)
+    budget = num_kv_blocks(cache, tensors.bytes_per_tile)
+    groups = (KVGroup(0, tuple(range(model.config.num_hidden_layers))),)
+    runner = PagedModelRunner(model, rows * row_tiles, probe, pack_weights, groups, virtual=tensors)
+    return runner, VirtualKVManager(rows, row_tiles, probe, budget)
+
+
 class LLMEngine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, cache: CacheConfig,
                  scheduler: SchedulerConfig, seed: int = 0, pack_weights: bool = True,
@@ -98,17 +115,27 @@ class LLMEngine:
         self.cache_config = cache
         self.scheduler_config = scheduler
         self.runner: PagedModelRunner | ParallelRunner
+        self.virtual_kv: VirtualKVManager | None = None  # kv_layout "virtual": rows committed on demand
+        kv: KVManager
         if runner is not None:
+            if cache.kv_layout != "paged":
+                raise ValueError("kv_layout='virtual' runs in a single process for now; use kv_layout='paged' "
+                                 "with tensor/pipeline parallelism")
             self.num_blocks, self.runner = runner.num_blocks, runner
+        elif cache.kv_layout == "virtual":
+            self.runner, self.virtual_kv = _virtual_layout(model, cache, scheduler, pack_weights)
+            self.num_blocks = self.virtual_kv.budget
         else:
             groups = model_kv_groups(model, scheduler.max_model_len)  # which layers share a block table
             self.num_blocks = num_kv_blocks(cache, kv_block_bytes(model, cache.block_size, groups))
             self.runner = PagedModelRunner(model, self.num_blocks, cache.block_size, pack_weights, groups)
-        kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching,
-                            [g.window for g in self.runner.groups])
+        kv = self.virtual_kv or KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                               [g.window for g in self.runner.groups])
         self.scheduler = Scheduler(scheduler, kv)
         self.spec = None if speculative is None else build_speculator(
             speculative, self.runner, cache, self.num_blocks, draft_model, pack_weights, seed)
+        if self.virtual_kv is not None:
+            self._memory().release_all()  # the speculator's start-up measurement wrote scratch KV into row 0
         self._seeds = random.Random(seed)  # seeds for sampled requests that bring none
         self._seqs: dict[str, _Seq] = {}
         self._groups: dict[str, _Group] = {}
@@ -121,6 +148,19 @@ class LLMEngine:
         self._mask_thread = (os.cpu_count() or 1) > torch.get_num_threads()
         self._failed: dict[str, Exception] = {}  # sequence id -> the error its row raised this step
         self.failures: dict[str, Exception] = {}  # request id -> the error that ended it (take_failures)
+
+    def _memory(self) -> VirtualKV:
+        assert isinstance(self.runner, PagedModelRunner) and self.runner.virtual is not None
+        return self.runner.virtual
+
+    def _sync_memory(self) -> None:
+        """Carry out the virtual layout's page commits and releases (nothing for the paged one);
+        once idle, give back the pages warm free rows kept."""
+        if self.virtual_kv is None:
+            return
+        if not self.scheduler.has_unfinished():
+            self.virtual_kv.reclaim()
+        self._memory().apply(self.virtual_kv.take_memory_ops())
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -183,6 +223,7 @@ class LLMEngine:
             self._seqs.pop(sid, None)
             if self.spec is not None:
                 self.spec.release(sid, finished=True)
+        self._sync_memory()
         return True
 
     def check(self) -> None:
@@ -203,6 +244,7 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.plan(self.scheduler.running)
         sched = self.scheduler.schedule()
+        self._sync_memory()  # this step's tiles committed before the forward writes them
         if self.spec is not None:
             for rid in sched.preempted_ids:
                 self.spec.release(rid, finished=False)
@@ -228,6 +270,7 @@ class LLMEngine:
             touched.add(self._seqs[req.request_id].group)
             if req.is_finished() and self.spec is not None:
                 self.spec.release(req.request_id, finished=True)
+        self._sync_memory()
         return [self._output(g) for g in sorted(touched, key=lambda g: self._groups[g].arrival_time)]
 
     def _compute(self, sched: SchedulerOutput) -> dict[str, list[int]]:

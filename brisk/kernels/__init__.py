@@ -399,3 +399,34 @@ def new_decode_plan(num_heads: int, num_kv_heads: int, head_dim: int, intermedia
     """An empty C++ DecodePlan (model/decode_plan.py fills it layer by layer); act 0: SwiGLU, 1: GeGLU."""
     assert _C is not None
     return _C.DecodePlan(num_heads, num_kv_heads, head_dim, intermediate, eps, act)
+
+
+# ----------------------------------------------------------------------------- virtual memory
+# The virtual KV layout's calls (kernels/cpu_vmem.cpp): reserve address space, commit and give back pages.
+
+def vmem_unavailable() -> str | None:
+    """Why the virtual-memory calls cannot be used here (None: they can)."""
+    if not CAPS.built:
+        return f"brisk's C++ extension is not built ({CAPS.load_error})"
+    return None if CAPS.has("vmem_reserve") else "this build of brisk._C predates them (rebuild brisk)"
+
+
+def vmem_page_size() -> int:
+    return int(_C.vmem_page_size())
+
+
+def vmem_reserve(nbytes: int, huge_pages: bool) -> torch.Tensor:
+    """A uint8 tensor over `nbytes` of reserved address space, committed page by page on first write."""
+    return _C.vmem_reserve(nbytes, huge_pages)
+
+
+def vmem_populate(buf: torch.Tensor, offset: int, nbytes: int) -> None:
+    _C.vmem_populate(buf, offset, nbytes)
+
+
+def vmem_release(buf: torch.Tensor, offset: int, nbytes: int) -> None:
+    _C.vmem_release(buf, offset, nbytes)
+
+
+def vmem_resident(buf: torch.Tensor, offset: int, nbytes: int) -> int:
+    return int(_C.vmem_resident(buf, offset, nbytes))

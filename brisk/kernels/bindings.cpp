@@ -6,9 +6,11 @@
 #include "kernels.h"
 
 void bind_decode_plan(py::module& m);
+void bind_vmem(py::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decode_plan(m);
+  bind_vmem(m);
   m.def("gemv", &gemv, "x[1,in] @ w[out,in]^T (+bias) streaming the weight once", py::arg("x"), py::arg("w"),
         py::arg("bias") = py::none());
   m.def("small_gemm", &small_gemm, "x[M,in] @ w[out,in]^T (+bias) for small M, weights streamed once",

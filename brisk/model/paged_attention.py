@@ -43,6 +43,9 @@ class GatherSpan:
     kv_len: int  # cached + new tokens
     block_ids: list[torch.Tensor]  # per KV group: [ceil(kv_len / block_size)] long
     mask: torch.Tensor | None  # [num_tokens, kv_len] bool, None when SDPA's own causal mask fits
+    # set: the blocks are first_block, first_block + 1, ... (a virtual layout's row): read as one
+    # slice, no gather (one group only)
+    first_block: int | None = None
 
 
 @dataclass(frozen=True)
@@ -122,8 +125,8 @@ class PagedAttention:
             windowed = self._mask(i, window, lambda s=span: window_mask(s.kv_len, s.num_tokens, window, q.device)) \
                 if window else None
             mask = mask if windowed is None else windowed
-            out[rows] = _gather_attend(q[rows], k_cache, v_cache, span.block_ids[g], span.kv_len, first, mask,
-                                       self.scale)
+            blocks = span.block_ids[g] if span.first_block is None else span.first_block
+            out[rows] = _gather_attend(q[rows], k_cache, v_cache, blocks, span.kv_len, first, mask, self.scale)
         return out
 
     def _mask(self, key: int, window: int, build: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
@@ -150,16 +153,21 @@ def _padded_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return out.transpose(1, 2).reshape(num_spans * p.max_query, num_heads, head_dim)[p.rows]
 
 
-def _gather_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+def _gather_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor | int,
                    kv_len: int, first: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """The span's keys first..kv_len-1 (0.. unless a sliding window starts later) gathered from
-    their blocks, through SDPA."""
+    their blocks (an int: the first of consecutive blocks, sliced instead), through SDPA."""
     num_kv, block_size, head_dim = v_cache.shape[1:]
     n, num_heads, _ = q.shape
-    ids = block_ids[first // block_size:]  # blocks wholly before the window are not read (or held)
     skip = first - first // block_size * block_size
-    k_blocks = k_cache.index_select(0, ids).permute(1, 0, 3, 2)  # [n_kv, nb, bs, head_dim]
-    v_blocks = v_cache.index_select(0, ids).transpose(0, 1)  # [n_kv, nb, bs, head_dim]
+    if isinstance(block_ids, int):
+        run = slice(block_ids + first // block_size, block_ids + -(-kv_len // block_size))
+        k_rows, v_rows = k_cache[run], v_cache[run]  # views: the row is contiguous
+    else:
+        ids = block_ids[first // block_size:]  # blocks wholly before the window are not read (or held)
+        k_rows, v_rows = k_cache.index_select(0, ids), v_cache.index_select(0, ids)
+    k_blocks = k_rows.permute(1, 0, 3, 2)  # [n_kv, nb, bs, head_dim]
+    v_blocks = v_rows.transpose(0, 1)  # [n_kv, nb, bs, head_dim]
     count = kv_len - first
     keys = k_blocks.reshape(1, num_kv, -1, head_dim)[:, :, skip:skip + count]  # [1, n_kv, count, head_dim]
     values = v_blocks.reshape(1, num_kv, -1, head_dim)[:, :, skip:skip + count]

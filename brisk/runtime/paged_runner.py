@@ -25,6 +25,7 @@ from brisk.model.paged_attention import (
     padded_spans,
 )
 from brisk.runtime.model_runner import sdpa_context
+from brisk.runtime.virtual_kv import VirtualKV
 
 
 class ScheduledStep(Protocol):
@@ -105,14 +106,19 @@ class StepInputs:
 
 class PagedModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, pack_weights: bool = True,
-                 groups: tuple[KVGroup, ...] | None = None) -> None:
+                 groups: tuple[KVGroup, ...] | None = None, virtual: VirtualKV | None = None) -> None:
+        """`virtual`: the virtual layout's reserved tensors (runtime/virtual_kv.py) instead of a
+        block pool; `num_blocks` is then its rows x tiles, and there is one KV group."""
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = model.device
+        self.virtual = virtual
         self.groups = groups or model_kv_groups(model)  # the scheduler's KV groups: one table each
+        assert virtual is None or len(self.groups) == 1, "the virtual layout gives every layer its own row"
         self.layer_group, _ = layer_slots(self.groups, model.config.num_hidden_layers)
-        self.kv_caches = allocate_paged_kv(model, num_blocks, block_size, self.groups)
+        self.kv_caches = allocate_paged_kv(model, num_blocks, block_size, self.groups) if virtual is None \
+            else virtual.kv_caches
         # Batched rows (prefill chunks, decode batches) through oneDNN-packed weights on CPU; the
         # copies cost as much memory as the weights again (`pack_weights=False` saves it).
         self.packed_weight_bytes = model.pack_weights() if pack_weights and self.device.type == "cpu" else 0
@@ -165,7 +171,8 @@ class PagedModelRunner:
             else:
                 tables = [torch.tensor(_readable(t[: -(-kv_len // bs)]), dtype=torch.long, device=dev)
                           for t in step.block_ids]
-                spans.append(GatherSpan(first, n, kv_len, tables, causal_mask(n, kv_len, dev)))
+                spans.append(GatherSpan(first, n, kv_len, tables, causal_mask(n, kv_len, dev),
+                                        step.block_ids[0][0] if self.virtual is not None else None))
         width = max((len(s.block_ids[0]) for s in kernel), default=1)
         tables = [[_readable(s.block_ids[g]) + [0] * (width - len(s.block_ids[g])) for s in kernel]
                   for g in range(num_groups)]

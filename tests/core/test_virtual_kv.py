@@ -1,0 +1,140 @@
+"""The virtual KV layout's manager: rows, committed tiles, commit ahead, deferred reclamation,
+and the scheduler driving it through preemption (exact rows, tiles and memory ops)."""
+
+from __future__ import annotations
+
+import pytest
+
+from brisk.config import SchedulerConfig
+from brisk.core.kv_manager import MemoryOp
+from brisk.core.scheduler import Scheduler
+from brisk.core.virtual_kv import VirtualKVManager
+from brisk.request import Request, SamplingParams
+
+T = 4  # tokens per tile
+
+
+def _req(rid: str, n: int, max_tokens: int = 8) -> Request:
+    return Request(rid, list(range(100, 100 + n)), SamplingParams(max_tokens=max_tokens), eos_token_ids=frozenset({0}))
+
+
+def test_a_request_owns_one_row_and_its_table_is_consecutive_tiles() -> None:
+    kv = VirtualKVManager(num_rows=3, row_tiles=8, tile=T, budget_tiles=20)
+    a, b = _req("a", 10), _req("b", 3)
+    assert kv.allocate_slots(a, 10) == [[0, 1, 2]]  # row 0: tiles 0..2
+    assert kv.allocate_slots(b, 3) == [[8]]  # row 1 starts at tile 8
+    assert kv.take_memory_ops() == [MemoryOp("populate", 0, 0, 3), MemoryOp("populate", 0, 3, 1, ahead=True),
+                                    MemoryOp("populate", 1, 0, 1), MemoryOp("populate", 1, 1, 1, ahead=True)]
+    assert kv.num_committed == 6 and kv.num_used_tiles == 4
+    a.num_computed_tokens = 10
+    assert kv.allocate_slots(a, 2) == [[0, 1, 2]]  # 12 tokens: still three tiles, nothing new
+    assert kv.take_memory_ops() == []
+    a.num_computed_tokens = 12
+    # the 13th token enters the tile committed ahead; the next one is committed ahead in turn
+    assert kv.allocate_slots(a, 1) == [[0, 1, 2, 3]]
+    assert kv.take_memory_ops() == [MemoryOp("populate", 0, 4, 1, ahead=True)]
+    kv.check_invariants(["a", "b"])
+
+
+def test_deferred_reclamation_reuses_the_warm_row_and_gives_it_back_when_short() -> None:
+    kv = VirtualKVManager(num_rows=3, row_tiles=8, tile=T, budget_tiles=8)
+    a = _req("a", 12)
+    kv.allocate_slots(a, 12)
+    kv.take_memory_ops()
+    kv.free(a)  # row 0 keeps its 4 tiles (3 + 1 ahead): warm
+    assert kv.num_committed == 4 and kv.take_memory_ops() == []
+    b = _req("b", 5)
+    assert kv.allocate_slots(b, 5) == [[0, 1]]  # the warm row again: its pages are there already
+    assert kv.take_memory_ops() == []
+    c = _req("c", 4)
+    assert kv.allocate_slots(c, 4) == [[8]]  # row 1: one tile and one ahead
+    kv.take_memory_ops()
+    kv.free(c)
+    kv.free(b)  # free rows, warmest on top: 2 (cold), 1 (2 tiles), 0 (4 tiles)
+    d = _req("d", 20)
+    # d takes row 0 (4 tiles) and needs 5: one more, one ahead; row 1 stays warm (8 committed)
+    assert kv.allocate_slots(d, 20) == [[0, 1, 2, 3, 4]]
+    assert kv.take_memory_ops() == [MemoryOp("populate", 0, 4, 1), MemoryOp("populate", 0, 5, 1, ahead=True)]
+    e = _req("e", 8)
+    # e takes row 1 (2 tiles, enough) ...
+    assert kv.allocate_slots(e, 8) == [[8, 9]] and kv.take_memory_ops() == []
+    kv.free(e)
+    f = _req("f", 12)
+    # ... f takes row 1 again and needs one tile more: the budget is full (d's 6 + row 1's 2) and
+    # no other free row holds pages to give back: short
+    assert kv.allocate_slots(f, 12) is None and kv.take_memory_ops() == []
+    kv.free(d)  # row 0 warm with 6 tiles, now the top of the stack
+    assert kv.allocate_slots(f, 12) == [[0, 1, 2]]  # row 0 has them all
+    g = _req("g", 12)
+    # g takes row 1 (2 tiles) and needs one more: f holds 6 and row 1 two, the budget is full and
+    # no other free row holds pages: short; once f is done, g takes its warm row 0
+    assert kv.allocate_slots(g, 12) is None
+    kv.free(f)
+    assert kv.allocate_slots(g, 12) == [[0, 1, 2]]  # f's warm row 0 is on top again
+    kv.check_invariants(["g"])
+    kv.take_memory_ops()
+    kv.free(g)
+    kv.reclaim()  # idle: every page back
+    assert kv.num_committed == 0
+    assert sorted(op.row for op in kv.take_memory_ops()) == [0, 1]
+    kv.check_invariants([])
+
+
+def test_a_warm_row_gives_its_pages_back_to_another_row_short_of_budget() -> None:
+    kv = VirtualKVManager(num_rows=2, row_tiles=8, tile=T, budget_tiles=6, commit_ahead=False)
+    a, b = _req("a", 16), _req("b", 4)
+    kv.allocate_slots(a, 16)  # row 0: 4 tiles
+    assert kv.allocate_slots(b, 4) == [[8]]  # row 1: 1 tile
+    kv.free(a)  # row 0 warm (4 tiles) on top
+    b.num_computed_tokens = 4
+    kv.take_memory_ops()
+    # b needs 3 tiles more: 5 + 3 > 6, so warm row 0 gives its 4 back
+    assert kv.allocate_slots(b, 12) == [[8, 9, 10, 11]]
+    assert kv.take_memory_ops() == [MemoryOp("release", 0, 0, 4), MemoryOp("populate", 1, 1, 3)]
+    kv.check_invariants(["b"])
+
+
+def test_eager_reclamation_gives_pages_back_at_once() -> None:
+    kv = VirtualKVManager(num_rows=2, row_tiles=8, tile=T, budget_tiles=8, commit_ahead=False, deferred_reclaim=False)
+    a = _req("a", 6)
+    kv.allocate_slots(a, 6)
+    kv.free(a)
+    assert kv.take_memory_ops() == [MemoryOp("populate", 0, 0, 2), MemoryOp("release", 0, 0, 2)]
+    assert kv.num_committed == 0
+
+
+def test_capacity_answers_in_rows_and_budget() -> None:
+    kv = VirtualKVManager(num_rows=2, row_tiles=8, tile=T, budget_tiles=5)
+    assert kv.fits_alone(20, 512) and not kv.fits_alone(21, 512)  # the budget: 5 tiles
+    assert "budget holds only 5" in kv.capacity_error(21, 512)
+    wide = VirtualKVManager(num_rows=2, row_tiles=4, tile=T, budget_tiles=100)
+    assert not wide.fits_alone(17, 512) and "a row of the virtual KV layout holds 16" in wide.capacity_error(17, 512)
+    with pytest.raises(ValueError, match="raise kv_cache_memory_gib"):
+        VirtualKVManager(2, 4, T, 0)
+
+
+def test_the_scheduler_preempts_and_every_row_and_tile_comes_back() -> None:
+    """Three long requests on a budget for about two: the newest is preempted (its row given
+    back to the warm stack), all finish, and once reclaimed nothing is committed."""
+    kv = VirtualKVManager(num_rows=3, row_tiles=16, tile=T, budget_tiles=12)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=3, max_model_len=64), kv)
+    for rid in "abc":
+        sched.add_request(_req(rid, 16, max_tokens=12))
+    finished: set[str] = set()
+    for _ in range(200):
+        out = sched.schedule()
+        if out.is_empty:
+            break
+        for item in out.scheduled:  # a table is the row's first tiles, covering the step's tokens
+            row = kv.row_of(item.request_id)
+            assert row is not None
+            table = item.block_ids[0]
+            assert table == list(range(row * 16, row * 16 + len(table)))
+            assert len(table) * T >= item.start_pos + item.num_tokens
+        sampled = {s.request_id: [7] for s in out.scheduled if s.sample}
+        finished |= {r.request_id for r in sched.update_from_output(out, sampled) if r.is_finished()}
+        sched.check_invariants()
+    assert finished == {"a", "b", "c"} and sched.num_preemptions > 0
+    kv.reclaim()
+    assert kv.num_committed == 0
+    kv.check_invariants([])
