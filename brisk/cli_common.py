@@ -47,8 +47,7 @@ def add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-gib)")
     p.add_argument("--kv-cache-memory-gib", type=float, default=cache.kv_cache_memory_gib,
                    help=f"KV cache size (default {cache.kv_cache_memory_gib:g} GiB)")
-    p.add_argument("--no-prefix-caching", action="store_true",
-                   help="disable prefix caching (the virtual KV layout has none yet)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--kv-layout", choices=KV_LAYOUTS, default=cache.kv_layout,
                    help="paged: a block pool allocated at start-up (default); virtual: a contiguous row of reserved "
                         "address space per sequence, physical memory committed as tokens arrive (CPU, Linux)")
@@ -94,7 +93,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     return {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
             "block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks,
             "kv_cache_memory_gib": args.kv_cache_memory_gib, "max_model_len": args.max_model_len,
-            "enable_prefix_caching": False if args.no_prefix_caching else None,
+            "enable_prefix_caching": not args.no_prefix_caching,
             "kv_layout": args.kv_layout, "kv_huge_pages": args.kv_huge_pages,
             "enable_chunked_prefill": not args.no_chunked_prefill,
             "max_decode_slowdown": args.max_decode_slowdown,

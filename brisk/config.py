@@ -198,9 +198,6 @@ class CacheConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
-        if self.kv_layout == "virtual" and self.enable_prefix_caching:
-            raise ValueError("prefix caching is not built for kv_layout='virtual' (rows do not share pages yet); "
-                             "turn it off (enable_prefix_caching=False, --no-prefix-caching) or use kv_layout='paged'")
         if self.kv_huge_pages and self.kv_layout != "virtual":
             raise ValueError("kv_huge_pages applies to kv_layout='virtual' only")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -176,7 +176,7 @@ def test_bench_kv_prints_both_layouts_side_by_side(gguf_path, capsys) -> None:
     cell = json.loads(out.strip().splitlines()[-1])["cells"][0]
     assert cell["paged"]["decode_steps"] == cell["virtual"]["decode_steps"] == 4
     assert cell["virtual"]["used_mib"] < cell["virtual"]["committed_mib"] < 8 < 255 < cell["paged"]["committed_mib"] <= 256
-    assert cell["virtual_over_paged_decode"] > 0 and cell["virtual"]["steady_faulting_steps"] == 0
+    assert cell["virtual_over_paged_decode"] > 0 and cell["virtual"]["faulting_forwards"] == 0
 
 
 def test_generate_runs_the_virtual_layout(gguf_path, capsys) -> None:

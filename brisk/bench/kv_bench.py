@@ -2,12 +2,13 @@
 
 For every (context, batch) cell and layout, in alternating order: `batch` requests of `context`
 prompt tokens are prefilled (prefill tokens/s: prompt tokens over the steps until every request
-has its first token), then decoded `decode_tokens` steps (decode tokens/s over those steps).
+has its first token; early ones decode meanwhile), then all `batch` decode together for
+`decode_tokens` steps (decode tokens/s over those steps), then they are aborted.
 Measured beside: the KV bytes committed (paged: the pool, allocated whole at start-up; virtual:
 resident pages of the reservations, from mincore) against the bytes the tokens use, the time
 each step spent committing and releasing pages on the step's thread, and the page faults the
-forward's threads took (read per thread from /proc/self/task, leaving out the commit-ahead
-thread): zero means no step waited on one.
+forward took (every thread but the commit-ahead one, read from /proc/self/task around the
+runner's forward): zero means no forward waited on one.
 """
 
 from __future__ import annotations
@@ -64,45 +65,66 @@ def _cell(llm: LLM, batch: int, context: int, decode_tokens: int, seed: int) -> 
     engine = llm.engine
     rng = random.Random(seed)
     vocab = llm.model_config.vocab_size
-    params = SamplingParams(max_tokens=decode_tokens + 1, temperature=0.0, ignore_eos=True)
+    # long enough that nobody finishes in the window: the requests are aborted after it
+    params = SamplingParams(max_tokens=llm.max_model_len - context - 1, temperature=0.0, ignore_eos=True)
     memory = engine.runner.virtual if isinstance(engine.runner, PagedModelRunner) else None
     skip = set() if memory is None else memory.commit_thread_ids
-    for i in range(batch):
-        engine.add_request(f"kv{seed}-{i}", [rng.randrange(1000, vocab) for _ in range(context)], params)
+    ids = [f"kv{seed}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, [rng.randrange(1000, vocab) for _ in range(context)], params)
+    preempted = engine.scheduler.num_preemptions
     started = time.perf_counter()
-    outputs: dict[str, int] = {}
-    while len(outputs) < batch or min(outputs.values()) < 1:
-        for out in engine.step():
-            outputs[out.request_id] = len(out.outputs[0].token_ids)
+    firsts: set[str] = set()
+    while len(firsts) < batch:
+        firsts |= {out.request_id for out in engine.step() if out.outputs[0].token_ids}
     prefill_s = time.perf_counter() - started
-    steps, alloc, faults = [], [], []
-    committed = used = 0
-    while engine.has_unfinished_requests():
-        spent = memory.alloc_seconds if memory is not None else 0.0
+    steps, alloc, faults, tokens = [], [], [], 0
+    committed = used = running = 0
+    forward = engine.runner.execute
+
+    def counted(*args: Any, **kwargs: Any) -> Any:  # page faults taken inside the forward itself
         before = _minor_faults(skip)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            faults.append(_minor_faults(skip) - before)
+
+    engine.runner.execute = counted  # type: ignore[method-assign]
+    for i in range(decode_tokens):  # every request decodes in every step of the window
+        spent = memory.alloc_seconds if memory is not None else 0.0
+        tokens += engine.scheduler.num_running
         t = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - t)
-        faults.append(_minor_faults(skip) - before)
         alloc.append((memory.alloc_seconds if memory is not None else 0.0) - spent)
-        if len(steps) == decode_tokens // 2:  # mid-decode: what the running batch holds
-            committed, used = _committed_bytes(engine), batch * (context + len(steps) + 1) * _bytes_per_token(llm)
+        if i == decode_tokens // 2:  # mid-window: what the running batch holds
+            running = engine.scheduler.num_running
+            done = sum(len(engine.scheduler.get_request(r).output_token_ids) for r in ids
+                       if engine.scheduler.get_request(r) is not None)
+            committed, used = _committed_bytes(engine), (batch * context + done) * _bytes_per_token(llm)
+    del engine.runner.execute
+    for rid in ids:
+        engine.abort_request(rid)
     decode_s = sum(steps)
     return {"prefill_tok_s": round(batch * context / prefill_s, 1),
-            "decode_tok_s": round(batch * len(steps) / decode_s, 1) if decode_s else None,
+            "decode_tok_s": round(tokens / decode_s, 1),
             "committed_mib": round(committed / 2**20, 2), "used_mib": round(used / 2**20, 2),
-            "alloc_ms_per_step": round(1000 * statistics.mean(alloc), 4) if alloc else 0.0,
-            "alloc_ms_per_step_median": round(1000 * statistics.median(alloc), 4) if alloc else 0.0,
-            "faults_per_step_median": statistics.median(faults) if faults else 0,
-            "steady_faulting_steps": sum(1 for f in faults[1:] if f > 64),  # a tile is >= 64 faults here
-            "decode_steps": len(steps)}
+            "alloc_ms_per_step": round(1000 * statistics.mean(alloc), 4),
+            "alloc_ms_per_step_median": round(1000 * statistics.median(alloc), 4),
+            "forward_faults_median": statistics.median(faults),
+            "faulting_forwards": sum(1 for f in faults[1:] if f > 64),  # a tile is >= 64 faults here
+            "decode_steps": len(steps), "running_mid_decode": running,
+            "preemptions": engine.scheduler.num_preemptions - preempted}
 
 
 def bench_kv(model: str, layouts: list[str], batches: list[int], contexts: list[int], decode_tokens: int,
              engine_args: dict[str, Any]) -> dict[str, Any]:
     """One engine per layout (each sized for the largest cell), cells run layout by layout in
     alternating order, so a slow phase of the machine hits both."""
-    max_len = max(contexts) + decode_tokens + 16
+    # room for what early requests decode while the last ones prefill (a token per step), so
+    # every request is still running in the decode window
+    chunk = int(engine_args.get("max_num_batched_tokens", 512))
+    max_len = max(contexts) + decode_tokens + max(batches) * max(contexts) // chunk + 16
     llms = {layout: LLM(model, kv_layout=LAYOUTS[layout][0], kv_huge_pages=LAYOUTS[layout][1],
                         enable_prefix_caching=False, max_model_len=max_len, max_num_seqs=max(batches), **engine_args)
             for layout in layouts}

@@ -2,40 +2,56 @@
 
 The runtime reserves, per layer, address space for `num_rows` rows of `row_tiles` tiles each
 (runtime/virtual_kv.py) and backs it with physical pages only as tokens arrive. This manager
-decides which row a request owns and how many of its tiles are committed; a tile is
-`block_size` tokens of one layer's keys (or values), a whole number of pages:
+decides which row a request owns and which tiles are committed; a tile is `block_size` tokens of
+one layer's keys (or values), a whole number of pages, and tile i of a row always holds
+positions [i * block_size, (i + 1) * block_size) of the sequence that wrote it:
 
     row 0   [ t0 | t1 | t2 | t3 | .. |          ...          ]   committed: 3 tiles (+1 ahead)
     row 1   [ t0 | .. reserved, no physical memory ........... ]
-            block ids of row r = r * row_tiles + tile  (consecutive: the row IS the request's KV)
+            tile id = row * row_tiles + i: the request's block table, consecutive ids
 
 Capacity is committed tiles against a budget (`kv_cache_memory_gib` / bytes of one tile in
-every layer), not blocks of a pool: a request's table is the first tiles of its row, so the
-scheduler, the kernels and the decode plan read it exactly as a paged block table.
+every layer), not blocks of a pool; the scheduler, the kernels and the decode plan read a table
+exactly as a paged block table.
 
-Commit ahead: when a request's tokens reach the last committed tile, the next one is committed
+Prefix caching without remapping pages: a full tile that a request computed is published under
+its chained hash (core/kv_cache_manager.hash_block). A later request whose tokens start the same
+way reads those tiles where they are, in the row that computed them (its table names them: the
+kernels read through tables, so no page is mapped twice), and writes its own tiles from the hit's
+end on, in its own row at their own positions. The usual chat case, a conversation's next turn,
+takes the row that holds its history, so its table is one run again. A shared tile is committed
+once, however many tables name it.
+
+    request B hits A's first two tiles:   B's table [ A.t0 A.t1 | B.t2 B.t3 ... ]   (B.t0, B.t1 unused)
+
+Rules that keep rows honest: a row is handed only to a request that writes nowhere another
+table reads (no tile from its hit's end on is named by a running request), and the tiles it
+will write are withdrawn from the cache when it takes the row.
+
+Commit ahead: when a request's tokens reach its last committed tile, the next one is committed
 too (`ahead`), beside the forward that writes the current one, so a step in the steady state
 never waits on a page fault. Deferred reclamation: a finished request's row keeps its pages and
-goes to the top of the free rows, so the next request reuses them without faulting; warm rows
-are given back when the budget runs short or the engine goes idle (`reclaim`).
+goes to the top of the free rows, so the next request reuses them without faulting; pages no
+table names are given back when the budget runs short (uncached ones first), and uncached ones
+when the engine goes idle (`reclaim`; cached tiles are the prefix cache and stay).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from brisk.core.kv_cache_manager import cdiv
+from brisk.core.block_pool import BlockHash
+from brisk.core.kv_cache_manager import cdiv, hash_block, request_tokens
 from brisk.core.kv_manager import MemoryOp
 from brisk.request import Request
 
 
 class VirtualKVManager:
-    """Rows and committed tiles of the virtual layout (core/kv_manager.py's protocol)."""
-
-    enable_prefix_caching = False  # sharing a prefix's pages between rows is not built
+    """Rows, committed tiles and the prefix cache of the virtual layout (core/kv_manager.py's protocol)."""
 
     def __init__(self, num_rows: int, row_tiles: int, tile: int, budget_tiles: int,
-                 commit_ahead: bool = True, deferred_reclaim: bool = True) -> None:
+                 enable_prefix_caching: bool = False, commit_ahead: bool = True,
+                 deferred_reclaim: bool = True) -> None:
         if num_rows < 1 or row_tiles < 1 or tile < 1:
             raise ValueError(f"a virtual KV layout needs rows, tiles and tokens per tile >= 1, got "
                              f"{num_rows}, {row_tiles}, {tile}")
@@ -45,15 +61,23 @@ class VirtualKVManager:
         self.num_rows = num_rows
         self.row_tiles = row_tiles
         self.budget = budget_tiles
+        self.enable_prefix_caching = enable_prefix_caching
         self.commit_ahead = commit_ahead
         self.deferred_reclaim = deferred_reclaim
-        self._committed = [0] * num_rows  # per row: leading tiles backed by physical pages
+        n = num_rows * row_tiles
+        self._populated = bytearray(n)  # per tile: backed by physical pages
+        self._refs = [0] * n  # per tile: tables of running requests naming it
         self._free_rows = list(reversed(range(num_rows)))  # a stack: the warmest row on top
         self._row_of: dict[str, int] = {}  # running request -> its row
-        self._tiles_of: dict[str, int] = {}  # running request -> tiles its table covers
+        self._table: dict[str, list[int]] = {}  # running request -> its tiles (a hit's, then its own)
+        self._own_start: dict[str, int] = {}  # running request -> first position index it writes
+        self._hashes: dict[str, list[BlockHash]] = {}  # running request -> hashes of its full tiles
+        self._num_published: dict[str, int] = {}  # running request -> leading tiles in the cache
+        self._cached: dict[BlockHash, int] = {}  # hash -> the tile holding those tokens
+        self._key_of: dict[int, tuple[BlockHash, tuple[int, ...]]] = {}  # cached tile -> (hash, tokens)
         self._ops: list[MemoryOp] = []
-        self.num_committed = 0  # tiles committed over all rows (warm free rows included)
-        self.prefix_cache_queries = 0
+        self.num_committed = 0  # populated tiles over all rows
+        self.prefix_cache_queries = 0  # tokens looked up, once per admission
         self.prefix_cache_hits = 0
 
     # ----------------------------------------------------------------------------- capacity
@@ -71,84 +95,213 @@ class VirtualKVManager:
 
     # ----------------------------------------------------------------------------- prefix cache
 
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        hashes = self._hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), request.num_tokens // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else None, request_tokens(request, i * bs, (i + 1) * bs)))
+        return hashes
+
     def get_computed_blocks(self, request: Request) -> tuple[list[list[int]], int]:
-        return [[]], 0
+        """The longest run of cached full tiles the request's tokens start with (at least one
+        token is left to compute): ([tiles], tokens they hold)."""
+        if not self.enable_prefix_caching:
+            return [[]], 0
+        bs = self.block_size
+        hashes = self._block_hashes(request)
+        hit: list[int] = []
+        for i in range(min(len(hashes), (request.num_tokens - 1) // bs)):
+            tile = self._cached.get(hashes[i])
+            if tile is None or self._key_of[tile][1] != tuple(request_tokens(request, i * bs, (i + 1) * bs)):
+                break
+            hit.append(tile)
+        return [hit], len(hit) * bs
 
     def uncache(self, block_ids: Iterable[int]) -> None:
-        pass  # nothing is cached
+        """Withdraw tiles a failed step was to fill: they hold no valid KV."""
+        for tile in block_ids:
+            self._forget(tile)
+
+    def _forget(self, tile: int) -> None:
+        key = self._key_of.pop(tile, None)
+        if key is not None:
+            del self._cached[key[0]]
 
     # ----------------------------------------------------------------------------- allocation
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[Sequence[int]] = ()) -> list[list[int]] | None:
-        """The request's table covering its computed tokens plus `num_new_tokens`, committing
-        the tiles that takes (and one ahead); None, changing nothing, when the budget is short
-        even after warm free rows are given back."""
-        assert not any(new_computed_blocks), "the virtual layout has no prefix cache"
+        """The request's table covering its computed tokens (and hit) plus `num_new_tokens`,
+        committing the tiles that takes (and one ahead); None, changing nothing that matters,
+        when no row can take it or the budget is short even after giving back unnamed pages."""
         rid = request.request_id
-        need = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        hit = list(new_computed_blocks[0]) if new_computed_blocks else []
+        first = request.num_computed_tokens + len(hit) * self.block_size
+        need = cdiv(first + num_new_tokens, self.block_size)
         assert need <= self.row_tiles, f"request {rid!r} outgrows its row: the scheduler bounds sequences"
-        row = self._row_of.get(rid)
-        new_row = row is None
-        if new_row:
-            if not self._free_rows:
+        if rid not in self._row_of:
+            if not self._admit(request, hit, need):
                 return None
-            row = self._free_rows.pop()
-        extra = max(0, need - self._committed[row])
-        if not self._make_room(extra, keep=row):
-            if new_row:
-                self._free_rows.append(row)
+        else:
+            assert not hit, "hits only at admission"
+            table = self._table[rid]
+            row = self._row_of[rid]
+            grow = [row * self.row_tiles + i for i in range(len(table), need)]
+            if not self._take(grow):
+                return None
+            table.extend(grow)
+        self._commit_ahead(rid, need)
+        self._publish(request, first + num_new_tokens)
+        return [list(self._table[rid])]
+
+    def _admit(self, request: Request, hit: list[int], need: int) -> bool:
+        """A new request: a row, its table (the hit, then its own tiles), their pages."""
+        rid, k = request.request_id, len(hit)
+        row = self._pick_row(hit)
+        if row is None:
+            return False
+        own = [row * self.row_tiles + i for i in range(k, max(k, need))]
+        for tile in hit:
+            self._refs[tile] += 1  # named before room is made: the hit's pages are not given back
+        self._free_rows.remove(row)
+        if not self._take(own, keep_row=row):
+            for tile in hit:
+                self._refs[tile] -= 1
+            self._free_rows.append(row)
+            return False
+        for i in range(k, self.row_tiles):  # tiles this request will write: stale cache entries go
+            self._forget(row * self.row_tiles + i)
+        self._row_of[rid], self._table[rid], self._own_start[rid] = row, hit + own, k
+        self._num_published[rid] = k
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += k * self.block_size
+        return True
+
+    def _pick_row(self, hit: list[int]) -> int | None:
+        """A free row that the request may write from the hit's end on: the row holding the hit
+        at its own positions (one run, nothing borrowed), else the warmest row without cached
+        tiles to lose, else any that can take it; None when none can."""
+        k, rt = len(hit), self.row_tiles
+        eligible = [r for r in reversed(self._free_rows)  # warmest first
+                    if not any(self._refs[r * rt + i] for i in range(k, rt))]
+        if not eligible:
             return None
-        if new_row:
-            self._row_of[rid] = row
-        self._commit(row, extra, ahead=False)
-        if self.commit_ahead and self._committed[row] == need < self.row_tiles and self.num_committed < self.budget:
-            self._commit(row, 1, ahead=True)
-        self._tiles_of[rid] = max(need, self._tiles_of.get(rid, 0))
-        return [self._table(row, self._tiles_of[rid])]
+        if hit and hit == list(range(hit[0], hit[0] + k)) and hit[0] % rt == 0 and hit[0] // rt in eligible:
+            return hit[0] // rt
+        clean = [r for r in eligible if not any(r * rt + i in self._key_of for i in range(k, rt))]
+        return (clean or eligible)[0]
 
-    def _commit(self, row: int, count: int, ahead: bool) -> None:
-        if count:
-            self._ops.append(MemoryOp("populate", row, self._committed[row], count, ahead))
-            self._committed[row] += count
-            self.num_committed += count
+    def _take(self, tiles: list[int], keep_row: int | None = None) -> bool:
+        """Name `tiles` in a table and commit the unpopulated ones, making room if needed (named
+        first, so making room never gives back their pages)."""
+        for tile in tiles:
+            self._refs[tile] += 1
+        missing = [t for t in tiles if not self._populated[t]]
+        if not self._make_room(len(missing), keep_row):
+            for tile in tiles:
+                self._refs[tile] -= 1
+            return False
+        self._populate(missing, ahead=False)
+        return True
 
-    def _release(self, row: int) -> None:
-        if self._committed[row]:
-            self._ops.append(MemoryOp("release", row, 0, self._committed[row]))
-            self.num_committed -= self._committed[row]
-            self._committed[row] = 0
+    def _commit_ahead(self, rid: str, need: int) -> None:
+        """One tile past the table, committed beside the forward, when the table reached the last one."""
+        row = self._row_of[rid]
+        nxt = row * self.row_tiles + need
+        if (self.commit_ahead and 0 < need < self.row_tiles and not self._populated[nxt]
+                and self._populated[nxt - 1] and self.num_committed < self.budget):
+            self._forget(nxt)
+            self._populate([nxt], ahead=True)
 
-    def _make_room(self, tiles: int, keep: int) -> bool:
-        """Give back warm free rows (the coldest first) until `tiles` more fit the budget."""
+    def _populate(self, tiles: list[int], ahead: bool) -> None:
+        for tile in tiles:
+            self._populated[tile] = 1
+        self.num_committed += len(tiles)
+        self._ops.extend(MemoryOp("populate", r, f, n, ahead) for r, f, n in self._runs(tiles))
+
+    def _release(self, tiles: list[int]) -> None:
+        for tile in tiles:
+            assert self._refs[tile] == 0 and self._populated[tile]
+            self._populated[tile] = 0
+            self._forget(tile)
+        self.num_committed -= len(tiles)
+        self._ops.extend(MemoryOp("release", r, f, n) for r, f, n in self._runs(tiles))
+
+    def _runs(self, tiles: list[int]) -> list[tuple[int, int, int]]:
+        """Sorted tiles as (row, first, count) runs within rows."""
+        runs: list[tuple[int, int, int]] = []
+        for tile in sorted(tiles):
+            row, i = divmod(tile, self.row_tiles)
+            if runs and runs[-1][0] == row and runs[-1][1] + runs[-1][2] == i:
+                runs[-1] = (row, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((row, i, 1))
+        return runs
+
+    def _unnamed(self, row: int, cached: bool) -> list[int]:
+        """The row's populated tiles no table names, cached or not."""
+        base = row * self.row_tiles
+        return [t for t in range(base, base + self.row_tiles)
+                if self._populated[t] and not self._refs[t] and (t in self._key_of) == cached]
+
+    def _make_room(self, tiles: int, keep_row: int | None) -> bool:
+        """Give back pages no table names until `tiles` more fit: uncached ones first, the
+        coldest free rows first, then running rows' (tiles ahead, stale ones); then cached ones
+        (the least recently freed rows' first). `keep_row`'s pages go last."""
         if self.num_committed + tiles <= self.budget:
             return True
-        for row in list(self._free_rows):  # bottom of the stack first: the longest unused
-            if row != keep and self._committed[row]:
-                self._release(row)
+        running = [r for r in self._row_of.values() if r != keep_row]
+        order = [r for r in self._free_rows if r != keep_row] + running
+        order += [keep_row] if keep_row is not None else []
+        for cached in (False, True):
+            for row in order:
+                gone = self._unnamed(row, cached)
+                if gone:  # the row's last tiles first: a cached chain keeps its head
+                    self._release(gone[max(0, len(gone) - (self.num_committed + tiles - self.budget)):])
                 if self.num_committed + tiles <= self.budget:
                     return True
         return False
 
-    def _table(self, row: int, tiles: int) -> list[int]:
-        base = row * self.row_tiles
-        return list(range(base, base + tiles))
+    def _publish(self, request: Request, num_tokens_after: int) -> None:
+        """Cache the request's own tiles that are full once this step's tokens are computed."""
+        if not self.enable_prefix_caching:
+            return
+        rid, bs = request.request_id, self.block_size
+        start = self._num_published[rid]
+        num_full = min(num_tokens_after, request.num_tokens) // bs
+        if num_full <= start:
+            return
+        hashes, table = self._block_hashes(request), self._table[rid]
+        for i in range(start, num_full):
+            if hashes[i] not in self._cached:  # a twin computed elsewhere stays the cached copy
+                self._cached[hashes[i]] = table[i]
+                self._key_of[table[i]] = (hashes[i], tuple(request_tokens(request, i * bs, (i + 1) * bs)))
+        self._num_published[rid] = num_full
 
     def free(self, request: Request) -> None:
-        """The request's row goes back on top of the free rows; its pages stay (deferred
-        reclamation) or are given back now."""
-        row = self._row_of.pop(request.request_id, None)
-        self._tiles_of.pop(request.request_id, None)
+        """The request's tables let go of its tiles; its row goes back on top of the free rows.
+        Its pages stay (deferred reclamation; cached tiles are the prefix cache) or, without
+        deferred reclamation, its unnamed uncached ones are given back now."""
+        rid = request.request_id
+        self._hashes.pop(rid, None)  # a waiting request's lookup made some too
+        row = self._row_of.pop(rid, None)
         if row is None:
             return
+        for tile in self._table.pop(rid):
+            self._refs[tile] -= 1
+        self._own_start.pop(rid)
+        self._num_published.pop(rid)
         if not self.deferred_reclaim:
-            self._release(row)
+            self._release(self._unnamed(row, cached=False))
         self._free_rows.append(row)
 
     def reclaim(self) -> None:
-        """Give back every free row's pages (the engine is idle)."""
-        for row in self._free_rows:
-            self._release(row)
+        """Give back every page no table names and no cache entry holds (the engine is idle)."""
+        for row in range(self.num_rows):
+            gone = self._unnamed(row, cached=False)
+            if gone:
+                self._release(gone)
 
     def take_memory_ops(self) -> list[MemoryOp]:
         ops, self._ops = self._ops, []
@@ -157,8 +310,8 @@ class VirtualKVManager:
     # ----------------------------------------------------------------------------- queries
 
     def get_block_ids(self, request_id: str) -> list[list[int]]:
-        row = self._row_of.get(request_id)
-        return [[]] if row is None else [self._table(row, self._tiles_of[request_id])]
+        table = self._table.get(request_id)
+        return [[]] if table is None else [list(table)]
 
     def row_of(self, request_id: str) -> int | None:
         return self._row_of.get(request_id)
@@ -172,27 +325,41 @@ class VirtualKVManager:
         return self.budget - self.num_committed
 
     @property
+    def num_cached_tiles(self) -> int:
+        return len(self._key_of)
+
+    @property
     def usage(self) -> float:
         """Committed memory over the budget."""
         return self.num_committed / self.budget
 
     @property
     def num_used_tiles(self) -> int:
-        """Tiles the running requests' tables cover (committed ones beyond: ahead or warm)."""
-        return sum(self._tiles_of.values())
+        """Distinct tiles the running requests' tables name."""
+        return len({t for table in self._table.values() for t in table})
 
     @property
     def hit_rate(self) -> float:
-        return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     def check_invariants(self, running_request_ids: Iterable[str]) -> None:
         running = set(running_request_ids)
-        assert set(self._row_of) == running == set(self._tiles_of), (
+        assert set(self._row_of) == running == set(self._table), (
             f"row holders {sorted(self._row_of)} != running {sorted(running)}")
         rows = list(self._row_of.values())
         assert len(set(rows)) == len(rows), "two requests share a row"
         assert sorted(rows + self._free_rows) == list(range(self.num_rows)), "a row is lost or listed twice"
-        assert sum(self._committed) == self.num_committed <= self.budget
-        for rid, row in self._row_of.items():
-            assert self._tiles_of[rid] <= self._committed[row] <= self.row_tiles, (
-                f"request {rid!r}: table of {self._tiles_of[rid]} tiles over {self._committed[row]} committed")
+        assert sum(self._populated) == self.num_committed <= self.budget
+        refs = [0] * len(self._refs)
+        for rid, table in self._table.items():
+            row, k = self._row_of[rid], self._own_start[rid]
+            assert table[k:] == [row * self.row_tiles + i for i in range(k, len(table))], (
+                f"request {rid!r}: its own tiles are not its row's at their positions")
+            assert all(t % self.row_tiles == i for i, t in enumerate(table)), f"request {rid!r}: a tile off its position"
+            for tile in table:
+                refs[tile] += 1
+                assert self._populated[tile], f"request {rid!r} names tile {tile}, which holds no pages"
+        assert refs == self._refs, "tile reference counts drifted"
+        for key, tile in self._cached.items():
+            assert self._key_of[tile][0] == key and self._populated[tile]
+        assert len(self._cached) == len(self._key_of)

@@ -41,10 +41,10 @@ class LLM:
 
     Engine flags: `block_size` (tokens per KV block), `num_kv_blocks` (default: as many as
     `kv_cache_memory_gib` holds), `max_num_batched_tokens` (tokens per step: prompt chunks and
-    decodes together), `max_num_seqs` (sequences per step), `enable_prefix_caching` (default: on
-    where the KV layout has it), `kv_layout` ("paged": a block pool allocated at start-up, the
-    default; "virtual": a contiguous row of reserved address space per sequence, physical memory
-    committed as tokens arrive, CPU on Linux, no prefix caching yet; see core/virtual_kv.py),
+    decodes together), `max_num_seqs` (sequences per step), `enable_prefix_caching`, `kv_layout`
+    ("paged": a block pool allocated at start-up, the default; "virtual": a contiguous row of
+    reserved address space per sequence, physical memory committed as tokens arrive, CPU on
+    Linux; see core/virtual_kv.py),
     `kv_huge_pages` (virtual: 2 MB transparent huge pages),
     `enable_chunked_prefill`, `max_model_len` (longest prompt + output; default: the model's window),
     `max_decode_slowdown` (e.g. 1.5: prompt chunks sized so a step with running decodes takes at
@@ -74,7 +74,8 @@ class LLM:
                  kv_cache_memory_gib: float = CacheConfig.kv_cache_memory_gib,
                  max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
                  max_num_seqs: int = SchedulerConfig.max_num_seqs,
-                 enable_prefix_caching: bool | None = None, kv_layout: str = CacheConfig.kv_layout,
+                 enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
+                 kv_layout: str = CacheConfig.kv_layout,
                  kv_huge_pages: bool = CacheConfig.kv_huge_pages,
                  enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill,
                  max_decode_slowdown: float | None = None, pack_weights: bool = True,
@@ -84,8 +85,6 @@ class LLM:
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  parallel_timeout_s: float = ParallelConfig.timeout_s, pipeline_micro_batches: int | None = None) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed)
-        if enable_prefix_caching is None:  # on wherever the layout has it
-            enable_prefix_caching = kv_layout == "paged"
         cache = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                             kv_cache_memory_gib=kv_cache_memory_gib, enable_prefix_caching=enable_prefix_caching,
                             kv_layout=kv_layout, kv_huge_pages=kv_huge_pages)

@@ -99,7 +99,7 @@ def _virtual_layout(model: CausalLM, cache: CacheConfig, scheduler: SchedulerCon
     budget = num_kv_blocks(cache, tensors.bytes_per_tile)
     groups = (KVGroup(0, tuple(range(model.config.num_hidden_layers))),)
     runner = PagedModelRunner(model, rows * row_tiles, probe, pack_weights, groups, virtual=tensors)
-    return runner, VirtualKVManager(rows, row_tiles, probe, budget)
+    return runner, VirtualKVManager(rows, row_tiles, probe, budget, cache.enable_prefix_caching)
 
 
 class LLMEngine:

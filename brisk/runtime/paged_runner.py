@@ -172,7 +172,7 @@ class PagedModelRunner:
                 tables = [torch.tensor(_readable(t[: -(-kv_len // bs)]), dtype=torch.long, device=dev)
                           for t in step.block_ids]
                 spans.append(GatherSpan(first, n, kv_len, tables, causal_mask(n, kv_len, dev),
-                                        step.block_ids[0][0] if self.virtual is not None else None))
+                                        _run_start(step.block_ids[0]) if self.virtual is not None else None))
         width = max((len(s.block_ids[0]) for s in kernel), default=1)
         tables = [[_readable(s.block_ids[g]) + [0] * (width - len(s.block_ids[g])) for s in kernel]
                   for g in range(num_groups)]
@@ -219,6 +219,12 @@ class PagedModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, num_layers)  # [num_tokens, hidden]
         order = {rid: row for rid, row in zip(inputs.sample_ids, inputs.sample_rows)}
         return hidden[torch.tensor([order[s.request_id] for s in steps], device=self.device)]
+
+
+def _run_start(table: list[int]) -> int | None:
+    """The first id of a table of consecutive ids (a virtual row of its own), else None (it
+    reads a shared prefix where another row holds it: gathered like paged blocks)."""
+    return table[0] if table and table[-1] - table[0] == len(table) - 1 else None
 
 
 def _readable(table: list[int]) -> list[int]:

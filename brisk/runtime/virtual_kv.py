@@ -12,11 +12,13 @@ chunks read it as one slice (no gather):
 
 The manager (core/virtual_kv.py) decides which tiles are committed; `apply` carries its
 decisions out: `populate` (madvise MADV_POPULATE_WRITE, before the forward for the tiles this
-step writes, on a worker thread beside it for tiles ahead) and `release` (MADV_DONTNEED).
+step writes; for tiles ahead on a worker thread beside it where a core is spare) and `release`
+(MADV_DONTNEED).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -71,6 +73,7 @@ class VirtualKV:
         self._pending: Future[None] | None = None
         self.alloc_seconds = 0.0  # spent committing and releasing on the step's thread
         self.commit_thread_ids: set[int] = set()  # the commit-ahead thread (its page faults are not the step's)
+        self.ahead_thread = (os.cpu_count() or 1) > torch.get_num_threads()
         self.num_ops = 0
 
     def page_tile(self, tile_bytes: int) -> int:
@@ -107,14 +110,16 @@ class VirtualKV:
 
     def apply(self, ops: Sequence[MemoryOp]) -> None:
         """Carry out the manager's decisions in order: this step's commits and every release now,
-        commits ahead on the worker thread (which finishes before the next call's ops)."""
+        commits ahead on the worker thread (which finishes before the next call's ops) where
+        the CPU has a core torch does not use, else now too: on 2 cores with torch on both the
+        thread slowed the forward more than the faults it took off it (BENCHMARKS.md, KV layouts)."""
         self.wait()
         if not ops:
             return
         started = time.perf_counter()
-        ahead = [op for op in ops if op.ahead]
+        ahead = [op for op in ops if op.ahead] if self.ahead_thread else []
         for op in ops:
-            if not op.ahead:
+            if not op.ahead or not self.ahead_thread:
                 self._run(op)
         self.alloc_seconds += time.perf_counter() - started
         self.num_ops += len(ops)

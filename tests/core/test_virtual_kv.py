@@ -60,19 +60,17 @@ def test_deferred_reclamation_reuses_the_warm_row_and_gives_it_back_when_short()
     assert kv.allocate_slots(e, 8) == [[8, 9]] and kv.take_memory_ops() == []
     kv.free(e)
     f = _req("f", 12)
-    # ... f takes row 1 again and needs one tile more: the budget is full (d's 6 + row 1's 2) and
-    # no other free row holds pages to give back: short
-    assert kv.allocate_slots(f, 12) is None and kv.take_memory_ops() == []
-    kv.free(d)  # row 0 warm with 6 tiles, now the top of the stack
-    assert kv.allocate_slots(f, 12) == [[0, 1, 2]]  # row 0 has them all
-    g = _req("g", 12)
-    # g takes row 1 (2 tiles) and needs one more: f holds 6 and row 1 two, the budget is full and
-    # no other free row holds pages: short; once f is done, g takes its warm row 0
-    assert kv.allocate_slots(g, 12) is None
-    kv.free(f)
-    assert kv.allocate_slots(g, 12) == [[0, 1, 2]]  # f's warm row 0 is on top again
-    kv.check_invariants(["g"])
-    kv.take_memory_ops()
+    # ... f takes row 1 again and needs one tile more: the budget is full (d's 6 + row 1's 2); no
+    # free row holds pages no table names, but d's tile ahead is one: it is given back
+    assert kv.allocate_slots(f, 12) == [[8, 9, 10]]
+    assert kv.take_memory_ops() == [MemoryOp("release", 0, 5, 1), MemoryOp("populate", 1, 2, 1)]
+    g = _req("g", 8)
+    # g takes row 2 (cold) and needs two tiles: every committed tile is named by d or f: short
+    assert kv.allocate_slots(g, 8) is None and kv.take_memory_ops() == []
+    kv.free(f)  # row 1 (3 tiles) on top again: g takes it, nothing to commit
+    assert kv.allocate_slots(g, 8) == [[8, 9]] and kv.take_memory_ops() == []
+    kv.check_invariants(["d", "g"])
+    kv.free(d)
     kv.free(g)
     kv.reclaim()  # idle: every page back
     assert kv.num_committed == 0
@@ -88,9 +86,9 @@ def test_a_warm_row_gives_its_pages_back_to_another_row_short_of_budget() -> Non
     kv.free(a)  # row 0 warm (4 tiles) on top
     b.num_computed_tokens = 4
     kv.take_memory_ops()
-    # b needs 3 tiles more: 5 + 3 > 6, so warm row 0 gives its 4 back
+    # b needs 3 tiles more: 5 + 3 > 6, so warm row 0 gives two back, its last ones
     assert kv.allocate_slots(b, 12) == [[8, 9, 10, 11]]
-    assert kv.take_memory_ops() == [MemoryOp("release", 0, 0, 4), MemoryOp("populate", 1, 1, 3)]
+    assert kv.take_memory_ops() == [MemoryOp("release", 0, 2, 2), MemoryOp("populate", 1, 1, 3)]
     kv.check_invariants(["b"])
 
 
@@ -138,3 +136,67 @@ def test_the_scheduler_preempts_and_every_row_and_tile_comes_back() -> None:
     kv.reclaim()
     assert kv.num_committed == 0
     kv.check_invariants([])
+
+
+def _computed(r: Request, n: int) -> None:
+    r.num_computed_tokens = n
+
+
+def test_a_conversations_next_turn_takes_the_row_holding_its_history() -> None:
+    kv = VirtualKVManager(num_rows=3, row_tiles=8, tile=T, budget_tiles=20, enable_prefix_caching=True)
+    a = _req("a", 13)
+    kv.allocate_slots(a, 13)  # tiles 0..3 of row 0: three full ones are cached
+    kv.free(a)
+    turn = Request("b", list(range(100, 113)) + [5, 6, 7], SamplingParams(max_tokens=8), eos_token_ids=frozenset({0}))
+    hit, tokens = kv.get_computed_blocks(turn)
+    assert hit == [[0, 1, 2]] and tokens == 12
+    assert kv.allocate_slots(turn, 4, hit) == [[0, 1, 2, 3]]  # row 0 again: one run, nothing borrowed
+    assert kv.row_of("b") == 0 and kv.hit_rate == 12 / (13 + 16)
+    kv.check_invariants(["b"])
+
+
+def test_concurrent_requests_share_a_prefix_in_place_and_it_is_committed_once() -> None:
+    kv = VirtualKVManager(num_rows=3, row_tiles=8, tile=T, budget_tiles=20, enable_prefix_caching=True,
+                          commit_ahead=False)
+    system = list(range(100, 108))  # two full tiles
+    a = Request("a", system + [1, 2, 3], SamplingParams(max_tokens=8), eos_token_ids=frozenset({0}))
+    b = Request("b", system + [4, 5, 6, 7, 8], SamplingParams(max_tokens=8), eos_token_ids=frozenset({0}))
+    assert kv.allocate_slots(a, 11) == [[0, 1, 2]]
+    hit, tokens = kv.get_computed_blocks(b)
+    assert hit == [[0, 1]] and tokens == 8
+    # b reads a's two tiles where they are and writes its own from position 8 on, in row 1
+    assert kv.allocate_slots(b, 5, hit) == [[0, 1, 10, 11]]
+    assert kv.num_committed == 5 and kv.num_used_tiles == 5  # the shared tiles count once
+    kv.check_invariants(["a", "b"])
+    kv.free(a)
+    # c shares nothing and would write row 0 from its start, where b still reads: it takes row 2
+    c = _req("c", 3)
+    c.prompt_token_ids = [9, 9, 9]
+    assert kv.get_computed_blocks(c) == ([[]], 0)
+    assert kv.allocate_slots(c, 3) == [[16]]
+    kv.check_invariants(["b", "c"])
+    kv.free(b)
+    kv.free(c)
+    kv.reclaim()  # uncached pages back; the cached tiles stay: they are the prefix cache
+    cached = kv.num_cached_tiles
+    assert kv.num_committed == cached == 3  # a's two system tiles and b's full tile 2
+    kv.check_invariants([])
+
+
+def test_cached_tiles_are_given_back_last_and_leave_the_cache() -> None:
+    kv = VirtualKVManager(num_rows=2, row_tiles=8, tile=T, budget_tiles=6, enable_prefix_caching=True,
+                          commit_ahead=False)
+    a = _req("a", 17)
+    kv.allocate_slots(a, 17)  # 5 tiles of row 0, 4 of them full and cached
+    kv.free(a)
+    b = Request("b", [1] * 12, SamplingParams(max_tokens=8), eos_token_ids=frozenset({0}))
+    assert kv.get_computed_blocks(b) == ([[]], 0)
+    # b takes row 1 and needs 3 tiles: 5 + 3 > 6, so row 0 gives back its uncached last tile, then
+    # a cached one, the chain's tail first
+    assert kv.allocate_slots(b, 12) == [[8, 9, 10]]
+    assert kv.take_memory_ops()[:3] == [MemoryOp("populate", 0, 0, 5), MemoryOp("release", 0, 4, 1),
+                                        MemoryOp("release", 0, 3, 1)]
+    assert kv.num_cached_tiles == 3 + 3  # a's first three, and b's own three full tiles
+    replay = _req("again", 17)
+    assert kv.get_computed_blocks(replay) == ([[0, 1, 2]], 12)
+    kv.check_invariants(["b"])

@@ -30,7 +30,7 @@ def _prompts(n: int = 32, longest: int = 1000, vocab: int = 40000) -> list[list[
     return [[(7 * i + 13 * j) % (vocab - 100) + 100 for j in range(length)] for i, length in enumerate(lengths[:n])]
 
 
-def _tiny_engine(layout: str, **kw: Any) -> LLMEngine:
+def _tiny_engine(layout: str, caching: bool = False, **kw: Any) -> LLMEngine:
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1100)
@@ -38,21 +38,30 @@ def _tiny_engine(layout: str, **kw: Any) -> LLMEngine:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
-    return LLMEngine(model.eval(), tiny_tokenizer(), CacheConfig(kv_layout=layout, enable_prefix_caching=False, **kw),
+    return LLMEngine(model.eval(), tiny_tokenizer(), CacheConfig(kv_layout=layout, enable_prefix_caching=caching, **kw),
                      SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=16, max_model_len=1100))
 
 
-def _drain(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def _submit(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, prefix: str = "") -> list[str]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+        engine.add_request(f"{prefix}{i}", p, params)
+    return [f"{prefix}{i}" for i in range(len(prompts))]
+
+
+def _finish(engine: LLMEngine, ids: list[str]) -> list[list[int]]:
+    """Step until idle (checking the bookkeeping every step): the tokens of `ids`."""
     done: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
         engine.scheduler.check_invariants()
-    return [done[str(i)] for i in range(len(prompts))]
+    return [done[i] for i in ids]
+
+
+def _drain(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    return _finish(engine, _submit(engine, prompts, max_tokens))
 
 
 def test_greedy_tokens_match_the_paged_layout_with_chunks_and_preemption() -> None:
@@ -70,20 +79,46 @@ def test_greedy_tokens_match_the_paged_layout_with_chunks_and_preemption() -> No
     assert virtual_engine.runner.virtual.resident_bytes() == 0
 
 
-def _run(layout: str, prompts: list[list[int]], **kw: Any) -> tuple[list[list[int]], LLM]:
-    llm = LLM(MODEL, kv_layout=layout, enable_prefix_caching=False, max_model_len=1024, **kw)
+def test_a_shared_prefix_is_read_in_place_committed_once_and_changes_no_token() -> None:
+    """16 requests behind one 300-token system prompt, then their next turns (their own history
+    again): with prefix caching the virtual layout gives the paged layout's tokens, hits the cache
+    like it, and holds the shared tiles once."""
+    system = [(11 * j) % 400 + 100 for j in range(300)]
+    first = [system + [(i * 31 + j) % 400 + 100 for j in range(20 + 7 * i)] for i in range(16)]
+    runs = {}
+    for layout in ("paged", "virtual"):
+        engine = _tiny_engine(layout, caching=True, num_kv_blocks=200, block_size=32)
+        answers = _drain(engine, first, 12)
+        turns = _submit(engine, [p + a + [101, 102] for p, a in zip(first, answers)], 12, prefix="t")
+        engine.step()  # the second turns are admitted: their tables name their tiles now
+        if layout == "virtual":
+            kv = engine.virtual_kv
+            assert kv.num_committed * engine.runner.virtual.bytes_per_tile == engine.runner.virtual.resident_bytes()
+            assert kv.num_used_tiles < sum(len(kv.get_block_ids(t)[0]) for t in turns)  # shared, counted once
+        runs[layout] = (answers, _finish(engine, turns), engine.scheduler.prefix_hit_rate)
+    assert runs["virtual"][:2] == runs["paged"][:2]
+    assert runs["virtual"][2] > 0.5 and runs["paged"][2] > 0.5
+    no_cache = _tiny_engine("virtual", num_kv_blocks=200, block_size=32)
+    assert _drain(no_cache, first, 12) == runs["virtual"][0]
+
+
+def _run(layout: str, prompts: list[list[int]], caching: bool = False, **kw: Any) -> tuple[list[list[int]], LLM]:
+    llm = LLM(MODEL, kv_layout=layout, enable_prefix_caching=caching, max_model_len=1024, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], llm
 
 
 def test_the_default_model_gives_the_paged_layouts_tokens(gguf_path: Path) -> None:
-    """The real model as stored, 8 prompts of 1..400 tokens, a budget that preempts."""
+    """The real model as stored, 8 prompts of 1..400 tokens and four more after the longest
+    one's first 200 tokens, a budget that preempts, prefix caching on."""
     prompts = _prompts(8, 400)
+    prompts += [prompts[-1][:200] + p for p in prompts[:4]]
     kw: dict[str, Any] = {"max_num_batched_tokens": 128, "num_kv_blocks": 40, "max_num_seqs": 8}
-    paged, _ = _run("paged", prompts, **kw)
-    virtual, llm = _run("virtual", prompts, **kw)
+    paged, _ = _run("paged", prompts, caching=True, **kw)
+    virtual, llm = _run("virtual", prompts, caching=True, **kw)
     assert virtual == paged and llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.prefix_hit_rate > 0
 
 
 def _rss(buffers: list[Any]) -> int:
@@ -103,6 +138,7 @@ def _rss(buffers: list[Any]) -> int:
 def test_committed_memory_follows_the_tokens_and_falls_after_finish(gguf_path: Path) -> None:
     llm = LLM(MODEL, kv_layout="virtual", enable_prefix_caching=False, max_model_len=1024, max_num_seqs=4)
     engine, memory = llm.engine, llm.engine.runner.virtual
+    memory.ahead_thread = True  # commits ahead beside the forward, as on a CPU with a spare core
     tile_bytes = memory.bytes_per_tile
     assert _rss(memory.buffers) == 0  # reserved, nothing committed yet
     engine.add_request("a", list(range(100, 400)), SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
@@ -122,8 +158,6 @@ def test_committed_memory_follows_the_tokens_and_falls_after_finish(gguf_path: P
 def test_bad_settings_are_clear_errors(gguf_path: Path) -> None:
     with pytest.raises(ValueError, match="kv_layout must be one of paged, virtual"):
         LLM(MODEL, kv_layout="contiguous")
-    with pytest.raises(ValueError, match="prefix caching is not built for kv_layout='virtual'"):
-        LLM(MODEL, kv_layout="virtual", enable_prefix_caching=True)
     with pytest.raises(ValueError, match="single process"):
         LLM(MODEL, kv_layout="virtual", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="kv_huge_pages applies to kv_layout='virtual' only"):

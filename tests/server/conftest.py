@@ -56,3 +56,19 @@ def running_server(llm: Any, limits: Any = None) -> Iterator[tuple[str, Any]]:
         app.state.brisk.engine.shutdown()
 
 
+def leave_mid_stream(base: str, chunks: int = 3) -> list[dict[str, Any]]:
+    """Stream a long completion and hang up after `chunks` chunks (a client that goes away)."""
+    import json
+
+    import httpx
+
+    body = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tokens": 400, "stream": True,
+            "ignore_eos": True}
+    lines: list[dict[str, Any]] = []
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(json.loads(line[6:]))
+            if len(lines) >= chunks:
+                break  # leave mid-stream
+    return lines

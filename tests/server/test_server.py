@@ -4,7 +4,6 @@ and by raw HTTP for the error paths."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any
 
@@ -16,6 +15,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from brisk.engine.llm import LLM
 from brisk.request import SamplingParams
+from tests.server.conftest import leave_mid_stream
 
 MODEL = "smollm2-135m"
 
@@ -146,15 +146,7 @@ def test_64_concurrent_streams_finish_and_free_every_block(server: dict[str, Any
 
 
 def test_client_disconnect_mid_stream_frees_its_blocks(server: dict[str, Any]) -> None:
-    body = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tokens": 400, "stream": True,
-            "ignore_eos": True}
-    with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=60) as r:
-        lines = []
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                lines.append(json.loads(line[6:]))
-            if len(lines) >= 3:
-                break  # leave mid-stream
+    lines = leave_mid_stream(server["base"])
     assert len(lines) == 3 and lines[0]["choices"][0]["finish_reason"] is None
     # 400 tokens would take ~10 s more; the abort frees the blocks well before
     assert _all_blocks_free(server, timeout=4.0)

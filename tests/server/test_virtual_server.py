@@ -4,17 +4,15 @@ mid-stream; every answer is the paged layout's, and once idle nothing stays comm
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 
 from brisk.engine.llm import LLM
 from brisk.request import SamplingParams
-from tests.server.conftest import MODEL, running_server
+from tests.server.conftest import MODEL, leave_mid_stream, running_server
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
@@ -22,7 +20,8 @@ pytest.importorskip("uvicorn")
 
 @pytest.fixture(scope="module")
 def virtual_server(gguf_path: Any) -> Iterator[dict[str, Any]]:
-    llm = LLM(MODEL, kv_layout="virtual", max_model_len=1024, max_num_seqs=64)
+    # without prefix caching, so "nothing committed once idle" holds (cached tiles would stay)
+    llm = LLM(MODEL, kv_layout="virtual", enable_prefix_caching=False, max_model_len=1024, max_num_seqs=64)
     with running_server(llm) as (base, app):
         yield {"base": base, "llm": llm, "state": app.state.brisk}
 
@@ -60,14 +59,6 @@ def test_64_concurrent_streams_get_the_paged_answers_and_give_every_page_back(
 
 
 def test_a_client_leaving_mid_stream_gives_its_pages_back(virtual_server: dict[str, Any]) -> None:
-    body = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tokens": 400, "stream": True,
-            "ignore_eos": True}
-    with httpx.stream("POST", virtual_server["base"] + "/v1/completions", json=body, timeout=60) as r:
-        lines = []
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                lines.append(json.loads(line[6:]))
-            if len(lines) >= 3:
-                break
+    lines = leave_mid_stream(virtual_server["base"])
     assert len(lines) == 3 and lines[0]["choices"][0]["finish_reason"] is None
     assert _nothing_committed(virtual_server, timeout=4.0)
