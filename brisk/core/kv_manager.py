@@ -13,7 +13,8 @@ one; it asks it three kinds of questions:
 Every layout answers in block tables: per KV group, the ids of the `block_size`-token ranges
 that hold a request's positions in order (`ScheduledRequest.block_ids`). The paged layout
 (`KVCacheManager`) draws them from a shared pool; the virtual layout (`VirtualKVManager`) gives
-each request one contiguous row, so its table is a run of consecutive ids. Physical memory
+each request one contiguous row, so its table is a run of consecutive ids (after the tiles of a
+cached prefix it reads where another row holds them). Physical memory
 that a layout commits or gives back as tokens come and go is described by `take_memory_ops`
 (the runtime carries it out); the paged layout's memory is fixed, so it has none.
 """
