@@ -107,7 +107,9 @@ EXACTNESS = ["tests/model/test_kernels.py", "tests/model/test_reference.py::test
 EXACTNESS_SKIP = {"avx2": "thread_count", "scalar": "thread_count or drops_the_plan or config or varied_prompts"}
 
 
-@pytest.mark.parametrize("isa", LOWER)
+# The portable level's run (~55 s) is a slow check: its greedy tokens are already compared with the
+# native ones below (test_lowered_paths_give_the_native_greedy_tokens) and its kernels in-process.
+@pytest.mark.parametrize("isa", [pytest.param(i, marks=pytest.mark.slow) if i == "scalar" else i for i in LOWER])
 def test_exactness_tests_pass_under_a_lowered_isa(isa: str, gguf_path: Path) -> None:
     """The kernel tests (each kernel against its reference), the real model's logits against HF
     transformers, the decode plan against the module path and the int8 and 4-bit Linears, run again
