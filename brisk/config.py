@@ -202,6 +202,12 @@ class CacheConfig:
             raise ValueError("kv_huge_pages applies to kv_layout='virtual' only")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+    def check_multi_process(self) -> None:
+        """Tensor/pipeline parallel workers hold paged KV only."""
+        if self.kv_layout != "paged":
+            raise ValueError("kv_layout='virtual' runs in a single process for now; use kv_layout='paged' "
+                             "with tensor/pipeline parallelism")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
 

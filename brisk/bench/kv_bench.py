@@ -20,10 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from brisk.core.kv_groups import KVGroup
 from brisk.engine.llm import LLM
 from brisk.engine.llm_engine import LLMEngine
 from brisk.request import SamplingParams
-from brisk.runtime.paged_runner import PagedModelRunner
+from brisk.runtime.paged_runner import PagedModelRunner, kv_block_bytes
 
 # bench names -> (kv_layout, kv_huge_pages)
 LAYOUTS = {"paged": ("paged", False), "virtual": ("virtual", False), "virtual_thp": ("virtual", True)}
@@ -44,11 +45,9 @@ def _minor_faults(skip: set[int]) -> int:
 
 
 def _bytes_per_token(llm: LLM) -> int:
-    runner = llm.engine.runner
-    assert isinstance(runner, PagedModelRunner)
-    k, _ = next(c for c in runner.kv_caches if c is not None)
-    per_layer = 2 * k[0].numel() // runner.block_size * k.element_size()
-    return per_layer * sum(1 for c in runner.kv_caches if c is not None)
+    """Keys and values of one token in every layer (the paged layout's KV groups aside)."""
+    layers = tuple(range(llm.model_config.num_hidden_layers))
+    return kv_block_bytes(llm.model, 1, (KVGroup(0, layers),))
 
 
 def _committed_bytes(engine: LLMEngine) -> int:

@@ -39,6 +39,15 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     return h.digest()
 
 
+def extend_block_hashes(hashes: list[BlockHash], request: Request, block_size: int) -> list[BlockHash]:
+    """`hashes` (the request's full-block hashes so far) extended in place to cover all its known
+    tokens (prompt and generated), so a finished conversation's blocks can be hit later."""
+    for i in range(len(hashes), request.num_tokens // block_size):
+        tokens = request_tokens(request, i * block_size, (i + 1) * block_size)
+        hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+    return hashes
+
+
 def request_tokens(request: Request, start: int, end: int) -> list[int]:
     """`request.all_token_ids[start:end]` without concatenating the whole prompt and output."""
     prompt = request.prompt_token_ids
@@ -112,13 +121,7 @@ class KVCacheManager:
     # ----------------------------------------------------------------------------- hashing
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
-        """The request's full-block hashes, extended incrementally to cover all known tokens
-        (prompt and generated), so a finished conversation's blocks can be hit later."""
-        hashes = self._hashes.setdefault(request.request_id, [])
-        bs = self.block_size
-        for i in range(len(hashes), request.num_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, request_tokens(request, i * bs, (i + 1) * bs)))
-        return hashes
+        return extend_block_hashes(self._hashes.setdefault(request.request_id, []), request, self.block_size)
 
     @staticmethod
     def _key(block_hash: BlockHash, group: int) -> BlockHash:

@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from brisk.core.block_pool import BlockHash
-from brisk.core.kv_cache_manager import cdiv, hash_block, request_tokens
+from brisk.core.kv_cache_manager import cdiv, extend_block_hashes, request_tokens
 from brisk.core.kv_manager import MemoryOp
 from brisk.request import Request
 
@@ -96,11 +96,7 @@ class VirtualKVManager:
     # ----------------------------------------------------------------------------- prefix cache
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
-        hashes = self._hashes.setdefault(request.request_id, [])
-        bs = self.block_size
-        for i in range(len(hashes), request.num_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, request_tokens(request, i * bs, (i + 1) * bs)))
-        return hashes
+        return extend_block_hashes(self._hashes.setdefault(request.request_id, []), request, self.block_size)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[list[int]], int]:
         """The longest run of cached full tiles the request's tokens start with (at least one
@@ -187,7 +183,7 @@ class VirtualKVManager:
                     if not any(self._refs[r * rt + i] for i in range(k, rt))]
         if not eligible:
             return None
-        if hit and hit == list(range(hit[0], hit[0] + k)) and hit[0] % rt == 0 and hit[0] // rt in eligible:
+        if hit and hit[-1] - hit[0] == k - 1 and hit[0] // rt in eligible:  # tiles sit at their positions
             return hit[0] // rt
         clean = [r for r in eligible if not any(r * rt + i in self._key_of for i in range(k, rt))]
         return (clean or eligible)[0]

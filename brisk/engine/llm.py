@@ -96,10 +96,8 @@ class LLM:
         parallel = ParallelConfig(tensor_parallel_size, pipeline_parallel_size, parallel_timeout_s,
                                   pipeline_micro_batches)
         self._cluster: Cluster | None = None
-        if parallel.world_size > 1 and cache.kv_layout != "paged":
-            raise ValueError("kv_layout='virtual' runs in a single process for now; use kv_layout='paged' with "
-                             "tensor/pipeline parallelism")
         if parallel.world_size > 1:
+            cache.check_multi_process()  # before any worker starts
             if spec is not None and spec.method != "ngram":
                 raise ValueError(f"speculative method {spec.method!r} runs in a single process for now (its drafts "
                                  "need hidden states or KV of their own); with tensor/pipeline parallelism use "

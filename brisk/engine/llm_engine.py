@@ -118,9 +118,7 @@ class LLMEngine:
         self.virtual_kv: VirtualKVManager | None = None  # kv_layout "virtual": rows committed on demand
         kv: KVManager
         if runner is not None:
-            if cache.kv_layout != "paged":
-                raise ValueError("kv_layout='virtual' runs in a single process for now; use kv_layout='paged' "
-                                 "with tensor/pipeline parallelism")
+            cache.check_multi_process()
             self.num_blocks, self.runner = runner.num_blocks, runner
         elif cache.kv_layout == "virtual":
             self.runner, self.virtual_kv = _virtual_layout(model, cache, scheduler, pack_weights)

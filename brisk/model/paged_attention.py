@@ -41,7 +41,7 @@ class GatherSpan:
     query_start: int
     num_tokens: int
     kv_len: int  # cached + new tokens
-    block_ids: list[torch.Tensor]  # per KV group: [ceil(kv_len / block_size)] long
+    block_ids: list[torch.Tensor]  # per KV group: [ceil(kv_len / block_size)] long (empty with first_block)
     mask: torch.Tensor | None  # [num_tokens, kv_len] bool, None when SDPA's own causal mask fits
     # set: the blocks are first_block, first_block + 1, ... (a virtual layout's row): read as one
     # slice, no gather (one group only)

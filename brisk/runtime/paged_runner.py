@@ -169,10 +169,11 @@ class PagedModelRunner:
             if i < len(kernel):
                 query_start.append(first + n)
             else:
-                tables = [torch.tensor(_readable(t[: -(-kv_len // bs)]), dtype=torch.long, device=dev)
-                          for t in step.block_ids]
-                spans.append(GatherSpan(first, n, kv_len, tables, causal_mask(n, kv_len, dev),
-                                        _run_start(step.block_ids[0]) if self.virtual is not None else None))
+                run = _run_start(step.block_ids[0]) if self.virtual is not None else None
+                tables = [] if run is not None else [  # a row of its own is sliced: no ids to gather
+                    torch.tensor(_readable(t[: -(-kv_len // bs)]), dtype=torch.long, device=dev)
+                    for t in step.block_ids]
+                spans.append(GatherSpan(first, n, kv_len, tables, causal_mask(n, kv_len, dev), run))
         width = max((len(s.block_ids[0]) for s in kernel), default=1)
         tables = [[_readable(s.block_ids[g]) + [0] * (width - len(s.block_ids[g])) for s in kernel]
                   for g in range(num_groups)]

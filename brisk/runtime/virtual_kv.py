@@ -52,7 +52,6 @@ class VirtualKV:
             raise ValueError("kv_layout='virtual' runs on CPU (CUDA virtual memory is not built yet); "
                              "use kv_layout='paged'")
         self.num_rows, self.row_tiles, self.tile = num_rows, row_tiles, tile
-        self.page = kernels.vmem_page_size()
         itemsize = torch.tensor([], dtype=model.dtype).element_size()
         heads = model.kv_heads_per_layer()
         self.tile_bytes = [0 if h is None else h * cfg.head_dim * tile * itemsize for h in heads]  # per tensor
@@ -61,27 +60,21 @@ class VirtualKV:
             raise ValueError(f"the virtual KV layout would reserve {total / 2**40:.1f} TiB of address space "
                              f"(max_num_seqs {num_rows} x max_model_len {row_tiles * tile}); lower max_num_seqs or "
                              "max_model_len, or use kv_layout='paged'")
-        bad = sorted({b for b in self.tile_bytes if b % self.page})
+        page = kernels.vmem_page_size()
+        bad = sorted({b for b in self.tile_bytes if b % page})
         if bad:
-            raise ValueError(f"a KV tile of {tile} tokens is {bad[0]} bytes per layer, not whole {self.page}-byte pages; "
-                             f"use a block_size that makes it whole pages (e.g. {self.page_tile(bad[0])})")
+            raise ValueError(f"a KV tile of {tile} tokens is {bad[0]} bytes per layer, not whole {page}-byte pages; "
+                             f"use a block_size that makes it whole pages (e.g. {self.tile_for(model, tile)})")
         self.buffers: list[torch.Tensor] = []  # uint8 reservations, two per layer (keys, values)
         self.kv_caches: list[KVCache | None] = [
-            None if h is None else self._layer(h, cfg.head_dim, model.dtype, huge_pages) for h in heads]
+            None if h is None else self._layer(h, cfg.head_dim, model.dtype, b, huge_pages)
+            for h, b in zip(heads, self.tile_bytes)]
         self._buffer_tile_bytes = [b for b in self.tile_bytes if b for _ in (0, 1)]
         self._ahead: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
         self.alloc_seconds = 0.0  # spent committing and releasing on the step's thread
         self.commit_thread_ids: set[int] = set()  # the commit-ahead thread (its page faults are not the step's)
         self.ahead_thread = (os.cpu_count() or 1) > torch.get_num_threads()
-        self.num_ops = 0
-
-    def page_tile(self, tile_bytes: int) -> int:
-        """The smallest power-of-two multiple of the tile that makes `tile_bytes` whole pages."""
-        k = 1
-        while (tile_bytes * k) % self.page:
-            k *= 2
-        return self.tile * k
 
     @staticmethod
     def tile_for(model: CausalLM, block_size: int) -> int:
@@ -96,11 +89,9 @@ class VirtualKV:
             tile *= 2
         return tile
 
-    def _layer(self, heads: int, head_dim: int, dtype: torch.dtype, huge_pages: bool) -> KVCache:
+    def _layer(self, heads: int, head_dim: int, dtype: torch.dtype, tile_bytes: int, huge_pages: bool) -> KVCache:
         n = self.num_rows * self.row_tiles
-        itemsize = torch.tensor([], dtype=dtype).element_size()
-        nbytes = n * heads * head_dim * self.tile * itemsize
-        k_buf, v_buf = kernels.vmem_reserve(nbytes, huge_pages), kernels.vmem_reserve(nbytes, huge_pages)
+        k_buf, v_buf = kernels.vmem_reserve(n * tile_bytes, huge_pages), kernels.vmem_reserve(n * tile_bytes, huge_pages)
         self.buffers += [k_buf, v_buf]
         keys = k_buf.view(dtype).view(n, heads, head_dim, self.tile)  # [tiles, n_kv, hd, tile]
         values = v_buf.view(dtype).view(n, heads, self.tile, head_dim)  # [tiles, n_kv, tile, hd]
@@ -117,23 +108,24 @@ class VirtualKV:
         if not ops:
             return
         started = time.perf_counter()
-        ahead = [op for op in ops if op.ahead] if self.ahead_thread else []
-        for op in ops:
-            if not op.ahead or not self.ahead_thread:
-                self._run(op)
+        later = [op for op in ops if op.ahead and self.ahead_thread]
+        self._run_all([op for op in ops if not (op.ahead and self.ahead_thread)])
         self.alloc_seconds += time.perf_counter() - started
-        self.num_ops += len(ops)
-        if ahead:
+        if later:
             if self._ahead is None:
                 self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="brisk-kv-commit",
                                                  initializer=lambda: self.commit_thread_ids.add(threading.get_native_id()))
-            self._pending = self._ahead.submit(lambda: [self._run(op) for op in ahead] and None)
+            self._pending = self._ahead.submit(self._run_all, later)
 
     def wait(self) -> None:
         """Let the commits ahead finish (their errors surface here)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()
+
+    def _run_all(self, ops: list[MemoryOp]) -> None:
+        for op in ops:
+            self._run(op)
 
     def _run(self, op: MemoryOp) -> None:
         call = kernels.vmem_populate if op.kind == "populate" else kernels.vmem_release
@@ -153,17 +145,7 @@ class VirtualKV:
         self.wait()
         return sum(kernels.vmem_resident(b, 0, b.numel()) for b in self.buffers)
 
-    def tile_resident(self, row: int, first: int, count: int) -> bool:
-        """Whether tiles [first, first + count) of a row are resident in every layer."""
-        return all(kernels.vmem_resident(b, (row * self.row_tiles + first) * tb, count * tb) == count * tb
-                   for b, tb in zip(self.buffers, self._buffer_tile_bytes))
-
     @property
     def bytes_per_tile(self) -> int:
         """One tile of keys and values in every layer: the unit the manager's budget counts."""
         return 2 * sum(self.tile_bytes)
-
-    def close(self) -> None:
-        self.wait()
-        if self._ahead is not None:
-            self._ahead.shutdown()
