@@ -123,6 +123,13 @@ class ModelConfig:
     query_pre_attn_scalar: float = 0.0  # attention scale is its -1/2 power; 0: head_dim
     rope_local_theta: float = 0.0  # rotary base of the sliding layers (Gemma 3: 10k); 0: rope_theta
     final_logit_softcapping: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
+    # Non-uniform layers (a structurally pruned model, compress/prune.py): per layer the query heads,
+    # KV heads and MLP width; () = every layer has num_attention_heads / num_key_value_heads /
+    # intermediate_size. Each layer keeps the model's query heads per KV head (whole GQA groups).
+    layer_heads: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    layer_intermediate: tuple[int, ...] = ()
+    output_bias: bool = False  # o_proj and down_proj carry a bias (FLAP's compensation of pruned channels)
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -154,6 +161,42 @@ class ModelConfig:
             raise ValueError(f"model config: rotary_dim must be even and in 2..head_dim ({self.head_dim}), "
                              f"got {self.rotary_dim}")
         self.rope_scaling.check_dim(self.rotary_dim)
+        self._check_layer_widths()
+
+    def _check_layer_widths(self) -> None:
+        group = self.num_attention_heads // self.num_key_value_heads
+        for name in ("layer_heads", "layer_kv_heads", "layer_intermediate"):
+            values = tuple(int(v) for v in getattr(self, name))
+            object.__setattr__(self, name, values)
+            if values and (len(values) != self.num_hidden_layers or min(values) < 1):
+                raise ValueError(f"model config: {name} must give {self.num_hidden_layers} values >= 1, got {list(values)}")
+        if bool(self.layer_heads) != bool(self.layer_kv_heads):
+            raise ValueError("model config: layer_heads and layer_kv_heads come together")
+        for i, (q, kv) in enumerate(zip(self.layer_heads, self.layer_kv_heads)):
+            if q != kv * group:
+                raise ValueError(f"model config: layer {i} has {q} query heads for {kv} KV heads; every layer keeps "
+                                 f"{group} query heads per KV head")
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer has the same head counts and MLP width."""
+        return not (self.layer_heads or self.layer_intermediate)
+
+    def heads(self, layer: int) -> int:
+        """Query heads of layer `layer`."""
+        return self.layer_heads[layer] if self.layer_heads else self.num_attention_heads
+
+    def kv_heads(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_key_value_heads
+
+    def intermediate(self, layer: int) -> int:
+        """MLP width of layer `layer`."""
+        return self.layer_intermediate[layer] if self.layer_intermediate else self.intermediate_size
+
+    def layer_params(self, layer: int) -> int:
+        """Linear weights of one layer (q, k, v, o and the gated MLP)."""
+        hd, hidden = self.head_dim, self.hidden_size
+        return hidden * hd * (2 * self.heads(layer) + 2 * self.kv_heads(layer)) + 3 * hidden * self.intermediate(layer)
 
     def layer_type(self, layer: int) -> str:
         return self.layer_types[layer] if self.layer_types else "full"

@@ -109,8 +109,9 @@ def check_parallel(args: WorkerArgs) -> None:
 
 def _check_shard_widths(cfg: ModelConfig, tp: int, quant: QuantConfig) -> None:
     """Row-parallel layers see a slice of their input features; the method must take that width."""
-    widths = {len(head_split(cfg, tp, r).q_heads) * cfg.head_dim for r in range(tp)}
-    widths |= {len(r) for r in even_ranges(cfg.intermediate_size, tp)}
+    layers = range(cfg.num_hidden_layers)
+    widths = {len(head_split(cfg, tp, r, i).q_heads) * cfg.head_dim for r in range(tp) for i in layers}
+    widths |= {len(r) for i in layers for r in even_ranges(cfg.intermediate(i), tp)}
     need = quant.group_size if quant.method == "int4" else 16 if quant.method == "ternary" else 1
     bad = sorted(w for w in widths if w % need)
     if bad:

@@ -194,12 +194,14 @@ LinearOp parse_linear(const py::tuple& t) {
 // One layer. Undefined optional norms are absent: q_norm / k_norm (per head, before rotary: Qwen3,
 // Gemma 3), attn_out_norm / mlp_out_norm (on the attention / MLP output before it joins the
 // residual stream: Gemma 3). post_norm is the norm before the MLP. `window` > 0: a sliding layer;
-// `rope`: which of the step's rotary tables the layer rotates by.
+// `rope`: which of the step's rotary tables the layer rotates by. heads, kv_heads, inter: this
+// layer's query heads, KV heads and MLP width (a structurally pruned model's layers differ).
 struct Layer {
   torch::Tensor input_norm, post_norm;
   LinearOp qkv, o, gate_up, down;
   torch::Tensor q_norm, k_norm, attn_out_norm, mlp_out_norm;
   int64_t window = 0, rope = 0;
+  int64_t heads = 0, kv_heads = 0, inter = 0;
 };
 
 // Rows private to one thread: the residual stream and what feeds the next Linear. Each thread
@@ -231,24 +233,27 @@ class DecodePlan {
   }
 
   // ops: qkv, o, gate_up, down as (kind, weight, scale, zero, bias, group, bits, tiled); the
-  // optional norms (None: absent), window and rope as in `Layer`.
+  // optional norms (None: absent), window, rope and the widths as in `Layer` (a width < 1: the plan's).
   void add_layer(const torch::Tensor& input_norm, const torch::Tensor& post_norm, const std::vector<py::tuple>& ops,
                  const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
                  const c10::optional<torch::Tensor>& attn_out_norm, const c10::optional<torch::Tensor>& mlp_out_norm,
-                 int64_t window, int64_t rope) {
+                 int64_t window, int64_t rope, int64_t heads, int64_t kv_heads, int64_t intermediate) {
     TORCH_CHECK(ops.size() == 4, "brisk DecodePlan: a layer needs 4 linear ops (qkv, o, gate_up, down)");
     const auto opt = [](const c10::optional<torch::Tensor>& t) { return t.has_value() ? t->contiguous() : torch::Tensor(); };
     Layer L{input_norm.contiguous(), post_norm.contiguous(), parse_linear(ops[0]), parse_linear(ops[1]),
             parse_linear(ops[2]), parse_linear(ops[3]), opt(q_norm), opt(k_norm), opt(attn_out_norm),
-            opt(mlp_out_norm), window, rope};
+            opt(mlp_out_norm), window, rope, heads > 0 ? heads : heads_, kv_heads > 0 ? kv_heads : kv_heads_,
+            intermediate > 0 ? intermediate : intermediate_};
     TORCH_CHECK(window >= 0 && rope >= 0, "brisk DecodePlan: window and rope must be >= 0");
+    TORCH_CHECK(L.heads % L.kv_heads == 0 && L.heads / L.kv_heads <= 16,
+                "brisk DecodePlan: a layer's heads must be a multiple of its kv_heads, at most 16 per KV head");
     TORCH_CHECK(L.q_norm.defined() == L.k_norm.defined(), "brisk DecodePlan: q_norm and k_norm come together");
     for (const auto& w : {L.q_norm, L.k_norm})
       TORCH_CHECK(!w.defined() || (w.scalar_type() == torch::kFloat32 && w.numel() == head_dim_ && w.device().is_cpu()),
                   "brisk DecodePlan: q/k norm weights must be float32 [", head_dim_, "]");
-    const int64_t hidden = L.o.out, qkv_width = (heads_ + 2 * kv_heads_) * head_dim_;
-    TORCH_CHECK(L.qkv.out == qkv_width && L.qkv.in == hidden && L.o.in == heads_ * head_dim_ &&
-                    L.gate_up.out == 2 * intermediate_ && L.gate_up.in == hidden && L.down.in == intermediate_ &&
+    const int64_t hidden = L.o.out, qkv_width = (L.heads + 2 * L.kv_heads) * head_dim_;
+    TORCH_CHECK(L.qkv.out == qkv_width && L.qkv.in == hidden && L.o.in == L.heads * head_dim_ &&
+                    L.gate_up.out == 2 * L.inter && L.gate_up.in == hidden && L.down.in == L.inter &&
                     L.down.out == hidden && (layers_.empty() || hidden == hidden_),
                 "brisk DecodePlan: the layer's Linears do not fit the plan's shapes");
     for (const auto& w : {L.input_norm, L.post_norm, L.attn_out_norm, L.mlp_out_norm})
@@ -256,6 +261,8 @@ class DecodePlan {
                   "brisk DecodePlan: norm weights must be float32 [", hidden, "]");
     TORCH_CHECK(input_norm.defined() && post_norm.defined(), "brisk DecodePlan: a layer needs its two norms");
     hidden_ = hidden;
+    max_heads_ = std::max(max_heads_, L.heads), max_kv_heads_ = std::max(max_kv_heads_, L.kv_heads);
+    max_inter_ = std::max(max_inter_, L.inter);
     layers_.push_back(std::move(L));
   }
 
@@ -294,13 +301,15 @@ class DecodePlan {
                   layers_[i].rope, " of ", cos.size());
     // k caches [blocks, kv_heads, head_dim, block_size], v caches [blocks, kv_heads, block_size, head_dim]
     const int64_t block_size = caches[0].dim() == 4 ? caches[0].size(3) : 0;
-    const std::vector<int64_t> k_shape{caches[0].size(0), kv_heads_, head_dim_, block_size},
-        v_shape{caches[0].size(0), kv_heads_, block_size, head_dim_};
-    for (size_t c = 0; c < caches.size(); ++c)
+    for (size_t c = 0; c < caches.size(); ++c) {
+      const int64_t kv = layers_[start + static_cast<int64_t>(c / 2)].kv_heads;
+      const std::vector<int64_t> k_shape{caches[0].size(0), kv, head_dim_, block_size},
+          v_shape{caches[0].size(0), kv, block_size, head_dim_};
       TORCH_CHECK(caches[c].scalar_type() == torch::kFloat32 && caches[c].is_contiguous() && caches[c].device().is_cpu() &&
                       caches[c].sizes() == (c % 2 ? v_shape : k_shape),
                   "brisk DecodePlan: k and v caches must be contiguous float32 CPU ", at::IntArrayRef(k_shape), " and ",
                   at::IntArrayRef(v_shape));
+    }
     const int64_t groups = static_cast<int64_t>(slot_blocks.size());
     TORCH_CHECK(groups >= 1 && block_tables.size() == slot_blocks.size(),
                 "brisk DecodePlan: one slot_blocks and one block_tables per KV group");
@@ -313,20 +322,21 @@ class DecodePlan {
     }
     const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
     const int threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
-    // one attention map per distinct (KV group, window) of these layers (the items split the same way)
+    // one attention map per distinct (KV group, window, heads) of these layers
     std::vector<brisk_range::AttentionStep> attn_steps;
-    std::vector<std::pair<int64_t, int64_t>> keys;
+    std::vector<std::tuple<int64_t, int64_t, int64_t>> keys;
     std::vector<size_t> attn_of(end - start), group_of(end - start);
     for (int64_t i = start; i < end; ++i) {
       const int64_t g = layer_group.empty() ? 0 : layer_group[i];
       TORCH_CHECK(0 <= g && g < groups, "brisk DecodePlan: layer ", i, " is in KV group ", g, " of ", groups);
       group_of[i - start] = static_cast<size_t>(g);
-      const std::pair<int64_t, int64_t> key{g, layers_[i].window};
+      const std::tuple<int64_t, int64_t, int64_t> key{g, layers_[i].window, layers_[i].heads};
       const auto at = std::find(keys.begin(), keys.end(), key);
       attn_of[i - start] = at - keys.begin();
       if (at != keys.end()) continue;
       keys.push_back(key);
-      attn_steps.push_back(brisk_range::attention_step(heads_, kv_heads_, head_dim_, block_size, block_tables[g],
+      attn_steps.push_back(brisk_range::attention_step(layers_[i].heads, layers_[i].kv_heads, head_dim_, block_size,
+                                                       block_tables[g],
                                                        query_start, kv_lens, scale, n, threads, layers_[i].window));
     }
     std::vector<const float*> cos_p, sin_p;
@@ -334,7 +344,7 @@ class DecodePlan {
 
     Step step{n, h.data_ptr<float>(), residual.has_value() ? residual->data_ptr<float>() : nullptr,
               cos_p, sin_p, &caches, blocks, offsets, &attn_steps, attn_of, group_of, start, end};
-    step.shared(hidden_, heads_, kv_heads_, head_dim_, intermediate_);
+    step.shared(hidden_, max_heads_, max_kv_heads_, head_dim_, max_inter_);
     std::vector<ThreadRows> rows(threads);
     {
       py::gil_scoped_release no_gil;  // pure C++ from here: let other Python threads (the server) run
@@ -399,15 +409,15 @@ class DecodePlan {
   // thread 0 where they write shared memory), a barrier wherever a step reads what all wrote.
   void layers(Step& s, ThreadRows& me, int tid, int team) {
     const int64_t n = s.n;
-    me.res.resize(n * hidden_), me.normed.resize(n * hidden_), me.act.resize(n * intermediate_);
-    me.out.resize(n * hidden_), me.qk.resize((heads_ + kv_heads_) * head_dim_);
+    me.res.resize(n * hidden_), me.normed.resize(n * hidden_), me.act.resize(n * max_inter_);
+    me.out.resize(n * hidden_), me.qk.resize((max_heads_ + max_kv_heads_) * head_dim_);
     if (s.res_in) std::copy(s.res_in, s.res_in + n * hidden_, me.res.begin());
     bool add = s.res_in != nullptr;
     const float* h_in = s.h.data();  // the previous layer's output rows (Gemma: normed, this thread's)
-    const int64_t items = (*s.attn)[0].items, w0 = items * tid / team, w1 = items * (tid + 1) / team;
     for (int64_t i = s.start; i < s.end; ++i) {
       const Layer& L = layers_[i];
       const brisk_range::AttentionStep& attn = (*s.attn)[s.attn_of[i - s.start]];
+      const int64_t w0 = attn.items * tid / team, w1 = attn.items * (tid + 1) / team;
       float* k_cache = (*s.caches)[2 * (i - s.start)].data_ptr<float>();
       float* v_cache = (*s.caches)[2 * (i - s.start) + 1].data_ptr<float>();
       add_norm(h_in, me, L.input_norm, n, add);
@@ -424,10 +434,10 @@ class DecodePlan {
       linear(L.gate_up, me.normed.data(), n, s.gate_up.data(), me, tid, team);
       s.barrier.wait();
       for (int64_t r = 0; r < n; ++r) {
-        const float* gu = s.gate_up.data() + r * 2 * intermediate_;
-        float* y = me.act.data() + r * intermediate_;
-        if (act_ == 0) brisk_range::silu_mul_row(gu, gu + intermediate_, y, intermediate_);
-        else brisk_range::gelu_tanh_mul_row(gu, gu + intermediate_, y, intermediate_);
+        const float* gu = s.gate_up.data() + r * 2 * L.inter;
+        float* y = me.act.data() + r * L.inter;
+        if (act_ == 0) brisk_range::silu_mul_row(gu, gu + L.inter, y, L.inter);
+        else brisk_range::gelu_tanh_mul_row(gu, gu + L.inter, y, L.inter);
       }
       linear(L.down, me.act.data(), n, s.h.data(), me, tid, team);
       s.barrier.wait();
@@ -449,25 +459,27 @@ class DecodePlan {
   // rotated by the layer's table (rotary()'s floats), and its new key and value into their slots.
   void rotate_and_store(Step& s, ThreadRows& me, const Layer& L, int64_t block_size, float* k_cache,
                         float* v_cache, const int64_t* slot_blocks) const {
-    const int64_t rotated = heads_ + kv_heads_, qkv_width = (rotated + kv_heads_) * head_dim_;
+    const int64_t heads = L.heads, kv_heads = L.kv_heads;
+    const int64_t rotated = heads + kv_heads, qkv_width = (rotated + kv_heads) * head_dim_;
     for (int64_t t = 0; t < s.n; ++t) {
       const float* row = s.qkv.data() + t * qkv_width;
       if (L.q_norm.defined()) {
         for (int64_t hd = 0; hd < rotated; ++hd)
-          brisk_range::rms_norm_row(row + hd * head_dim_, (hd < heads_ ? L.q_norm : L.k_norm).data_ptr<float>(),
+          brisk_range::rms_norm_row(row + hd * head_dim_, (hd < heads ? L.q_norm : L.k_norm).data_ptr<float>(),
                                     me.qk.data() + hd * head_dim_, head_dim_, static_cast<float>(eps_));
       }
       const float* qk = L.q_norm.defined() ? me.qk.data() : row;
       const float *c = s.cos[L.rope] + t * head_dim_, *sn = s.sin[L.rope] + t * head_dim_;
-      brisk_range::rotate_heads(qk, c, sn, s.q.data() + t * heads_ * head_dim_, heads_, head_dim_);
-      float* k = s.k.data() + t * kv_heads_ * head_dim_;
-      brisk_range::rotate_heads(qk + heads_ * head_dim_, c, sn, k, kv_heads_, head_dim_);
-      brisk_range::kv_store_row(k_cache, v_cache, kv_heads_, head_dim_, block_size, k, row + rotated * head_dim_,
+      brisk_range::rotate_heads(qk, c, sn, s.q.data() + t * heads * head_dim_, heads, head_dim_);
+      float* k = s.k.data() + t * kv_heads * head_dim_;
+      brisk_range::rotate_heads(qk + heads * head_dim_, c, sn, k, kv_heads, head_dim_);
+      brisk_range::kv_store_row(k_cache, v_cache, kv_heads, head_dim_, block_size, k, row + rotated * head_dim_,
                                 slot_blocks[t], s.slot_offsets[t]);
     }
   }
 
   int64_t heads_, kv_heads_, head_dim_, intermediate_, hidden_ = 0;
+  int64_t max_heads_ = 0, max_kv_heads_ = 0, max_inter_ = 0;  // over the layers: the step buffers' sizes
   double eps_;
   int64_t act_;
   std::vector<Layer> layers_;
@@ -479,7 +491,8 @@ void bind_decode_plan(py::module& m) {
            py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"), py::arg("act") = 0)
       .def("add_layer", &DecodePlan::add_layer, py::arg("input_norm"), py::arg("post_norm"), py::arg("ops"),
            py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("attn_out_norm") = py::none(),
-           py::arg("mlp_out_norm") = py::none(), py::arg("window") = 0, py::arg("rope") = 0)
+           py::arg("mlp_out_norm") = py::none(), py::arg("window") = 0, py::arg("rope") = 0, py::arg("heads") = 0,
+           py::arg("kv_heads") = 0, py::arg("intermediate") = 0)
       .def("num_layers", &DecodePlan::num_layers)
       .def("run", &DecodePlan::run, py::arg("h"), py::arg("residual"), py::arg("cos"), py::arg("sin"),
            py::arg("caches"), py::arg("slot_blocks"), py::arg("slot_offsets"), py::arg("block_tables"),

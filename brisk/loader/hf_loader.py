@@ -62,6 +62,7 @@ def hf_model_config(path: Path) -> ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw["eos_token_id"][0] if isinstance(raw.get("eos_token_id"), list) else raw.get("eos_token_id"),
             **_family_fields(raw, arch),
+            **_layer_widths(raw),
         )
     except KeyError as exc:
         raise ValueError(f"{path / 'config.json'} lacks the field {exc.args[0]!r}") from None
@@ -126,6 +127,24 @@ def _family_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     return out
 
 
+# A structurally pruned model (compress/prune.py) keeps its per-layer widths under this key of
+# config.json; HF transformers has no such field, so only brisk loads such a directory.
+LAYERS_KEY = "brisk_layers"
+
+
+def _layer_widths(raw: dict[str, Any]) -> dict[str, Any]:
+    """Per-layer head counts, MLP widths and output biases of a pruned model; {} when uniform."""
+    block = raw.get(LAYERS_KEY)
+    if block is None:
+        return {}
+    if not isinstance(block, dict):
+        raise ValueError(f"config.json: {LAYERS_KEY} must be an object, got {block!r}")  # noqa: TRY004
+    return {"layer_heads": tuple(block.get("num_attention_heads", ())),
+            "layer_kv_heads": tuple(block.get("num_key_value_heads", ())),
+            "layer_intermediate": tuple(block.get("intermediate_size", ())),
+            "output_bias": bool(block.get("output_bias", False))}
+
+
 def hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from every *.safetensors file, memory-mapped, one tensor at a time."""
     for file in sorted(path.glob("*.safetensors")):
@@ -173,6 +192,9 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, 
         out["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
     if cfg.rope_scaling.rope_type == "longrope":
         out["original_max_position_embeddings"] = cfg.rope_scaling.original_max_position_embeddings
+    if not cfg.uniform or cfg.output_bias:
+        out[LAYERS_KEY] = {"num_attention_heads": list(cfg.layer_heads), "num_key_value_heads": list(cfg.layer_kv_heads),
+                           "intermediate_size": list(cfg.layer_intermediate), "output_bias": cfg.output_bias}
     if cfg.bos_token_id is not None:
         out["bos_token_id"] = cfg.bos_token_id
     if cfg.eos_token_id is not None:

@@ -303,7 +303,9 @@ def rotary_layout(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Te
     if name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
         return permute_heads(tensor, order, cfg.head_dim)
     if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):  # fused (Phi-3): q and k rows, v as it is
-        qk = cfg.q_size + cfg.kv_size
+        layer = re.search(r"layers\.(\d+)\.", name)
+        i = int(layer.group(1)) if layer else 0
+        qk = (cfg.heads(i) + cfg.kv_heads(i)) * cfg.head_dim
         return torch.cat([permute_heads(tensor[:qk], order, cfg.head_dim), tensor[qk:]])
     if name.endswith(("q_norm.weight", "k_norm.weight")):
         return tensor[order]
@@ -321,9 +323,8 @@ def forward_sequence(model: CausalLM, ids: list[int], num_layers: int | None = N
     """One whole sequence through a fresh contiguous KV cache (evaluation, calibration, training
     data for heads): the final-normed hidden state of every position, [len(ids), hidden]."""
     cfg, n, device, dtype = model.config, len(ids), model.device, model.dtype
-    shape = (1, cfg.num_key_value_heads, n, cfg.head_dim)
-    caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-              for _ in range(cfg.num_hidden_layers)]
+    shapes = [(1, cfg.kv_heads(i), n, cfg.head_dim) for i in range(cfg.num_hidden_layers)]
+    caches = [(torch.empty(s, dtype=dtype, device=device), torch.empty(s, dtype=dtype, device=device)) for s in shapes]
     return model(torch.tensor(ids, device=device), torch.arange(n, device=device),
                  ContiguousAttention(caches, [SeqSpan(0, 0, n, 0)], scale=cfg.attn_scale), num_layers)
 

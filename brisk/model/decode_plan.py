@@ -112,24 +112,24 @@ def build_decode_plan(model: torch.nn.Module) -> Any | None:
     plan = kernels.new_decode_plan(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                    cfg.intermediate_size, float(cfg.rms_norm_eps), 0 if cfg.hidden_act == "silu" else 1)
     roles = _layer_kinds()
-    for layer in model.layers:
-        args = _layer_args(layer, roles.get(type(layer)), cfg)
+    for i, layer in enumerate(model.layers):
+        args = _layer_args(layer, roles.get(type(layer)), cfg, i)
         if args is None:
             return None
-        plan.add_layer(*args)
+        plan.add_layer(*args, heads=cfg.heads(i), kv_heads=cfg.kv_heads(i), intermediate=cfg.intermediate(i))
     return plan
 
 
 def _layer_args(layer: torch.nn.Module, roles: tuple[str, str, str | None, str | None] | None,
-                cfg: Any) -> tuple | None:
-    """DecodePlan.add_layer's arguments for one layer (its norms by `roles`); None when a piece has
+                cfg: Any, i: int) -> tuple | None:
+    """DecodePlan.add_layer's arguments for layer `i` (its norms by `roles`); None when a piece has
     no kernel here."""
     from brisk.model.llama import LlamaAttention, LlamaMLP
 
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if roles is None or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
         return None
-    if (attn.num_heads, attn.num_kv_heads) != (cfg.num_attention_heads, cfg.num_key_value_heads):
+    if (attn.num_heads, attn.num_kv_heads) != (cfg.heads(i), cfg.kv_heads(i)):
         return None
     norms = [None if r is None else getattr(layer, r) for r in roles]
     qk = [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else [None, None]
@@ -137,8 +137,8 @@ def _layer_args(layer: torch.nn.Module, roles: tuple[str, str, str | None, str |
         return None
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     # the widths the C++ loop slices by: q | k | v and gate | up as the config says
-    widths = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, cfg.hidden_size,
-              2 * cfg.intermediate_size, cfg.hidden_size)
+    widths = ((cfg.heads(i) + 2 * cfg.kv_heads(i)) * cfg.head_dim, cfg.hidden_size, 2 * cfg.intermediate(i),
+              cfg.hidden_size)
     if any(getattr(m, "out_features", None) != w for m, w in zip(linears, widths)):
         return None
     ops = [linear_op(m) for m in linears]

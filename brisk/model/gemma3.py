@@ -33,7 +33,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, layer_idx, dtype)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, dtype)
-        self.mlp = LlamaMLP(cfg, dtype)
+        self.mlp = LlamaMLP(cfg, dtype, layer_idx)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, ropes: list[Rope],

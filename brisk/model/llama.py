@@ -26,12 +26,13 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = cfg.heads(layer_idx)  # a pruned model's layers may differ (ModelConfig.layer_heads)
+        self.num_kv_heads = cfg.kv_heads(layer_idx)
         self.head_dim = cfg.head_dim
         self.window = cfg.window(layer_idx)
-        self.qkv_proj = Linear(cfg.hidden_size, (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.attention_bias, dtype)
-        self.o_proj = Linear(cfg.q_size, (cfg.hidden_size,), False, dtype)
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, (q_size, kv_size, kv_size), cfg.attention_bias, dtype)
+        self.o_proj = Linear(q_size, (cfg.hidden_size,), cfg.output_bias, dtype)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
@@ -61,10 +62,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, layer_idx: int = 0) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, (cfg.intermediate_size, cfg.intermediate_size), False, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, (cfg.hidden_size,), False, dtype)
+        width = cfg.intermediate(layer_idx)
+        self.gate_up_proj = Linear(cfg.hidden_size, (width, width), False, dtype)
+        self.down_proj = Linear(width, (cfg.hidden_size,), cfg.output_bias, dtype)
         self.act_and_mul = silu_and_mul if cfg.hidden_act == "silu" else gelu_tanh_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +80,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(cfg, layer_idx, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(cfg, dtype)
+        self.mlp = LlamaMLP(cfg, dtype, layer_idx)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, ropes: list[Rope],
                 attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

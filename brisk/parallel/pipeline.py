@@ -36,9 +36,8 @@ class Dropped(nn.Module):
 
 
 def head_cost_in_layers(cfg: ModelConfig) -> float:
-    """The LM head's weights over one layer's: what a decode row costs the last stage extra."""
-    layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size \
-        + 3 * cfg.hidden_size * cfg.intermediate_size
+    """The LM head's weights over one (average) layer's: what a decode row costs the last stage extra."""
+    layer = sum(cfg.layer_params(i) for i in range(cfg.num_hidden_layers)) / cfg.num_hidden_layers
     return cfg.vocab_size * cfg.hidden_size / layer
 
 

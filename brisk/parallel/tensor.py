@@ -43,16 +43,18 @@ class HeadSplit:
     kv_heads: range
 
 
-def head_split(cfg: ModelConfig, tp: int, rank: int) -> HeadSplit:
-    """The query and KV heads rank `rank` of `tp` computes; a ValueError when no exact split exists."""
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+def head_split(cfg: ModelConfig, tp: int, rank: int, layer: int = 0) -> HeadSplit:
+    """The query and KV heads of layer `layer` that rank `rank` of `tp` computes; a ValueError when
+    no exact split exists."""
+    heads, kv = cfg.heads(layer), cfg.kv_heads(layer)
     group = heads // kv  # query heads per KV head
     if tp <= kv:
         kv_run = even_ranges(kv, tp)[rank]
         return HeadSplit(range(kv_run.start * group, kv_run.stop * group), kv_run)
     if tp % kv or group % (tp // kv):
         raise ValueError(
-            f"tensor_parallel_size {tp} cannot split {heads} attention heads in {kv} KV groups exactly: use a size "
+            f"tensor_parallel_size {tp} cannot split {heads} attention heads in {kv} KV groups{_of_layer(cfg, layer)} "
+            f"exactly: use a size "
             f"up to {kv} (each rank takes whole KV groups), or a multiple of {kv} that divides {group} query heads "
             f"per group into equal parts ({', '.join(str(kv * d) for d in range(2, group + 1) if group % d == 0)})")
     share = tp // kv  # ranks sharing one KV head
@@ -62,12 +64,18 @@ def head_split(cfg: ModelConfig, tp: int, rank: int) -> HeadSplit:
     return HeadSplit(range(first, first + per), range(kv_head, kv_head + 1))
 
 
+def _of_layer(cfg: ModelConfig, layer: int) -> str:
+    return "" if cfg.uniform else f" (layer {layer} of this pruned model)"
+
+
 def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
     """Raise the ValueError a split would raise, before anything is spawned."""
-    if tp > cfg.intermediate_size or tp > cfg.vocab_size:
+    layers = range(cfg.num_hidden_layers)
+    if tp > min(cfg.intermediate(i) for i in layers) or tp > cfg.vocab_size:
         raise ValueError(f"tensor_parallel_size {tp} exceeds the model's MLP width or vocabulary")
-    for rank in range(tp):
-        head_split(cfg, tp, rank)
+    for layer in layers if not cfg.uniform else (0,):
+        for rank in range(tp):
+            head_split(cfg, tp, rank, layer)
 
 
 class RowParallel(nn.Module):
@@ -147,26 +155,32 @@ def _check_float(module: nn.Module, name: str) -> Linear:
 def shard_model(model: CausalLM, state: ParallelState) -> None:
     """Keep this rank's slice of every weight, in place (float weights, before quantization)."""
     cfg, tp, rank = model.config, state.tp_size, state.tp_rank
-    split = head_split(cfg, tp, rank)
     hd = cfg.head_dim
-    q_rows = range(split.q_heads.start * hd, split.q_heads.stop * hd)
-    kv_rows = range(split.kv_heads.start * hd, split.kv_heads.stop * hd)
-    mlp_rows = even_ranges(cfg.intermediate_size, tp)[rank]
     for i, layer in enumerate(model.layers):
+        split = head_split(cfg, tp, rank, i)
+        q_rows = range(split.q_heads.start * hd, split.q_heads.stop * hd)
+        kv_rows = range(split.kv_heads.start * hd, split.kv_heads.stop * hd)
+        mlp_rows = even_ranges(cfg.intermediate(i), tp)[rank]
         attn, mlp = layer.self_attn, layer.mlp
         qkv = _check_float(attn.qkv_proj, f"layers.{i}.self_attn.qkv_proj")
         weight, bias = _rows_of_parts(qkv, [q_rows, kv_rows, kv_rows])
         attn.qkv_proj = _linear(weight, (len(q_rows), len(kv_rows), len(kv_rows)), bias)
         attn.num_heads, attn.num_kv_heads = len(split.q_heads), len(split.kv_heads)
         o = _check_float(attn.o_proj, f"layers.{i}.self_attn.o_proj")
-        attn.o_proj = RowParallel(_linear(o.weight[:, q_rows.start:q_rows.stop], o.output_sizes, None), state)
+        attn.o_proj = RowParallel(_linear(o.weight[:, q_rows.start:q_rows.stop], o.output_sizes, _once(o.bias, rank)),
+                                  state)
         gate_up = _check_float(mlp.gate_up_proj, f"layers.{i}.mlp.gate_up_proj")
         weight, _ = _rows_of_parts(gate_up, [mlp_rows, mlp_rows])
         mlp.gate_up_proj = _linear(weight, (len(mlp_rows), len(mlp_rows)), None)
         down = _check_float(mlp.down_proj, f"layers.{i}.mlp.down_proj")
-        mlp.down_proj = RowParallel(_linear(down.weight[:, mlp_rows.start:mlp_rows.stop], down.output_sizes, None),
-                                    state)
+        mlp.down_proj = RowParallel(_linear(down.weight[:, mlp_rows.start:mlp_rows.stop], down.output_sizes,
+                                            _once(down.bias, rank)), state)
     _shard_vocab(model, state)
+
+
+def _once(bias: torch.Tensor | None, rank: int) -> torch.Tensor | None:
+    """A row-parallel Linear's bias, added by rank 0 alone (the ranks' outputs are summed)."""
+    return bias if rank == 0 else None
 
 
 def vocab_shard(vocab_size: int, tp: int, rank: int) -> range:

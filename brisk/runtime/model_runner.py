@@ -28,14 +28,13 @@ class SeqStep:
 
 def allocate_contiguous_kv(cfg: ModelConfig, max_seqs: int, max_len: int, dtype: torch.dtype,
                            device: torch.device | str) -> list[KVCache]:
-    """Per layer, keys and values `[max_seqs, num_kv_heads, max_len, head_dim]`.
+    """Per layer, keys and values `[max_seqs, the layer's kv_heads, max_len, head_dim]`.
 
     `torch.empty`: pages are only touched as tokens are written, and attention never reads past
     what was written, so untouched slots cost no resident memory.
     """
-    shape = (max_seqs, cfg.num_key_value_heads, max_len, cfg.head_dim)
-    return [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_hidden_layers)]
+    shapes = [(max_seqs, cfg.kv_heads(i), max_len, cfg.head_dim) for i in range(cfg.num_hidden_layers)]
+    return [(torch.empty(s, dtype=dtype, device=device), torch.empty(s, dtype=dtype, device=device)) for s in shapes]
 
 
 _CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
