@@ -1,4 +1,4 @@
-"""`brisk` command line: generate | serve | convert | quantize | eval | bench | train-heads | env.
+"""`brisk` command line: generate | serve | convert | quantize | prune | eval | bench | train-heads | env.
 
 Bad input (a missing model, an empty prompt, an invalid sampling value) prints one line
 `brisk: error: ...` and exits with status 2; no traceback.
@@ -22,6 +22,7 @@ from brisk.cli_common import (
     engine_kwargs,
     quant_kwargs,
 )
+from brisk.config import PRUNE_METHODS, PruneConfig
 from brisk.loader.resolve import DEFAULT_MODEL
 from brisk.server.tools import FORMATS as TOOL_FORMATS
 
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--model", "-m", default=DEFAULT_MODEL, help=f"model reference (default {DEFAULT_MODEL})")
     ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     add_device(ppl)
-    add_quant(ppl, "evaluate a quantized model")
+    add_quant(ppl, "evaluate a quantized or pruned model")
     ppl.add_argument("--text", type=Path, required=True, help="UTF-8 text file, e.g. wikitext-2-raw/wiki.test.raw")
     ppl.add_argument("--window", type=int, default=1024, help="tokens per non-overlapping window (default 1024)")
     ppl.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")
@@ -101,6 +102,25 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--quant-config", default=None, help=QUANT_CONFIG_HELP)
     qz.add_argument("--out", required=True, type=Path, help="output directory (load it with --model DIR)")
     qz.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the rest")
+
+    pr = sub.add_parser("prune", help="write a pruned copy of a model (fewer heads, channels or layers) as a directory")
+    pr.add_argument("model", help="built-in name, .gguf file or HF directory")
+    pr.add_argument("--method", required=True, choices=PRUNE_METHODS,
+                    help="structured: whole KV groups of attention heads and MLP channels, FLAP's standardized "
+                         "fluctuation scores over all layers, bias compensation; layers: whole decoder layers, "
+                         "ShortGPT's block influence")
+    pr.add_argument("--ratio", required=True, type=float,
+                    help="structured: fraction of the decoder layers' weights removed; layers: fraction of the layers")
+    pr.add_argument("--calibration", required=True, type=Path, help="text file the scores are measured on")
+    pr.add_argument("--calibration-tokens", type=int, default=PruneConfig.calibration_tokens,
+                    help=f"tokens of it used (default {PruneConfig.calibration_tokens})")
+    pr.add_argument("--multiple", type=int, default=PruneConfig.multiple,
+                    help=f"structured: MLP widths kept in multiples of this (default {PruneConfig.multiple}, "
+                         "what int4 groups need)")
+    pr.add_argument("--no-bias-compensation", action="store_true",
+                    help="structured: do not add the pruned channels' mean output back as a bias")
+    pr.add_argument("--out", required=True, type=Path, help="output directory (load it with --model DIR)")
+    pr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
     conv = sub.add_parser("convert", help="write a model as an HF-format safetensors directory")
     conv.add_argument("model", help="built-in name, .gguf file or HF directory")
@@ -233,6 +253,19 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_prune(args: argparse.Namespace) -> int:
+    from brisk.compress.prune import prune_to_dir
+
+    pcfg = PruneConfig(args.method, args.ratio, str(args.calibration), args.calibration_tokens, args.multiple,
+                       not args.no_bias_compensation)
+    report = prune_to_dir(args.model, pcfg, args.out, args.dtype)
+    print(f"wrote {args.out} ({pcfg.describe()}: {report['layer_weights_removed']:.1%} of the layer weights "
+          f"removed, {report['params'] / 1e6:.1f}M of {report['params_dense'] / 1e6:.1f}M parameters kept)",
+          file=sys.stderr)
+    print(json.dumps(report), flush=True)
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from brisk.engine.llm import LLM
     from brisk.server import serve
@@ -323,7 +356,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": _cmd_generate, "convert": _cmd_convert, "bench": run_bench, "serve": _cmd_serve,
-            "eval": _cmd_eval, "quantize": _cmd_quantize, "train-heads": _cmd_train_heads, "env": _cmd_env}
+            "eval": _cmd_eval, "quantize": _cmd_quantize, "prune": _cmd_prune, "train-heads": _cmd_train_heads, "env": _cmd_env}
 
 
 def main(argv: list[str] | None = None) -> int:

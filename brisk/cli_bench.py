@@ -124,6 +124,17 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     kvb.add_argument("--block-size", type=int, default=16, help="tokens per KV block / tile (default 16)")
     add_quant(kvb, "quantize the model at load")
 
+    prb = bsub.add_parser("prune", help="pruned models beside their dense model: decode and batched tokens/s, "
+                                        "parameters and weight bytes, interleaved")
+    add_model(prb)
+    prb.add_argument("--variants", required=True,
+                     help="comma-separated pruned models (directories written by `brisk prune`) measured beside "
+                          "--model, the dense model they were cut from")
+    prb.add_argument("--new-tokens", type=int, default=64, help="tokens per decode and per batched request (default 64)")
+    prb.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5)")
+    prb.add_argument("--batch", type=int, default=16, help="requests of the batched workload (default 16)")
+    add_quant(prb, "quantize every model at load (dense and pruned alike)")
+
     par = bsub.add_parser("parallel", help="tensor x pipeline parallel grids beside one process: tokens/s, bytes/token")
     add_model(par)
     par.add_argument("--grid", default="1x1,2x1,3x1,1x2", help="TxP configurations (default 1x1,2x1,3x1,1x2)")
@@ -168,6 +179,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return _bench_structured(args)
     if args.bench == "kv":
         return _bench_kv(args)
+    if args.bench == "prune":
+        return _bench_prune(args)
     from brisk.bench.latency import DEFAULT_PROMPT, bench_latency
 
     if args.new_tokens < 2 or args.repeats < 1:
@@ -220,6 +233,23 @@ def _bench_kv(args: argparse.Namespace) -> int:
     engine = {"dtype": args.dtype, "kv_cache_memory_gib": args.kv_cache_memory_gib, "block_size": args.block_size,
               "max_num_batched_tokens": args.max_num_batched_tokens, **quant_kwargs(args)}
     print(json.dumps(bench_kv(args.model, layouts, ints("batches"), ints("contexts"), args.decode_tokens, engine)),
+          flush=True)
+    return 0
+
+
+def _bench_prune(args: argparse.Namespace) -> int:
+    from brisk.bench.prune_bench import bench_prune
+
+    if args.new_tokens < 2 or args.repeats < 1 or args.batch < 1:
+        raise ValueError("--new-tokens must be >= 2, --repeats and --batch >= 1")
+    if args.pruning is not None:
+        raise ValueError("--pruning would prune the dense reference too: give the pruned models as --variants")
+    variants = [v for v in args.variants.split(",") if v]
+    if not variants:
+        raise ValueError("--variants needs at least one pruned model")
+    engine = {"dtype": args.dtype, "max_model_len": args.max_model_len or 1024, "num_kv_blocks": 1024,
+              "quantization": args.quantization, "quantization_config": args.quant_config, "dequantize": args.dequantize}
+    print(json.dumps(bench_prune([args.model, *variants], engine, args.new_tokens, args.repeats, args.batch)),
           flush=True)
     return 0
 

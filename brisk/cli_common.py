@@ -25,6 +25,18 @@ def add_quant(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--dequantize", action="store_true",
                    help="turn a quantized .gguf file's weights into floats at load instead of running its blocks "
                         "(the exactness reference; several times the memory, slower)")
+    add_pruning(p)  # a load-time transform like quantization: every command that quantizes can prune
+
+
+PRUNING_HELP = ('prune at load, as JSON: \'{"method": "structured", "ratio": 0.25, "calibration": "text.txt"}\' '
+                '(whole KV groups of heads and MLP channels, FLAP scores; "multiple": MLP widths kept in multiples of '
+                'it, default 64; "bias_compensation": default true) or \'{"method": "layers", "ratio": 0.2, '
+                '"calibration": "text.txt"}\' (whole layers, ShortGPT block influence); "calibration_tokens" '
+                '(default 8192). `brisk prune` writes the same model as a directory')
+
+
+def add_pruning(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pruning", default=None, metavar="JSON", help=PRUNING_HELP)
 
 
 def add_model(p: argparse.ArgumentParser) -> None:
@@ -103,7 +115,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
 
 def quant_kwargs(args: argparse.Namespace) -> dict[str, object]:
     return {"quantization": args.quantization, "quantization_config": args.quant_config,
-            "dequantize": args.dequantize}
+            "dequantize": args.dequantize, "pruning": args.pruning}
 
 
 

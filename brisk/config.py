@@ -357,6 +357,66 @@ class QuantConfig:
         return self.method
 
 
+PRUNE_METHODS = ("structured", "layers")  # compress/prune.py
+PRUNE_OPTIONS = ("method", "ratio", "calibration", "calibration_tokens", "multiple", "bias_compensation")
+
+
+@dataclass(frozen=True)
+class PruneConfig:
+    """Static pruning (`brisk prune`, `LLM(pruning={...})`, `--pruning '<json>'`; compress/prune.py).
+
+    "structured": whole KV groups of attention heads and MLP channels, `ratio` of the decoder
+    layers' Linear weights removed, spread over the layers by FLAP's standardized fluctuation
+    scores (MLP widths kept in multiples of `multiple`; every layer keeps >= 1 KV group and
+    `multiple` channels; `bias_compensation`: the pruned channels' mean calibration output added
+    to o_proj / down_proj as a bias). "layers": `ratio` of the layers removed, the ones whose
+    output is most like their input (ShortGPT's block influence). Both score on the first
+    `calibration_tokens` tokens of the text file `calibration`."""
+
+    method: str
+    ratio: float
+    calibration: str | None = None
+    calibration_tokens: int = 8192
+    multiple: int = 64
+    bias_compensation: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in PRUNE_METHODS:
+            raise ValueError(f"unknown pruning method {self.method!r}; available: {', '.join(PRUNE_METHODS)}")
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 < self.ratio < 1:
+            raise ValueError(f"pruning ratio must be a number strictly between 0 and 1 (0.25 removes a quarter), "
+                             f"got {self.ratio!r}")
+        if not self.calibration or not isinstance(self.calibration, str):
+            raise ValueError(f"pruning method {self.method!r} scores heads, channels and layers on calibration text: "
+                             'give "calibration": the path of a text file (a few thousand tokens of the kind of '
+                             "text the model will see)")
+        if not isinstance(self.calibration_tokens, int) or self.calibration_tokens < 256:
+            raise ValueError(f"pruning calibration_tokens must be an integer >= 256, got {self.calibration_tokens!r}")
+        if not isinstance(self.multiple, int) or self.multiple < 1 or self.multiple & (self.multiple - 1):
+            raise ValueError(f"pruning multiple must be a power of two (MLP widths are kept in multiples of it; "
+                             f"64 suits int4 groups), got {self.multiple!r}")
+
+    @classmethod
+    def parse(cls, options: dict[str, Any] | str) -> PruneConfig:
+        """From a dict or a JSON object string, as `--pruning` gives it."""
+        if isinstance(options, str):
+            try:
+                options = json.loads(options)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"pruning config is not valid JSON ({exc}): {options!r}") from None
+        if not isinstance(options, dict):
+            raise ValueError(f"pruning config must be a JSON object, got {options!r}")  # noqa: TRY004
+        unknown = sorted(set(options) - set(PRUNE_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown pruning option(s) {', '.join(unknown)}; known: {', '.join(PRUNE_OPTIONS)}")
+        if "method" not in options or "ratio" not in options:
+            raise ValueError(f'pruning config needs "method" (one of {", ".join(PRUNE_METHODS)}) and "ratio"')
+        return cls(**options)
+
+    def describe(self) -> str:
+        return f"{self.method} {self.ratio:g}"
+
+
 SPEC_METHODS = ("ngram", "draft", "early_exit", "medusa")  # spec/ registers one proposer per name
 SPEC_OPTIONS = ("method", "num_speculative_tokens", "max_speculative_tokens", "prompt_lookup_min",
                 "prompt_lookup_max", "model", "quantization", "quantization_config", "exit_layer", "heads")

@@ -86,8 +86,11 @@ def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: in
         raise ValueError(f"--window must be >= 2 tokens, got {window}")
     if not text.is_file():
         raise ValueError(f"--text {text} is not a file")
+    started = time.perf_counter()
     llm = LLM(model_ref, dtype=dtype, max_model_len=max(window, 256), num_kv_blocks=96,  # KV only for the decode timing
               device=device, **(quant or {}))
+    load_seconds = time.perf_counter() - started
+    from brisk.compress.prune import model_params, pruning_of
     from brisk.loader.quantized import quantization_of
 
     if quantization_of(Path(model_ref)) is not None:
@@ -96,10 +99,15 @@ def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: in
     ids = read_tokens(llm, text, max_tokens)
     if len(ids) < 2:
         raise ValueError(f"{text} holds fewer than 2 tokens; nothing to score")
+    pruning = llm.pruning or pruning_of(Path(model_ref))  # pruned at load, or a `brisk prune` directory
+    if pruning is not None and llm.pruning is None:
+        pruning = {**pruning, "directory": True}
     reference = None
-    if dtype != "float32" or llm.quantization is not None:
-        reference = load_model(model_ref, dtype="float32", device=device, max_model_len=max(window, 256),
-                               dequantize=True).model  # a .gguf's blocks as floats: the exactness reference
+    if dtype != "float32" or llm.quantization is not None or pruning is not None:
+        # a .gguf's blocks as floats: the exactness reference; a pruned model's is the model it was cut from
+        dense_ref = pruning.get("source", model_ref) if pruning is not None else model_ref
+        reference = load_model(dense_ref, dtype="float32", device=device, max_model_len=max(window, 256),
+                               dequantize=True).model
         reference.pack_weights()
     total = WindowScore()
     start = time.perf_counter()
@@ -121,6 +129,11 @@ def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: in
         "kl_vs_float32": round(total.kl_sum / total.tokens, 6) + 0.0 if reference is not None else 0.0,
         "top1_agreement_vs_float32": round(total.top1_agree / total.tokens, 5) if reference is not None else 1.0,
         "weight_mib": round(weight_bytes(llm.model) / 2**20, 1),
+        "params": model_params(llm.model_config),
+        "pruning": None if pruning is None else {
+            "method": pruning["method"], "ratio": pruning["ratio"], "layer_weights_removed": pruning["layer_weights_removed"],
+            "params_dense": pruning["params_dense"], "seconds": pruning["seconds"],
+            "load_seconds": round(load_seconds, 2)},
         "scoring_tokens_per_s": round(total.tokens / elapsed, 1),
         "decode_tokens_per_s": _decode_tokens_per_s(llm),
     }

@@ -19,6 +19,7 @@ from brisk.config import (
     CacheConfig,
     EngineConfig,
     ParallelConfig,
+    PruneConfig,
     QuantConfig,
     SchedulerConfig,
     SpecConfig,
@@ -59,6 +60,9 @@ class LLM:
     reference against HF transformers, ~8x the memory; default False)
     with `quantization_config` ({"group_size": 64, "calibration": "text.txt"} for int4; a dict or
     a JSON string),
+    `pruning` (static pruning at load, before quantization: {"method": "structured" | "layers",
+    "ratio": r, "calibration": "text.txt", ...}, see config.PruneConfig and compress/prune.py; a
+    dict or JSON; `brisk prune` writes the same model as a directory),
     `speculative_config` (lossless speculative decoding: {"method": "ngram" | "draft" | "early_exit" |
     "medusa", "num_speculative_tokens": k or "auto", ...}, see config.SpecConfig; a dict or JSON),
     `tensor_parallel_size` / `pipeline_parallel_size` (split the model over T x P processes on
@@ -81,6 +85,7 @@ class LLM:
                  max_decode_slowdown: float | None = None, pack_weights: bool = True,
                  enforce_eager: bool = False, quantization: str | None = None, dequantize: bool = False,
                  quantization_config: dict[str, Any] | str | None = None,
+                 pruning: dict[str, Any] | str | None = None,
                  speculative_config: dict[str, Any] | str | None = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  parallel_timeout_s: float = ParallelConfig.timeout_s, pipeline_micro_batches: int | None = None) -> None:
@@ -92,10 +97,15 @@ class LLM:
             raise ValueError("quantization_config needs a quantization method (e.g. quantization='int4')")
         # checked before spending seconds on loading
         quant = None if quantization is None else QuantConfig.parse(quantization, quantization_config)
+        prune = None if pruning is None else PruneConfig.parse(pruning)
         spec = None if speculative_config is None else SpecConfig.parse(speculative_config)
         parallel = ParallelConfig(tensor_parallel_size, pipeline_parallel_size, parallel_timeout_s,
                                   pipeline_micro_batches)
         self._cluster: Cluster | None = None
+        if parallel.world_size > 1 and prune is not None:
+            raise ValueError("pruning at load runs in a single process: write the pruned model once with `brisk "
+                             "prune ... --out DIR`, then run DIR with tensor/pipeline parallelism")
+        self.pruning: dict[str, Any] | None = None  # what pruning at load did (compress/prune.py's report)
         if parallel.world_size > 1:
             cache.check_multi_process()  # before any worker starts
             if spec is not None and spec.method != "ngram":
@@ -110,6 +120,14 @@ class LLM:
             # Until the engine holds the cluster (below), a failure here must not leave workers behind.
             self._finalizer = weakref.finalize(self, self._cluster.close)
             loaded = self._cluster.loaded
+        elif prune is not None:
+            from brisk.compress.prune import load_pruned
+
+            if dequantize:
+                raise ValueError("pruning scores and cuts float weights (a .gguf file is dequantized for it): drop "
+                                 "--dequantize")
+            loaded, self.pruning = load_pruned(model, prune, dtype=dtype, device=device, max_model_len=max_model_len,
+                                               quant=quant)
         else:
             loaded = load_model(model, dtype=dtype, device=device, max_model_len=max_model_len, quant=quant,
                                 dequantize=dequantize)

@@ -137,7 +137,7 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
     if before_quant is not None:
         before_quant(model)
     if quant is not None:
-        _quantize(model, quant, source, cfg, tokenizer)
+        quantize_model(model, quant, source, cfg, tokenizer)
         set_activations(model, quant.act_mode)
     return LoadedModel(model.eval(), tokenizer, cfg, source, quant)
 
@@ -165,7 +165,7 @@ def _load_blocks(file: GGUFFile, source: ModelSource, tdtype: torch.dtype, devic
     return LoadedModel(model.eval(), tokenizer, cfg, source, quant)
 
 
-def _quantize(model: CausalLM, quant: QuantConfig, source: ModelSource, cfg: ModelConfig,
+def quantize_model(model: CausalLM, quant: QuantConfig, source: ModelSource, cfg: ModelConfig,
               tokenizer: Tokenizer) -> None:
     from brisk.quant import apply
 

@@ -59,6 +59,17 @@ def test_bfloat16_drift_is_measured(text_file: Path) -> None:
     assert 0.0 < res["kl_vs_float32"] < 0.1 and 0.8 < res["top1_agreement_vs_float32"] < 1.0
 
 
+def test_pruned_at_load_is_measured_against_the_dense_model(text_file: Path) -> None:
+    readme = str(Path(__file__).resolve().parents[2] / "README.md")
+    pruning = {"method": "layers", "ratio": 0.1, "calibration": readme, "calibration_tokens": 512}
+    res = eval_ppl("smollm2-135m", "float32", text_file, window=96, max_tokens=250, quant={"pruning": pruning})
+    dense = eval_ppl("smollm2-135m", "float32", text_file, window=96, max_tokens=250, quant={"dequantize": True})
+    assert res["pruning"]["method"] == "layers" and res["pruning"]["seconds"] > 0
+    assert res["params"] < res["pruning"]["params_dense"] == dense["params"]
+    assert res["weight_mib"] < dense["weight_mib"] and res["perplexity"] > dense["perplexity"]
+    assert res["kl_vs_float32"] > 0 and res["top1_agreement_vs_float32"] < 1.0
+
+
 def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["eval", "ppl", "--text", str(tmp_path / "missing.txt")]) == 2
     assert "is not a file" in capsys.readouterr().err

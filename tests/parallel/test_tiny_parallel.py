@@ -241,3 +241,22 @@ def test_kv_blocks_fit_the_fullest_rank(tiny_dir: Path) -> None:
     with LLM(str(tiny_dir), kv_cache_memory_gib=gib, block_size=4, pipeline_parallel_size=2) as llm:
         assert kv_block_bytes(llm.model, 4) * 2 == kv_block_bytes(single.model, 4)
         assert llm.engine.num_blocks == 2 * single.engine.num_blocks
+
+
+def test_pruned_layers_of_different_widths_split_over_ranks(tiny_dir: Path, tmp_path: Path) -> None:
+    """A structurally pruned model (per-layer KV heads and MLP widths, o_proj / down_proj biases
+    that rank 0 alone adds) over two tensor-parallel ranks: one process's tokens."""
+    from brisk.compress.prune import prune_to_dir
+    from brisk.config import PruneConfig
+    from brisk.loader.hf_loader import hf_model_config
+
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text(" ".join(f"w{(i * 7 + i // 5) % 64}" for i in range(600)))
+    out = tmp_path / "pruned"
+    prune_to_dir(str(tiny_dir), PruneConfig("structured", 0.3, str(calibration), calibration_tokens=512, multiple=16), out)
+    cfg = hf_model_config(out)
+    assert not cfg.uniform and cfg.output_bias
+    assert len(set(cfg.layer_kv_heads)) > 1 or len(set(cfg.layer_intermediate)) > 1
+    single = _tokens(LLM(str(out), **ENGINE))
+    with LLM(str(out), tensor_parallel_size=2, **ENGINE) as llm:
+        assert _tokens(llm) == single
