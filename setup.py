@@ -16,7 +16,7 @@ from setuptools import setup
 ALLOW_NO_KERNELS = os.environ.get("BRISK_ALLOW_NO_KERNELS", "") not in ("", "0")
 SOURCES = [f"brisk/kernels/{name}.cpp" for name in (
     "bindings", "cpu_gemv", "cpu_paged_attention", "cpu_quant", "cpu_quant_vnni", "cpu_norm", "cpu_int8mm",
-    "cpu_ternary", "cpu_rope", "cpu_decode_plan", "cpu_isa", "cpu_blocks", "cpu_vmem")]
+    "cpu_ternary", "cpu_rope", "cpu_decode_plan", "cpu_isa", "cpu_blocks", "cpu_vmem", "cpu_sparse24")]
 NO_TORCH = """
 brisk: torch is not importable in this build environment, so the C++ kernels cannot be compiled.
   pip builds in an isolated environment unless told not to. Install torch first, then build here:

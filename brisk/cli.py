@@ -108,9 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--method", required=True, choices=PRUNE_METHODS,
                     help="structured: whole KV groups of attention heads and MLP channels, FLAP's standardized "
                          "fluctuation scores over all layers, bias compensation; layers: whole decoder layers, "
-                         "ShortGPT's block influence")
-    pr.add_argument("--ratio", required=True, type=float,
-                    help="structured: fraction of the decoder layers' weights removed; layers: fraction of the layers")
+                         "ShortGPT's block influence; 2:4: 2 of every 4 weights of a row (Wanda), stored packed")
+    pr.add_argument("--ratio", type=float, default=None,
+                    help="structured: fraction of the decoder layers' weights removed; layers: fraction of the layers "
+                         "(2:4: always 0.5)")
+    pr.add_argument("--quantization", "-q", default=None, choices=["int8"],
+                    help="2:4: keep the kept weights as int8 (one scale per row) instead of float32")
     pr.add_argument("--calibration", required=True, type=Path, help="text file the scores are measured on")
     pr.add_argument("--calibration-tokens", type=int, default=PruneConfig.calibration_tokens,
                     help=f"tokens of it used (default {PruneConfig.calibration_tokens})")
@@ -256,9 +259,14 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 def _cmd_prune(args: argparse.Namespace) -> int:
     from brisk.compress.prune import prune_to_dir
 
-    pcfg = PruneConfig(args.method, args.ratio, str(args.calibration), args.calibration_tokens, args.multiple,
-                       not args.no_bias_compensation)
-    report = prune_to_dir(args.model, pcfg, args.out, args.dtype)
+    from brisk.config import QuantConfig
+
+    if args.ratio is None and args.method != "2:4":
+        raise ValueError(f"--method {args.method} needs --ratio (e.g. 0.25)")
+    pcfg = PruneConfig(args.method, 0.5 if args.ratio is None else args.ratio, str(args.calibration),
+                       args.calibration_tokens, args.multiple, not args.no_bias_compensation)
+    quant = None if args.quantization is None else QuantConfig(args.quantization)
+    report = prune_to_dir(args.model, pcfg, args.out, args.dtype, quant=quant)
     print(f"wrote {args.out} ({pcfg.describe()}: {report['layer_weights_removed']:.1%} of the layer weights "
           f"removed, {report['params'] / 1e6:.1f}M of {report['params_dense'] / 1e6:.1f}M parameters kept)",
           file=sys.stderr)

@@ -283,8 +283,9 @@ class SchedulerConfig:
             )
 
 
-QUANT_METHODS = ("int8", "int4", "w8a8", "ternary", "gguf")  # quant/ registers one module per name (checked there too)
+QUANT_METHODS = ("int8", "int4", "w8a8", "ternary", "gguf", "sparse24", "sparse24_int8")  # quant/ registers one module per name (checked there too)
 QUANT_OPTIONS = ("group_size", "calibration", "calibration_tokens", "activations")
+CALIBRATED_METHODS = ("int4", "w8a8", "sparse24", "sparse24_int8")
 ACTIVATION_MODES = ("float", "int16", "int8")  # what int4 / gguf weights multiply (GroupLinear.activations)
 
 
@@ -320,8 +321,9 @@ class QuantConfig:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, got {self.activations!r}")
         if self.act_mode != "float" and self.method not in ("int4", "gguf"):
             raise ValueError(f"activations {self.activations!r} applies to int4 and gguf weights, not {self.method}")
-        if self.calibration is not None and self.method not in ("int4", "w8a8"):
-            raise ValueError(f"calibration applies to int4 (GPTQ) and w8a8 (SmoothQuant), not {self.method}")
+        if self.calibration is not None and self.method not in CALIBRATED_METHODS:
+            raise ValueError(f"calibration applies to int4 (GPTQ), w8a8 (SmoothQuant) and sparse24 / sparse24_int8 "
+                             f"(Wanda's 2:4 selection), not {self.method}")
 
     @classmethod
     def parse(cls, method: str, options: dict[str, Any] | str | None = None) -> QuantConfig:
@@ -354,10 +356,12 @@ class QuantConfig:
             return f"gguf{acts}"
         if self.method == "w8a8":
             return f"w8a8{' smoothquant' if self.calibration else ''}"
+        if self.method.startswith("sparse24"):
+            return f"2:4 {'int8' if self.method.endswith('int8') else 'float32'} {'wanda' if self.calibration else 'magnitude'}"
         return self.method
 
 
-PRUNE_METHODS = ("structured", "layers")  # compress/prune.py
+PRUNE_METHODS = ("structured", "layers", "2:4")  # compress/prune.py
 PRUNE_OPTIONS = ("method", "ratio", "calibration", "calibration_tokens", "multiple", "bias_compensation")
 
 
@@ -370,11 +374,13 @@ class PruneConfig:
     scores (MLP widths kept in multiples of `multiple`; every layer keeps >= 1 KV group and
     `multiple` channels; `bias_compensation`: the pruned channels' mean calibration output added
     to o_proj / down_proj as a bias). "layers": `ratio` of the layers removed, the ones whose
-    output is most like their input (ShortGPT's block influence). Both score on the first
-    `calibration_tokens` tokens of the text file `calibration`."""
+    output is most like their input (ShortGPT's block influence). "2:4": of every 4 input columns
+    of every decoder Linear the 2 with the largest |W| x ||x|| are kept (Wanda), stored packed
+    (quant/sparse24.py; its ratio is 0.5, and with quantization "int8" the kept values are int8).
+    All score on the first `calibration_tokens` tokens of the text file `calibration`."""
 
     method: str
-    ratio: float
+    ratio: float = 0.5
     calibration: str | None = None
     calibration_tokens: int = 8192
     multiple: int = 64
@@ -386,6 +392,8 @@ class PruneConfig:
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 < self.ratio < 1:
             raise ValueError(f"pruning ratio must be a number strictly between 0 and 1 (0.25 removes a quarter), "
                              f"got {self.ratio!r}")
+        if self.method == "2:4" and self.ratio != 0.5:
+            raise ValueError(f"2:4 sparsity keeps 2 of every 4 weights of a row: its ratio is 0.5, got {self.ratio!r}")
         if not self.calibration or not isinstance(self.calibration, str):
             raise ValueError(f"pruning method {self.method!r} scores heads, channels and layers on calibration text: "
                              'give "calibration": the path of a text file (a few thousand tokens of the kind of '
@@ -409,12 +417,20 @@ class PruneConfig:
         unknown = sorted(set(options) - set(PRUNE_OPTIONS))
         if unknown:
             raise ValueError(f"unknown pruning option(s) {', '.join(unknown)}; known: {', '.join(PRUNE_OPTIONS)}")
-        if "method" not in options or "ratio" not in options:
+        if "method" not in options or ("ratio" not in options and options["method"] != "2:4"):
             raise ValueError(f'pruning config needs "method" (one of {", ".join(PRUNE_METHODS)}) and "ratio"')
         return cls(**options)
 
     def describe(self) -> str:
-        return f"{self.method} {self.ratio:g}"
+        return self.method if self.method == "2:4" else f"{self.method} {self.ratio:g}"
+
+    def sparse_quant(self, quant: QuantConfig | None) -> QuantConfig:
+        """2:4: the weight format that holds it (quant/sparse24.py), int8 values under "int8"."""
+        if quant is not None and quant.method != "int8":
+            raise ValueError(f"2:4 sparsity stores its kept weights as float32, or as int8 with quantization int8; "
+                             f"it cannot combine with {quant.method}")
+        return QuantConfig("sparse24_int8" if quant is not None else "sparse24", calibration=self.calibration,
+                           calibration_tokens=self.calibration_tokens)
 
 
 SPEC_METHODS = ("ngram", "draft", "early_exit", "medusa")  # spec/ registers one proposer per name

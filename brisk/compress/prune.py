@@ -109,6 +109,12 @@ class Pruned:
 def check_prunable(cfg: ModelConfig, pcfg: PruneConfig) -> None:
     """The ValueError a ratio or model shape would hit, before anything is loaded or scored."""
     n = cfg.num_hidden_layers
+    if pcfg.method == "2:4":
+        widths = {cfg.hidden_size, cfg.head_dim} | {cfg.intermediate(i) for i in range(n)}
+        bad = sorted(w for w in widths if w % 4)
+        if bad:
+            raise ValueError(f"2:4 sparsity needs every Linear's input width divisible by 4; this model has {bad[0]}")
+        return
     if pcfg.method == "layers":
         drop = round(pcfg.ratio * n)
         if drop < 1 or drop >= n:
@@ -372,7 +378,7 @@ def prune_loaded(loaded: LoadedModel, pcfg: PruneConfig, ref: str) -> Pruned:
     return Pruned(new_cfg, tensors, report)
 
 
-def _dense_float(ref: str, device: str, max_model_len: int | None) -> LoadedModel:
+def _dense_float(ref: str, device: str, max_model_len: int | None = None) -> LoadedModel:
     """The float32 model pruning scores (a quantized GGUF's blocks dequantized)."""
     from brisk.loader.quantized import quantization_of
 
@@ -383,8 +389,10 @@ def _dense_float(ref: str, device: str, max_model_len: int | None) -> LoadedMode
     return loaded
 
 
-def prune_to_dir(ref: str, pcfg: PruneConfig, out: Path, dtype: str = "float32", device: str = "cpu") -> dict[str, Any]:
-    """`brisk prune`: write an HF-format directory of the pruned model; returns the report."""
+def prune_to_dir(ref: str, pcfg: PruneConfig, out: Path, dtype: str = "float32", device: str = "cpu",
+                 quant: QuantConfig | None = None) -> dict[str, Any]:
+    """`brisk prune`: write an HF-format directory of the pruned model (2:4: a quantized-format
+    one holding the packed weights, int8 values with `quant` int8); returns the report."""
     from safetensors.torch import save_file
 
     from brisk.loader.convert import write_tokenizer_files
@@ -393,6 +401,10 @@ def prune_to_dir(ref: str, pcfg: PruneConfig, out: Path, dtype: str = "float32",
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
     check_before_load(ref, pcfg)
+    if pcfg.method == "2:4":
+        return _sparse_to_dir(ref, pcfg, out, dtype, quant)
+    if quant is not None:
+        raise ValueError("quantize a pruned directory when loading it (-q METHOD), or with `brisk quantize DIR`")
     loaded = _dense_float(ref, device, None)
     if loaded.source.kind == "hf" and out.resolve() == loaded.source.path.resolve():
         raise ValueError("--out must differ from the source directory")
@@ -406,6 +418,26 @@ def prune_to_dir(ref: str, pcfg: PruneConfig, out: Path, dtype: str = "float32",
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     write_tokenizer_files(loaded.tokenizer, pruned.config, out)
     return pruned.report
+
+
+def _sparse_report(cfg: ModelConfig, pcfg: PruneConfig, ref: str, quant: QuantConfig, seconds: float) -> dict[str, Any]:
+    layers = sum(cfg.layer_params(i) for i in range(cfg.num_hidden_layers))
+    return {"method": "2:4", "ratio": 0.5, "source": ref, "layer_weights_removed": 0.5,
+            "params": model_params(cfg) - layers // 2, "params_dense": model_params(cfg), "values": quant.describe(),
+            "calibration": pcfg.calibration, "calibration_tokens": pcfg.calibration_tokens, "seconds": round(seconds, 2)}
+
+
+def _sparse_to_dir(ref: str, pcfg: PruneConfig, out: Path, dtype: str, quant: QuantConfig | None) -> dict[str, Any]:
+    from brisk.loader.convert import quantize_to_dir
+
+    sparse = pcfg.sparse_quant(quant)
+    started = time.perf_counter()
+    quantize_to_dir(ref, sparse, out, dtype)
+    report = _sparse_report(model_config_of(ref), pcfg, ref, sparse, time.perf_counter() - started)
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    config[PRUNING_KEY] = report
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return report
 
 
 def pruning_of(path: Path) -> dict[str, Any] | None:
@@ -424,7 +456,17 @@ def load_pruned(ref: str, pcfg: PruneConfig, *, dtype: str = "float32", device: 
     from brisk.quant import set_activations
 
     check_before_load(ref, pcfg)
-    dense = _dense_float(ref, device, max_model_len)
+    window = model_config_of(ref).max_position_embeddings
+    if max_model_len is not None and max_model_len > window:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context window ({window} tokens)")
+    # Scoring runs at the model's own positions (calibration windows of WINDOW tokens), whatever
+    # `max_model_len` is: the same model as `brisk prune` writes.
+    if pcfg.method == "2:4":
+        sparse = pcfg.sparse_quant(quant)
+        started = time.perf_counter()
+        loaded = load_model(ref, dtype=dtype, device=device, quant=sparse)
+        return loaded, _sparse_report(loaded.config, pcfg, ref, sparse, time.perf_counter() - started)
+    dense = _dense_float(ref, device, None)
     pruned = prune_loaded(dense, pcfg, ref)
     tokenizer, source = dense.tokenizer, dense.source
     del dense  # the dense model's memory goes before the pruned one is built

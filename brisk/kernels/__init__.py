@@ -150,6 +150,21 @@ def int8_kernel_tiles() -> bool:
     return CAPS.has("int8_gemm_tiled")
 
 
+def sparse24_gemm(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None,
+                  bias: torch.Tensor | None, in_features: int) -> torch.Tensor:
+    """x [M, in] @ W^T (* scale) (+ bias) -> float32 [M, out], W 2:4 sparse (quant/sparse24.py's layout)."""
+    assert _C is not None
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"sparse24_gemm: x {tuple(x.shape)} does not fit {in_features} input columns")
+    return _C.sparse24_gemm(x, values, meta, scale, bias, in_features)
+
+
+def sparse24_dense(values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None, in_features: int) -> torch.Tensor:
+    """The float32 [out, in] weight a 2:4 sparse one stands for."""
+    assert _C is not None
+    return _C.sparse24_dense(values, meta, scale, in_features)
+
+
 def int8_gemm_tiled(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """`int8_gemm` on a weight in quant/int8.py's tiled layout; the same numbers, bit for bit."""

@@ -66,6 +66,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("have_vnni", &have_vnni, "whether this CPU runs the VNNI int8 kernels");
   m.def("ternary_gemm", &ternary_gemm, "x @ T^T * scale (+bias), T ternary in two bit planes: masked adds/subs",
         py::arg("x"), py::arg("plus"), py::arg("minus"), py::arg("scale"), py::arg("bias") = py::none());
+  m.def("sparse24_gemm", &sparse24_gemm,
+        "x[M,in] @ W^T (* scale) (+bias), W 2:4 sparse: the kept half of every 4 columns and their positions",
+        py::arg("x"), py::arg("values"), py::arg("meta"), py::arg("scale") = py::none(), py::arg("bias") = py::none(),
+        py::arg("in_features"));
+  m.def("sparse24_dense", &sparse24_dense, "the float32 [out, in] weight a 2:4 sparse one stands for",
+        py::arg("values"), py::arg("meta"), py::arg("scale") = py::none(), py::arg("in_features"));
   m.def("isa", &isa_name, "instruction set the kernels dispatch to now");
   m.def("cpu_isa", []() { return brisk_isa::name(brisk_isa::cpu()); }, "the best instruction set this CPU offers");
   m.def("set_isa", [](const std::string& name) { brisk_isa::set(brisk_isa::parse(name)); },

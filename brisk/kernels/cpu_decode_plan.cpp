@@ -69,7 +69,8 @@ class SpinBarrier {
 // raw pointers into the tensors it keeps alive.
 struct LinearOp {
   enum Kind : int64_t {
-    kFloat = 0, kGroup = 1, kGroupInt8Acts = 2, kInt8 = 3, kInt8Tiled = 4, kGroupInt16Acts = 5, kBlocks = 6
+    kFloat = 0, kGroup = 1, kGroupInt8Acts = 2, kInt8 = 3, kInt8Tiled = 4, kGroupInt16Acts = 5, kBlocks = 6,
+    kSparse24 = 7
   };
   int64_t kind = 0, out = 0, in = 0;
   torch::Tensor weight, scale, zero, bias;  // bias: float32 [out] or undefined
@@ -102,10 +103,11 @@ struct LinearOp {
         break;
       case kInt8: brisk_range::int8_rows(weight.data_ptr<int8_t>(), x, y, m, out, in, r0, r1); break;
       case kInt8Tiled: brisk_range::int8_tiled_rows(weight.data_ptr<int8_t>(), x, y, m, out, in, r0, r1); break;
+      case kSparse24: brisk_range::sparse24_rows(weight, zero.data_ptr<int32_t>(), x, y, m, out, in, r0, r1); break;
       default: break;  // add_layer admits only the kinds above
     }
     // the modules' epilogues (y.mul_(scale), y.add_(bias)): one rounding each, as torch's
-    const bool scaled = kind == kInt8 || kind == kInt8Tiled;
+    const bool scaled = kind == kInt8 || kind == kInt8Tiled || (kind == kSparse24 && scale.defined());
     if (!scaled && !bias.defined()) return;
     const float* s = scaled ? scale.data_ptr<float>() : nullptr;
     const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
@@ -180,6 +182,19 @@ LinearOp parse_linear(const py::tuple& t) {
                       op.scale.numel() == op.out, "brisk DecodePlan: int8 scale must be contiguous float32 [out]");
       TORCH_CHECK(op.kind == LinearOp::kInt8 || (op.out % 4 == 0 && op.in % 64 == 0),
                   "brisk DecodePlan: a tiled int8 weight needs out % 4 == 0 and in % 64 == 0");
+      break;
+    case LinearOp::kSparse24:  // (kind, values, scale or None, meta, bias, in_features, 0, False)
+      op.out = op.weight.size(0), op.in = group;
+      TORCH_CHECK(op.zero.defined() && op.zero.scalar_type() == torch::kInt32 && op.zero.is_contiguous() &&
+                      op.zero.size(0) == op.out && op.weight.size(1) == op.zero.size(1) * 16 &&
+                      op.in > 0 && op.in % 4 == 0 && (op.in + 31) / 32 == op.zero.size(1) &&
+                      (op.weight.scalar_type() == torch::kInt8) == op.scale.defined() &&
+                      (op.weight.scalar_type() == torch::kInt8 || op.weight.scalar_type() == torch::kFloat32),
+                  "brisk DecodePlan: a 2:4 op is float32 or int8 values [out, tiles * 16] (int8 with a scale), "
+                  "int32 meta [out, tiles]");
+      TORCH_CHECK(!op.scale.defined() || (op.scale.scalar_type() == torch::kFloat32 && op.scale.is_contiguous() &&
+                                          op.scale.numel() == op.out),
+                  "brisk DecodePlan: a 2:4 scale must be contiguous float32 [out]");
       break;
     default: TORCH_CHECK(false, "brisk DecodePlan: unknown linear kind ", op.kind);
   }

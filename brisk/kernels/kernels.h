@@ -43,6 +43,11 @@ torch::Tensor int8_dot_u8s8(const torch::Tensor& xq, const torch::Tensor& w);
 bool have_vnni();
 torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& plus, const torch::Tensor& minus,
                            const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias);
+torch::Tensor sparse24_gemm(const torch::Tensor& x, const torch::Tensor& values, const torch::Tensor& meta,
+                            const c10::optional<torch::Tensor>& scale, const c10::optional<torch::Tensor>& bias,
+                            int64_t in);
+torch::Tensor sparse24_dense(const torch::Tensor& values, const torch::Tensor& meta,
+                             const c10::optional<torch::Tensor>& scale, int64_t in);
 void paged_attention(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                      const torch::Tensor& query_start, const torch::Tensor& kv_lens, double scale, int64_t window);
@@ -72,6 +77,9 @@ void float_rows(const float* w, const float* x, float* y, int64_t m, int64_t out
 void int8_rows(const int8_t* q, const float* x, float* y, int64_t m, int64_t out, int64_t in, int64_t r0, int64_t r1);
 void int8_tiled_rows(const int8_t* q, const float* x, float* y, int64_t m, int64_t out, int64_t in, int64_t r0,
                      int64_t r1);
+// sparse24_gemm without its epilogue (scale, bias): 2:4 values (float32 or int8) and their meta.
+void sparse24_rows(const torch::Tensor& values, const int32_t* meta, const float* x, float* y, int64_t m, int64_t out,
+                   int64_t in, int64_t r0, int64_t r1);
 // group_gemm without bias: group weights x float activations.
 void group_rows(const brisk_group::GroupWeights& w, const float* x, float* y, int64_t m, int64_t r0, int64_t r1);
 

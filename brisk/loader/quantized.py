@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from brisk.config import QuantConfig
+from brisk.config import CALIBRATED_METHODS, QuantConfig
 from brisk.loader.hf_loader import hf_config_dict
 from brisk.model.base import CausalLM
 from brisk.quant import apply
@@ -50,7 +50,7 @@ def save_quantized(model: CausalLM, quant: QuantConfig, out: Path, dtype: str) -
 
 
 def _options(quant: QuantConfig) -> dict[str, object]:
-    if quant.method not in ("int4", "w8a8"):
+    if quant.method not in CALIBRATED_METHODS:
         return {}
     acts = {"activations": quant.act_mode} if quant.method == "int4" else {}  # explicit: the default changed once
     return {"group_size": quant.group_size, "calibration": quant.calibration,
@@ -62,8 +62,8 @@ def load_quantized_state(model: CausalLM, path: Path, quant: QuantConfig) -> Non
     apply(model, quant)  # the modules' shapes; their contents are replaced just below
     state = load_file(str(path / "model.safetensors"))
     # written before tied heads were shared with the lookups: the float embedding is not needed now
-    if model.config.tie_word_embeddings:
-        state.pop("embed_tokens.weight", None)
+    if model.config.tie_word_embeddings and "embed_tokens.weight" not in model.state_dict():
+        state.pop("embed_tokens.weight", None)  # (a method that keeps the head float keeps the embedding)
     try:
         for name in state:
             if name.endswith(".input_scale"):  # AWQ-scaled / smoothed Linears carry one more buffer

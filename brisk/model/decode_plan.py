@@ -14,7 +14,7 @@ otherwise (assigning `GroupLinear.activations`, forward hooks, which the plan ne
 drop the plan itself or run with `use_decode_plan = False` (`LLM(enforce_eager=True)`).
 
 A plan exists only when every piece has its C++ kernel: float32 activations on an AVX-512 CPU,
-float / int4 / gguf (group and block) / int8 Linears (W8A8, ternary and tensor-parallel Linears keep the module
+float / int4 / gguf (group and block) / int8 / 2:4 sparse Linears (W8A8, ternary and tensor-parallel Linears keep the module
 path), the paged KV cache; it runs steps of at most `PLAN_MAX_ROWS` tokens served by the paged
 kernel (decode batches, speculative verify steps), never long prefill chunks.
 """
@@ -32,10 +32,12 @@ from brisk.model.paged_attention import HAVE_PAGED_KERNEL, PagedAttention
 from brisk.quant.gguf import BlockLinear
 from brisk.quant.grouped import GroupLinear
 from brisk.quant.int8 import Int8Linear
+from brisk.quant.sparse24 import Sparse24Linear
 
 # float Linears take gemv (one row) or small_gemm (up to 8, model/layers.py linear) below this
 PLAN_MAX_ROWS = 8
-KIND_FLOAT, KIND_GROUP, KIND_GROUP_INT8_ACTS, KIND_INT8, KIND_INT8_TILED, KIND_GROUP_INT16_ACTS, KIND_BLOCKS = range(7)
+(KIND_FLOAT, KIND_GROUP, KIND_GROUP_INT8_ACTS, KIND_INT8, KIND_INT8_TILED, KIND_GROUP_INT16_ACTS, KIND_BLOCKS,
+ KIND_SPARSE24) = range(8)
 GROUP_KINDS = {"float": KIND_GROUP, "int8": KIND_GROUP_INT8_ACTS, "int16": KIND_GROUP_INT16_ACTS}
 
 LinearOp = tuple[int, torch.Tensor, Any, Any, Any, int, int, bool]
@@ -70,6 +72,11 @@ def linear_op(m: torch.nn.Module) -> LinearOp | None:
         if m.dtype != torch.float32 or not kernels.block_kernel_supported(m.types) or not m.blocks[0].is_cpu:
             return None
         return (KIND_BLOCKS, m.blocks, m.types, None, b["bias"], m.in_features, 0, False)
+    if type(m) is Sparse24Linear:
+        b = m._buffers
+        if m.dtype != torch.float32 or not m.supported(b["values"]):
+            return None
+        return (KIND_SPARSE24, b["values"], b["scale"], b["meta"], b["bias"], m.in_features, 0, False)
     if type(m) is Int8Linear:
         b = m._buffers
         if m.dtype != torch.float32 or not kernels.int8_gemm_supported(b["qweight"]):

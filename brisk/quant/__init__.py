@@ -22,17 +22,24 @@ from brisk.model.layers import Linear
 from brisk.quant.base import FollowDtype
 from brisk.quant.grouped import GroupLinear
 from brisk.quant.int8 import Int8Linear
+from brisk.quant.sparse24 import Sparse24Linear
 from brisk.quant.ternary import TernaryLinear
 from brisk.quant.w8a8 import W8A8Linear
 
 # (Linear, config, X^T X / n of its calibration inputs or None) -> quantized module
 Maker = Callable[[Linear, QuantConfig, "torch.Tensor | None"], nn.Module]
+
+
+def _norms(xtx: torch.Tensor | None) -> torch.Tensor | None:
+    """||x_i|| per input column (up to one factor) from X^T X / n: Wanda's activation norms."""
+    return None if xtx is None else xtx.diagonal().clamp_min(0).sqrt()
+
 Calibrated = dict[Linear, tuple["torch.Tensor | None", "torch.Tensor | None"]]  # column scale, X^T X / n
 
 # method -> (decoder Linear maker, LM head maker). int4's head is 8-bit in groups of 32 (GGUF's
 # Q8_0, what llama.cpp's own Q4 files keep for token_embd): the head sees every logit, and 4 bits
 # there cost more quality than the 14 MB they save.
-METHODS: dict[str, tuple[Maker, Maker]] = {
+METHODS: dict[str, tuple[Maker, Maker | None]] = {  # head maker None: the head stays as it is
     "int8": (lambda lin, cfg, x: Int8Linear.from_linear(lin), lambda lin, cfg, x: Int8Linear.from_linear(lin)),
     "int4": (lambda lin, cfg, x: GroupLinear.from_linear(lin, cfg.group_size, 4, calibration=x),
              lambda lin, cfg, x: GroupLinear.from_linear(lin, 32, 8)),
@@ -40,13 +47,19 @@ METHODS: dict[str, tuple[Maker, Maker]] = {
     # ternary's head stays 8-bit (Q8_0-like) as BitNet keeps its embedding and head in high precision
     "ternary": (lambda lin, cfg, x: TernaryLinear.from_linear(lin),
                 lambda lin, cfg, x: GroupLinear.from_linear(lin, 32, 8)),
+    # 2:4 sparsity (quant/sparse24.py; compress/ prunes with it): Wanda's |W| x ||x|| from the
+    # calibration Hessian's diagonal. The head is not made sparse: float32 stays the model's own
+    # head, int8 gets int8's, so each compares with the dense model of the same dtype.
+    "sparse24": (lambda lin, cfg, x: Sparse24Linear.from_linear(lin, _norms(x)), None),
+    "sparse24_int8": (lambda lin, cfg, x: Sparse24Linear.from_linear(lin, _norms(x), int8=True),
+                      lambda lin, cfg, x: Int8Linear.from_linear(lin)),
 }
 assert set(METHODS) | {"gguf"} == set(QUANT_METHODS)
 
 
 def _calibrator(method: str) -> Callable[[nn.Module, list[int]], Calibrated]:
     """From calibration text: GPTQ's Hessians for int4, SmoothQuant's migration for w8a8."""
-    if method == "int4":
+    if method in ("int4", "sparse24", "sparse24_int8"):  # sparse: the Hessians' diagonals
         from brisk.quant.calibrate import gptq_calibrate
 
         return gptq_calibrate  # type: ignore[return-value]
@@ -95,21 +108,21 @@ def apply(model: nn.Module, cfg: QuantConfig | str, calibration_ids: list[int] |
 
 
 def _apply(model: nn.Module, cfg: QuantConfig, calibration_ids: list[int] | None, make_linear: Maker,
-           make_head: Maker) -> int:
+           make_head: Maker | None) -> int:
     calibrated: Calibrated = {}
     if calibration_ids is not None:
         calibrated = _calibrator(cfg.method)(model, calibration_ids)
-    targets = quantizable(model)
+    targets = [t for t in quantizable(model) if make_head is not None or not (t[0] is model and t[1] == "lm_head")]
     for parent, name, child in targets:
         is_head = parent is model and name == "lm_head"
         scale, inputs = calibrated.get(child, (None, None))
-        module = (make_head if is_head else make_linear)(_scaled(child, scale), cfg, inputs)
+        module = (make_head if is_head and make_head is not None else make_linear)(_scaled(child, scale), cfg, inputs)
         if scale is not None:
             module.set_input_scale(1.0 / scale)  # type: ignore[operator]
             module.dtype = child.weight.dtype  # the scaled copy is float32; activations keep the model's dtype
         setattr(parent, name, module)
     embed = getattr(model, "embed_tokens", None)
-    if getattr(model, "lm_head", "absent") is None and embed is not None:
+    if getattr(model, "lm_head", "absent") is None and embed is not None and make_head is not None:
         head = Linear(embed.weight.shape[1], (embed.weight.shape[0],), dtype=embed.weight.dtype)
         with torch.no_grad():
             head.weight.copy_(embed.weight)

@@ -204,3 +204,47 @@ def test_short_calibration_text_is_refused(tmp_path: Path) -> None:
         LLM("smollm2-135m", pruning={"method": "layers", "ratio": 0.2, "calibration": str(short)})
     with pytest.raises(ValueError, match="not a file"):
         LLM("smollm2-135m", pruning={"method": "layers", "ratio": 0.2, "calibration": str(tmp_path / "none.txt")})
+
+
+@pytest.fixture(scope="module")
+def sparse_dir(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from brisk.compress.prune import prune_to_dir
+
+    out = tmp_path_factory.mktemp("pruned") / "smollm2-2-4"
+    report = prune_to_dir(str(gguf_path), _pcfg("2:4", 0.5), out)
+    assert report["layer_weights_removed"] == 0.5 and report["values"] == "2:4 float32 wanda"
+    return out
+
+
+def test_2_4_directory_decodes_through_the_plan_as_pruned_at_load(gguf_path: Path, sparse_dir: Path) -> None:
+    from brisk.quant.sparse24 import Sparse24Linear
+
+    llm = LLM(str(sparse_dir), num_kv_blocks=64, max_model_len=256)
+    assert isinstance(llm.model.layers[0].mlp.down_proj, Sparse24Linear)
+    batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert llm.model._decode_plan not in (None, False)
+    assert batched == [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    eager = LLM(str(sparse_dir), num_kv_blocks=64, max_model_len=256, enforce_eager=True)
+    assert [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)] == batched
+    at_load = LLM(str(gguf_path), num_kv_blocks=64, max_model_len=256,
+                  pruning={"method": "2:4", "calibration": CALIBRATION, "calibration_tokens": TOKENS})
+    a, b = llm.model.state_dict(), at_load.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert at_load.pruning is not None and at_load.pruning["method"] == "2:4"
+
+
+def test_2_4_with_int8_values(gguf_path: Path) -> None:
+    from brisk.quant.int8 import Int8Linear
+    from brisk.quant.sparse24 import Sparse24Linear
+
+    llm = LLM(str(gguf_path), num_kv_blocks=64, max_model_len=256, quantization="int8",
+              pruning={"method": "2:4", "calibration": CALIBRATION, "calibration_tokens": TOKENS})
+    down = llm.model.layers[0].mlp.down_proj
+    assert isinstance(down, Sparse24Linear) and down.int8 and isinstance(llm.model.lm_head, Int8Linear)
+    batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert llm.model._decode_plan not in (None, False)
+    assert batched == [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    with pytest.raises(ValueError, match="cannot combine with int4"):
+        LLM(str(gguf_path), quantization="int4", pruning={"method": "2:4", "calibration": CALIBRATION})
+    with pytest.raises(ValueError, match="its ratio is 0.5"):
+        PruneConfig("2:4", 0.3, CALIBRATION)

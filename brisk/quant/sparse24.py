@@ -1,0 +1,132 @@
+"""2:4 semi-structured sparse Linears: of every 4 input columns of a weight row, the 2 that matter
+most are kept, stored packed (kernels/cpu_sparse24.cpp: the kept values and 2-bit positions) and
+the rest are never read.
+
+Selection is Wanda's (Sun et al., 2024) within each group of 4: score |W[o, i]| * ||x_i|| from
+calibration activations (the diagonal of X^T X), or |W| alone without calibration text. Values
+are float32 ("sparse24", about 56% of the dense weight's bytes) or int8 with one scale per row
+("sparse24_int8": 62.5% of int8's bytes). Decode-sized batches run the sparse kernel; longer
+prefill chunks rebuild the dense weight per call and multiply it through oneDNN, as int8 does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from brisk import kernels
+from brisk.model.layers import Linear
+from brisk.quant.base import QuantizedLinear
+
+TILE, KEPT = 32, 16  # input columns per meta word, kept values per tile
+KERNEL_MAX_ROWS = 16  # up to this many rows the sparse kernel; more: the dense weight through oneDNN
+
+
+def _int32(bits: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit patterns held in int64 -> the same bits as int32."""
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+
+
+def select_24(weight: torch.Tensor, norms: torch.Tensor | None) -> torch.Tensor:
+    """bool [out, in]: the 2 columns of every group of 4 with the largest |W| * ||x|| (|W| without norms)."""
+    out, n = weight.shape
+    if n % 4:
+        raise ValueError(f"2:4 sparsity needs input widths divisible by 4; this Linear has {n} columns")
+    score = weight.detach().float().abs()
+    if norms is not None:
+        score = score * norms.float()[None, :]
+    top = score.view(out, n // 4, 4).topk(2, dim=-1).indices  # [out, groups, 2]
+    keep = torch.zeros(out, n // 4, 4, dtype=torch.bool, device=weight.device)
+    keep.scatter_(-1, top, True)
+    return keep.view(out, n)
+
+
+def pack_24(weight: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values float32 [out, tiles * 16], meta int32 [out, tiles]) of `weight` where `keep` holds
+    exactly 2 of every 4 columns (the layout of kernels/cpu_sparse24.cpp)."""
+    out, n = weight.shape
+    tiles = -(-n // TILE)
+    w = torch.zeros(out, tiles * TILE, dtype=torch.float32, device=weight.device)
+    w[:, :n] = weight.detach().float()
+    k = torch.zeros(out, tiles * TILE, dtype=torch.bool, device=weight.device)
+    k[:, :n] = keep
+    k[:, n:].view(out, -1, 4)[..., :2] = True  # padding groups: columns 0 and 1, zero values
+    groups = k.view(out, -1, 4)
+    if not bool((groups.sum(-1) == 2).all()):
+        raise ValueError("2:4 packing needs exactly 2 kept columns in every group of 4")
+    pos = groups.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :2].sort(dim=-1).values
+    values = w.view(out, -1, 4).gather(-1, pos).reshape(out, tiles * KEPT)
+    shifts = 2 * torch.arange(KEPT, dtype=torch.int64, device=weight.device)
+    meta = (pos.reshape(out, tiles, KEPT).to(torch.int64) << shifts).sum(-1)
+    return values.contiguous(), _int32(meta).contiguous()
+
+
+def dense_24(values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None, in_features: int) -> torch.Tensor:
+    """The float32 [out, in] weight packed values stand for (torch ops: any device)."""
+    out, tiles = meta.shape
+    shifts = 2 * torch.arange(KEPT, dtype=torch.int64, device=meta.device)
+    pos = (meta.to(torch.int64)[..., None] >> shifts) & 3  # [out, tiles, 16]
+    cols = (torch.arange(tiles, device=meta.device)[:, None] * TILE
+            + 4 * (torch.arange(KEPT, device=meta.device) // 2))[None] + pos
+    v = values.float() if scale is None else values.float() * scale.float()[:, None]
+    w = torch.zeros(out, tiles * TILE, dtype=torch.float32, device=values.device)
+    w.scatter_(1, cols.reshape(out, -1), v.reshape(out, -1))
+    return w[:, :in_features]
+
+
+class Sparse24Linear(QuantizedLinear):
+    def __init__(self, values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                 in_features: int, output_sizes: tuple[int, ...], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = values.shape[0]
+        self.output_sizes = output_sizes
+        self.dtype = dtype
+        self.register_buffer("values", values)  # [out, tiles * 16] float32, or int8 times scale
+        self.register_buffer("meta", meta)  # [out, tiles] int32: 2-bit positions of the kept values
+        self.register_buffer("scale", scale)  # [out] float32 for int8 values, else None
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: Linear, norms: torch.Tensor | None = None, int8: bool = False) -> Sparse24Linear:
+        w = linear.weight.detach().float()
+        values, meta = pack_24(w, select_24(w, norms))
+        scale = None
+        if int8:
+            scale = (values.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+            values = torch.round(values / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        return cls(values, meta, scale, bias, linear.in_features, linear.output_sizes, linear.weight.dtype)
+
+    @property
+    def int8(self) -> bool:
+        return self._buffers["scale"] is not None
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 [out, in] weight this module computes with (zeros where pruned)."""
+        b = self._buffers
+        if self.supported(b["values"]):
+            return kernels.sparse24_dense(b["values"], b["meta"], b["scale"], self.in_features)
+        return dense_24(b["values"], b["meta"], b["scale"], self.in_features)  # type: ignore[arg-type]
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.dequantize()[ids]
+
+    @staticmethod
+    def supported(values: torch.Tensor | None, x: torch.Tensor | None = None) -> bool:
+        return (kernels.CAPS.has("sparse24_gemm") and values is not None and values.device.type == "cpu"
+                and (x is None or x.device.type == "cpu"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        b = self._buffers
+        if flat.shape[0] <= KERNEL_MAX_ROWS and self.supported(b["values"], flat):
+            y = kernels.sparse24_gemm(flat, b["values"], b["meta"], b["scale"], b["bias"], self.in_features)
+        else:
+            y = F.linear(flat.float(), self.dequantize(), b["bias"])
+        if y.dtype != self.dtype:
+            y = y.to(self.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.output_sizes}, 2:4 {'int8' if self.int8 else 'float32'}"

@@ -1,0 +1,108 @@
+"""2:4 sparse Linears: packing is exact, the kernel equals the dense masked weight for 1..64 rows
+(float32 and int8 values, every ISA path), a row gives the same floats alone and in a batch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from brisk import kernels
+from brisk.model.layers import Linear
+from brisk.quant.sparse24 import Sparse24Linear, dense_24, pack_24, select_24
+
+needs_kernel = pytest.mark.skipif(not kernels.CAPS.has("sparse24_gemm"), reason="brisk._C without the 2:4 kernel")
+
+
+def _linear(out: int, n: int, bias: bool = True, seed: int = 0) -> Linear:
+    torch.manual_seed(seed)
+    lin = Linear(n, (out,), bias)
+    with torch.no_grad():
+        lin.weight.normal_()
+        if bias:
+            lin.bias.normal_()  # type: ignore[union-attr]
+    return lin
+
+
+def test_selection_keeps_the_two_largest_scores_of_every_group() -> None:
+    w = torch.randn(8, 64)
+    norms = torch.rand(64) + 0.1
+    keep = select_24(w, norms)
+    groups = keep.view(8, 16, 4)
+    assert bool((groups.sum(-1) == 2).all())
+    score = (w.abs() * norms).view(8, 16, 4)
+    kept_min = score.masked_fill(~groups, float("inf")).amin(-1)
+    dropped_max = score.masked_fill(groups, -float("inf")).amax(-1)
+    assert bool((kept_min >= dropped_max).all())
+    with pytest.raises(ValueError, match="divisible by 4"):
+        select_24(torch.randn(4, 30), None)
+
+
+@pytest.mark.parametrize("n", [64, 576, 100])
+def test_packing_round_trips_exactly(n: int) -> None:
+    w = torch.randn(12, n)
+    keep = select_24(w, None)
+    values, meta = pack_24(w, keep)
+    assert values.shape == (12, -(-n // 32) * 16) and meta.dtype == torch.int32
+    assert torch.equal(dense_24(values, meta, None, n), w * keep)
+    if kernels.CAPS.has("sparse24_dense"):
+        assert torch.equal(kernels.sparse24_dense(values, meta, None, n), w * keep)
+
+
+@needs_kernel
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("n", [576, 1536, 100])
+def test_kernel_equals_the_dense_masked_weight(int8: bool, n: int) -> None:
+    module = Sparse24Linear.from_linear(_linear(40, n), torch.rand(n) + 0.5, int8=int8)
+    dense = dense_24(module.values, module.meta, module.scale, n)
+    x = torch.randn(64, n)
+    for rows in (1, 2, 3, 5, 8, 16, 17, 64):
+        got = module(x[:rows])  # <= 16 rows: the sparse kernel; more: the dense weight through oneDNN
+        want = x[:rows] @ dense.T + module.bias
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (rows, float((got - want).abs().max()))
+
+
+@needs_kernel
+def test_a_row_gives_the_same_floats_alone_and_in_a_batch() -> None:
+    module = Sparse24Linear.from_linear(_linear(64, 576), None)
+    x = torch.randn(16, 576)
+    batched = kernels.sparse24_gemm(x, module.values, module.meta, None, module.bias, 576)
+    for i in range(16):
+        assert torch.equal(batched[i:i + 1], kernels.sparse24_gemm(x[i:i + 1], module.values, module.meta, None,
+                                                                   module.bias, 576))
+
+
+LOWERED = """
+import torch
+from brisk import kernels
+from brisk.quant.sparse24 import Sparse24Linear, dense_24
+from brisk.model.layers import Linear
+assert kernels.CAPS.isa == "{isa}", kernels.CAPS.isa
+torch.manual_seed(0)
+for int8 in (False, True):
+    for n in (576, 100):
+        lin = Linear(n, (24,), True)
+        with torch.no_grad():
+            lin.weight.normal_(); lin.bias.normal_()
+        m = Sparse24Linear.from_linear(lin, None, int8=int8)
+        x = torch.randn(8, n)
+        want = x @ dense_24(m.values, m.meta, m.scale, n).T + m.bias
+        got = kernels.sparse24_gemm(x, m.values, m.meta, m.scale, m.bias, n)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), float((got - want).abs().max())
+print("ok")
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_lowered_instruction_sets_give_the_dense_result(isa: str) -> None:
+    levels = ("scalar", "avx2", "avx512")
+    if levels.index(isa) > levels.index(kernels.CAPS.cpu_isa):
+        pytest.skip(f"this CPU has no {isa}")
+    env = {**os.environ, "BRISK_CPU_ISA": isa}
+    result = subprocess.run([sys.executable, "-c", LOWERED.format(isa=isa)], capture_output=True, text=True, env=env,
+                            timeout=300, check=False)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
