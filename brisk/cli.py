@@ -258,7 +258,6 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
 def _cmd_prune(args: argparse.Namespace) -> int:
     from brisk.compress.prune import prune_to_dir
-
     from brisk.config import QuantConfig
 
     if args.ratio is None and args.method != "2:4":
