@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--method", required=True, choices=PRUNE_METHODS,
                     help="structured: whole KV groups of attention heads and MLP channels, FLAP's standardized "
                          "fluctuation scores over all layers, bias compensation; layers: whole decoder layers, "
-                         "ShortGPT's block influence; 2:4: 2 of every 4 weights of a row (Wanda), stored packed")
+                         "ShortGPT's block influence; 2:4: 2 of every 4 weights of a row (SparseGPT), stored packed")
     pr.add_argument("--ratio", type=float, default=None,
                     help="structured: fraction of the decoder layers' weights removed; layers: fraction of the layers "
                          "(2:4: always 0.5)")

@@ -323,7 +323,7 @@ class QuantConfig:
             raise ValueError(f"activations {self.activations!r} applies to int4 and gguf weights, not {self.method}")
         if self.calibration is not None and self.method not in CALIBRATED_METHODS:
             raise ValueError(f"calibration applies to int4 (GPTQ), w8a8 (SmoothQuant) and sparse24 / sparse24_int8 "
-                             f"(Wanda's 2:4 selection), not {self.method}")
+                             f"(SparseGPT's 2:4), not {self.method}")
 
     @classmethod
     def parse(cls, method: str, options: dict[str, Any] | str | None = None) -> QuantConfig:
@@ -357,7 +357,7 @@ class QuantConfig:
         if self.method == "w8a8":
             return f"w8a8{' smoothquant' if self.calibration else ''}"
         if self.method.startswith("sparse24"):
-            return f"2:4 {'int8' if self.method.endswith('int8') else 'float32'} {'wanda' if self.calibration else 'magnitude'}"
+            return f"2:4 {'int8' if self.method.endswith('int8') else 'float32'} {'sparsegpt' if self.calibration else 'magnitude'}"
         return self.method
 
 
@@ -375,7 +375,7 @@ class PruneConfig:
     `multiple` channels; `bias_compensation`: the pruned channels' mean calibration output added
     to o_proj / down_proj as a bias). "layers": `ratio` of the layers removed, the ones whose
     output is most like their input (ShortGPT's block influence). "2:4": of every 4 input columns
-    of every decoder Linear the 2 with the largest |W| x ||x|| are kept (Wanda), stored packed
+    of every decoder Linear 2 are kept, chosen and updated by SparseGPT, stored packed
     (quant/sparse24.py; its ratio is 0.5, and with quantization "int8" the kept values are int8).
     All score on the first `calibration_tokens` tokens of the text file `calibration`."""
 

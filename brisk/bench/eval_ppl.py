@@ -129,7 +129,7 @@ def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: in
         "kl_vs_float32": round(total.kl_sum / total.tokens, 6) + 0.0 if reference is not None else 0.0,
         "top1_agreement_vs_float32": round(total.top1_agree / total.tokens, 5) if reference is not None else 1.0,
         "weight_mib": round(weight_bytes(llm.model) / 2**20, 1),
-        "params": model_params(llm.model_config),
+        "params": pruning["params"] if pruning is not None else model_params(llm.model_config),  # 2:4: nonzero
         "pruning": None if pruning is None else {
             "method": pruning["method"], "ratio": pruning["ratio"], "layer_weights_removed": pruning["layer_weights_removed"],
             "params_dense": pruning["params_dense"], "seconds": pruning["seconds"],

@@ -17,12 +17,19 @@ from brisk.bench.latency import DEFAULT_PROMPT, _brisk_run, _interleaved, _machi
 from brisk.bench.throughput import make_workload, run_brisk
 from brisk.compress.prune import model_params, pruning_of
 from brisk.engine.llm import LLM
+from brisk.loader.quantized import quantization_of
+
+
+def _as_saved(engine: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint that holds its own format (a 2:4 directory) loads as saved: no -q on top."""
+    return {k: v for k, v in engine.items() if k not in ("quantization", "quantization_config")}
 
 
 def bench_prune(models: list[str], engine: dict[str, Any], new_tokens: int, repeats: int, batch: int,
                 seed: int = 0) -> dict[str, Any]:
-    """`models[0]` is the dense reference; every model gets the same `engine` options."""
-    llms = [LLM(m, **engine) for m in models]
+    """`models[0]` is the dense reference; every model gets the same `engine` options (a checkpoint in
+    its own format, such as a 2:4 directory, without the quantization ones)."""
+    llms = [LLM(m, **(engine if quantization_of(Path(m)) is None else _as_saved(engine))) for m in models]
     ids = llms[0].tokenizer.encode(DEFAULT_PROMPT, add_special_tokens=False)
     decode = _interleaved([(_brisk_run, llm) for llm in llms], ids, new_tokens, repeats)
     work = make_workload(batch, llms[0].model_config.vocab_size, seed, 128, new_tokens)

@@ -30,10 +30,6 @@ from brisk.quant.w8a8 import W8A8Linear
 Maker = Callable[[Linear, QuantConfig, "torch.Tensor | None"], nn.Module]
 
 
-def _norms(xtx: torch.Tensor | None) -> torch.Tensor | None:
-    """||x_i|| per input column (up to one factor) from X^T X / n: Wanda's activation norms."""
-    return None if xtx is None else xtx.diagonal().clamp_min(0).sqrt()
-
 Calibrated = dict[Linear, tuple["torch.Tensor | None", "torch.Tensor | None"]]  # column scale, X^T X / n
 
 # method -> (decoder Linear maker, LM head maker). int4's head is 8-bit in groups of 32 (GGUF's
@@ -47,11 +43,11 @@ METHODS: dict[str, tuple[Maker, Maker | None]] = {  # head maker None: the head 
     # ternary's head stays 8-bit (Q8_0-like) as BitNet keeps its embedding and head in high precision
     "ternary": (lambda lin, cfg, x: TernaryLinear.from_linear(lin),
                 lambda lin, cfg, x: GroupLinear.from_linear(lin, 32, 8)),
-    # 2:4 sparsity (quant/sparse24.py; compress/ prunes with it): Wanda's |W| x ||x|| from the
-    # calibration Hessian's diagonal. The head is not made sparse: float32 stays the model's own
-    # head, int8 gets int8's, so each compares with the dense model of the same dtype.
-    "sparse24": (lambda lin, cfg, x: Sparse24Linear.from_linear(lin, _norms(x)), None),
-    "sparse24_int8": (lambda lin, cfg, x: Sparse24Linear.from_linear(lin, _norms(x), int8=True),
+    # 2:4 sparsity (quant/sparse24.py; compress/ prunes with it): SparseGPT from the calibration
+    # Hessian. The head is not made sparse: float32 stays the model's own head, int8 gets int8's,
+    # so each compares with the dense model of the same dtype.
+    "sparse24": (lambda lin, cfg, x: Sparse24Linear.from_linear(lin, x), None),
+    "sparse24_int8": (lambda lin, cfg, x: Sparse24Linear.from_linear(lin, x, int8=True),
                       lambda lin, cfg, x: Int8Linear.from_linear(lin)),
 }
 assert set(METHODS) | {"gguf"} == set(QUANT_METHODS)
@@ -59,7 +55,7 @@ assert set(METHODS) | {"gguf"} == set(QUANT_METHODS)
 
 def _calibrator(method: str) -> Callable[[nn.Module, list[int]], Calibrated]:
     """From calibration text: GPTQ's Hessians for int4, SmoothQuant's migration for w8a8."""
-    if method in ("int4", "sparse24", "sparse24_int8"):  # sparse: the Hessians' diagonals
+    if method in ("int4", "sparse24", "sparse24_int8"):  # GPTQ's and SparseGPT's Hessians
         from brisk.quant.calibrate import gptq_calibrate
 
         return gptq_calibrate  # type: ignore[return-value]

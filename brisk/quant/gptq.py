@@ -26,12 +26,12 @@ BLOCK = 128  # columns updated together (lazy batch updates)
 DAMP = 1.0
 
 
-def _inverse_hessian(xtx: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _inverse_hessian(xtx: torch.Tensor, in_features: int, damp: float = DAMP) -> tuple[torch.Tensor, torch.Tensor]:
     """Upper Cholesky factor of H^-1 (float32), and the columns no calibration input touched."""
     h = 2 * xtx.double()  # [in, in]; the mean of x^T x over the calibration rows
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
-    h += DAMP * torch.diag(h).mean() * torch.eye(in_features, dtype=h.dtype, device=h.device)
+    h += damp * torch.diag(h).mean() * torch.eye(in_features, dtype=h.dtype, device=h.device)
     hinv = torch.cholesky_inverse(torch.linalg.cholesky(h))
     return torch.linalg.cholesky(hinv, upper=True).float(), dead
 

@@ -212,7 +212,7 @@ def sparse_dir(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
     out = tmp_path_factory.mktemp("pruned") / "smollm2-2-4"
     report = prune_to_dir(str(gguf_path), _pcfg("2:4", 0.5), out)
-    assert report["layer_weights_removed"] == 0.5 and report["values"] == "2:4 float32 wanda"
+    assert report["layer_weights_removed"] == 0.5 and report["values"] == "2:4 float32 sparsegpt"
     return out
 
 

@@ -56,13 +56,29 @@ def test_packing_round_trips_exactly(n: int) -> None:
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("n", [576, 1536, 100])
 def test_kernel_equals_the_dense_masked_weight(int8: bool, n: int) -> None:
-    module = Sparse24Linear.from_linear(_linear(40, n), torch.rand(n) + 0.5, int8=int8)
+    calib = torch.randn(256, n)
+    module = Sparse24Linear.from_linear(_linear(40, n), calib.T @ calib / 256, int8=int8)
     dense = dense_24(module.values, module.meta, module.scale, n)
     x = torch.randn(64, n)
     for rows in (1, 2, 3, 5, 8, 16, 17, 64):
         got = module(x[:rows])  # <= 16 rows: the sparse kernel; more: the dense weight through oneDNN
         want = x[:rows] @ dense.T + module.bias
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (rows, float((got - want).abs().max()))
+
+
+def test_sparsegpt_output_error_is_below_magnitude_selection() -> None:
+    """On the calibration inputs themselves, SparseGPT's kept-and-updated weights reproduce the dense
+    output better than keeping the largest weights of each group (and keep exactly 2 of 4)."""
+    torch.manual_seed(1)
+    lin = _linear(64, 256, bias=False)
+    # correlated input columns of uneven scales, as in a model: what SparseGPT's update exploits
+    x = (torch.randn(512, 64) @ torch.randn(64, 256) + 0.1 * torch.randn(512, 256)) * torch.linspace(0.2, 3.0, 256)
+    sparse = Sparse24Linear.from_linear(lin, x.T @ x / 512)
+    magnitude = Sparse24Linear.from_linear(lin)
+    want = x @ lin.weight.T
+    errors = [float((x @ dense_24(m.values, m.meta, None, 256).T - want).pow(2).mean()) for m in (sparse, magnitude)]
+    assert errors[0] < 0.5 * errors[1], errors
+    assert bool(((dense_24(sparse.values, sparse.meta, None, 256) != 0).view(64, 64, 4).sum(-1) <= 2).all())
 
 
 @needs_kernel
@@ -106,3 +122,13 @@ def test_lowered_instruction_sets_give_the_dense_result(isa: str) -> None:
     result = subprocess.run([sys.executable, "-c", LOWERED.format(isa=isa)], capture_output=True, text=True, env=env,
                             timeout=300, check=False)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_dense_weight_gives_the_cpu_result() -> None:
+    module = Sparse24Linear.from_linear(_linear(40, 576), None)
+    x = torch.randn(4, 576)
+    want = x @ dense_24(module.values, module.meta, None, 576).T + module.bias
+    got = module.to("cuda")(x.cuda()).cpu()
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
