@@ -169,7 +169,7 @@ def test_bad_options_are_clear_errors(tiny_llama) -> None:
         GroupLinear.from_weight(torch.randn(8, 576), None, 128, 4)
     with pytest.raises(ValueError, match="positive multiple of 32"):
         QuantConfig("int4", group_size=48)
-    with pytest.raises(ValueError, match=r"calibration applies to int4 \(GPTQ\) and w8a8"):
+    with pytest.raises(ValueError, match=r"calibration applies to int4 \(GPTQ\), w8a8"):
         QuantConfig("int8", calibration="x.txt")
     with pytest.raises(ValueError, match="unknown quantization option"):
         QuantConfig.parse("int4", '{"groupsize": 64}')
