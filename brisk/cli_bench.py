@@ -129,7 +129,9 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     add_model(prb)
     prb.add_argument("--variants", required=True,
                      help="comma-separated pruned models (directories written by `brisk prune`) measured beside "
-                          "--model, the dense model they were cut from")
+                          "--model, the dense model they were cut from; probe:RATIO is --model under Probe Pruning "
+                          "(decided per batch, its decision counted in its figures; needs --calibration)")
+    prb.add_argument("--calibration", default=None, help="text file Probe Pruning variants score their history on")
     prb.add_argument("--new-tokens", type=int, default=64, help="tokens per decode and per batched request (default 64)")
     prb.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5)")
     prb.add_argument("--batch", type=int, default=16, help="requests of the batched workload (default 16)")
@@ -249,7 +251,8 @@ def _bench_prune(args: argparse.Namespace) -> int:
         raise ValueError("--variants needs at least one pruned model")
     engine = {"dtype": args.dtype, "max_model_len": args.max_model_len or 1024, "num_kv_blocks": 1024,
               "quantization": args.quantization, "quantization_config": args.quant_config, "dequantize": args.dequantize}
-    print(json.dumps(bench_prune([args.model, *variants], engine, args.new_tokens, args.repeats, args.batch)),
+    print(json.dumps(bench_prune([args.model, *variants], engine, args.new_tokens, args.repeats, args.batch,
+                                 calibration=args.calibration)),
           flush=True)
     return 0
 

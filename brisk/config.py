@@ -361,8 +361,9 @@ class QuantConfig:
         return self.method
 
 
-PRUNE_METHODS = ("structured", "layers", "2:4")  # compress/prune.py
-PRUNE_OPTIONS = ("method", "ratio", "calibration", "calibration_tokens", "multiple", "bias_compensation")
+PRUNE_METHODS = ("structured", "layers", "2:4", "probe")  # compress/prune.py; "probe": compress/probe.py
+PRUNE_OPTIONS = ("method", "ratio", "calibration", "calibration_tokens", "multiple", "bias_compensation",
+                 "probe_tokens", "probe_sequences", "dense_layers")
 
 
 @dataclass(frozen=True)
@@ -377,6 +378,11 @@ class PruneConfig:
     output is most like their input (ShortGPT's block influence). "2:4": of every 4 input columns
     of every decoder Linear 2 are kept, chosen and updated by SparseGPT, stored packed
     (quant/sparse24.py; its ratio is 0.5, and with quantization "int8" the kept values are int8).
+    "probe": Probe Pruning (compress/probe.py), decided per batch of prompts at run time: of every
+    layer but the first `dense_layers`, `ratio` of its weights (whole KV groups, then MLP channels in
+    multiples of `multiple`) go, chosen from a probe (the `probe_tokens` share of the tokens with the
+    largest residual norm, of the `probe_sequences` share of the batch's sequences) fused with the
+    calibration text's states; ratio 0 is the dense model.
     All score on the first `calibration_tokens` tokens of the text file `calibration`."""
 
     method: str
@@ -385,13 +391,25 @@ class PruneConfig:
     calibration_tokens: int = 8192
     multiple: int = 64
     bias_compensation: bool = True
+    probe_tokens: float = 0.5  # "probe": Probe Pruning's defaults (Le et al.: half the tokens of 5% of the batch)
+    probe_sequences: float = 0.05
+    dense_layers: int = 3
 
     def __post_init__(self) -> None:
         if self.method not in PRUNE_METHODS:
             raise ValueError(f"unknown pruning method {self.method!r}; available: {', '.join(PRUNE_METHODS)}")
-        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 < self.ratio < 1:
-            raise ValueError(f"pruning ratio must be a number strictly between 0 and 1 (0.25 removes a quarter), "
-                             f"got {self.ratio!r}")
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or \
+                not (0 <= self.ratio < 1 if self.method == "probe" else 0 < self.ratio < 1):
+            bounds = "from 0 (the dense model) up to but not including 1" if self.method == "probe" else \
+                "strictly between 0 and 1"
+            raise ValueError(f"pruning ratio must be a number {bounds} (0.25 removes a quarter), got {self.ratio!r}")
+        for name in ("probe_tokens", "probe_sequences"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"pruning {name} is a share of the batch in (0, 1], got {value!r}")
+        if isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) or self.dense_layers < 0:
+            raise ValueError(f"pruning dense_layers (first layers left whole) must be an integer >= 0, "
+                             f"got {self.dense_layers!r}")
         if self.method == "2:4" and self.ratio != 0.5:
             raise ValueError(f"2:4 sparsity keeps 2 of every 4 weights of a row: its ratio is 0.5, got {self.ratio!r}")
         if not self.calibration or not isinstance(self.calibration, str):

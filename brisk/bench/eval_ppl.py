@@ -50,9 +50,12 @@ def _hidden(model: CausalLM, ids: list[int]) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def score_window(model: CausalLM, ids: list[int], reference: CausalLM | None) -> WindowScore:
-    """NLL of tokens 1.. given the ones before, plus KL and top-1 agreement against `reference`."""
-    h = _hidden(model, ids)
+def score_window(model: CausalLM, ids: list[int], reference: CausalLM | None,
+                 hidden: torch.Tensor | None = None) -> WindowScore:
+    """NLL of tokens 1.. given the ones before, plus KL and top-1 agreement against `reference`.
+    `hidden`: the window's final hidden states when something other than `model`'s forward made
+    them (Probe Pruning's decision pass)."""
+    h = _hidden(model, ids) if hidden is None else hidden
     h_ref = _hidden(reference, ids) if reference is not None else None
     targets = torch.tensor(ids[1:], device=h.device)
     score = WindowScore(tokens=len(ids) - 1)
@@ -103,24 +106,35 @@ def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: in
     if pruning is not None and llm.pruning is None:
         pruning = {**pruning, "directory": True}
     reference = None
-    if dtype != "float32" or llm.quantization is not None or pruning is not None:
+    probe = llm._probe if llm._probe is not None and llm._probe.active else None
+    if probe is not None:
+        reference = llm._dense_model
+    elif dtype != "float32" or llm.quantization is not None or pruning is not None:
         # a .gguf's blocks as floats: the exactness reference; a pruned model's is the model it was cut from
         dense_ref = pruning.get("source", model_ref) if pruning is not None else model_ref
         reference = load_model(dense_ref, dtype="float32", device=device, max_model_len=max(window, 256),
                                dequantize=True).model
         reference.pack_weights()
     total = WindowScore()
+    probe_seconds = 0.0
     start = time.perf_counter()
     for i in range(0, len(ids) - 1, window):
         chunk = ids[i:i + window]
         if len(chunk) < 2:
             break
-        s = score_window(llm.model, chunk, reference)
+        if probe is not None:  # each window is the batch whose probe decides its channels (the paper's protocol)
+            with sdpa_context(reference.device):  # type: ignore[union-attr]
+                hidden, decision = probe.forward([chunk])
+            probe_seconds += decision.seconds
+            s = score_window(reference, chunk, reference, hidden)  # type: ignore[arg-type]
+        else:
+            s = score_window(llm.model, chunk, reference)
         total.nll_sum += s.nll_sum
         total.kl_sum += s.kl_sum
         total.top1_agree += s.top1_agree
         total.tokens += s.tokens
     elapsed = time.perf_counter() - start
+    decode = _decode_tokens_per_s(llm)  # under Probe Pruning llm.model is then the compact model it decided
     result: dict[str, Any] = {
         "bench": "ppl", "model": model_ref, "dtype": dtype, "device": device, "quantization": llm.quantization.describe() if llm.quantization else None, "text": str(text),
         "window": window,
@@ -133,8 +147,18 @@ def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: in
         "pruning": None if pruning is None else {
             "method": pruning["method"], "ratio": pruning["ratio"], "layer_weights_removed": pruning["layer_weights_removed"],
             "params_dense": pruning["params_dense"], "seconds": pruning["seconds"],
-            "load_seconds": round(load_seconds, 2)},
+            "load_seconds": round(load_seconds, 2),
+            **({} if probe is None else {"dense_layers": pruning["dense_layers"], "layer_ratio": pruning["layer_ratio"],
+                                         "probe_tokens": pruning["probe_tokens"],
+                                         "probe_sequences": pruning["probe_sequences"],
+                                         "decision": "per window: each window is the batch whose probe decides "
+                                                     "its heads and channels",
+                                         "decision_seconds": round(probe_seconds, 2)})},
         "scoring_tokens_per_s": round(total.tokens / elapsed, 1),
-        "decode_tokens_per_s": _decode_tokens_per_s(llm),
+        "decode_tokens_per_s": decode,
     }
+    if probe is not None:  # what generation's decision (on the prompt) cost, beside the decode figure;
+        # the dense model stays loaded beside the compact one (the decisions run on it)
+        result["pruning"]["generate_decision_seconds"] = round(llm.last_probe.seconds, 4)  # type: ignore[index,union-attr]
+        result["pruning"]["dense_weight_mib"] = round(weight_bytes(reference) / 2**20, 1)  # type: ignore[arg-type]
     return result

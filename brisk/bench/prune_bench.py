@@ -9,6 +9,7 @@ variant against the dense float32 model).
 from __future__ import annotations
 
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from brisk.bench.throughput import make_workload, run_brisk
 from brisk.compress.prune import model_params, pruning_of
 from brisk.engine.llm import LLM
 from brisk.loader.quantized import quantization_of
+from brisk.request import SamplingParams
 
 
 def _as_saved(engine: dict[str, Any]) -> dict[str, Any]:
@@ -25,13 +27,46 @@ def _as_saved(engine: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in engine.items() if k not in ("quantization", "quantization_config")}
 
 
+PROBE_PREFIX = "probe:"  # a --variants entry "probe:0.4": the dense model under Probe Pruning at that ratio
+
+
+def _run(llm: LLM, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+    """`_brisk_run` with Probe Pruning's decision counted: time to first token from the call (the
+    decision runs before the request is queued), and decode over the steps plus the decision."""
+    if llm.pruning is None or llm.pruning["method"] != "probe":
+        return _brisk_run(llm, ids, new_tokens)
+    started = time.perf_counter()
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    m, decision = out.metrics, llm.last_probe
+    assert m.first_token_time is not None and m.finish_time is not None and decision is not None
+    return m.first_token_time - started, (new_tokens - 1) / (m.finish_time - m.first_token_time + decision.seconds), \
+        out.outputs[0].token_ids
+
+
+def _load(m: str, dense: str, engine: dict[str, Any], calibration: str | None) -> LLM:
+    if m.startswith(PROBE_PREFIX):
+        if calibration is None:
+            raise ValueError(f"variant {m!r} (Probe Pruning) needs --calibration: the text its history is scored on")
+        try:
+            ratio = float(m.removeprefix(PROBE_PREFIX))
+        except ValueError:
+            raise ValueError(f"variant {m!r}: write Probe Pruning as probe:RATIO, e.g. probe:0.4") from None
+        return LLM(dense, **_as_saved(engine), pruning={"method": "probe", "ratio": ratio, "calibration": calibration})
+    return LLM(m, **(engine if quantization_of(Path(m)) is None else _as_saved(engine)))
+
+
 def bench_prune(models: list[str], engine: dict[str, Any], new_tokens: int, repeats: int, batch: int,
-                seed: int = 0) -> dict[str, Any]:
+                seed: int = 0, calibration: str | None = None) -> dict[str, Any]:
     """`models[0]` is the dense reference; every model gets the same `engine` options (a checkpoint in
-    its own format, such as a 2:4 directory, without the quantization ones)."""
-    llms = [LLM(m, **(engine if quantization_of(Path(m)) is None else _as_saved(engine))) for m in models]
+    its own format, such as a 2:4 directory, without the quantization ones). A model "probe:R" is
+    `models[0]` under Probe Pruning at ratio R (history from `calibration`), its decision per
+    batch counted in its decode and time-to-first-token figures."""
+    if any(m.startswith(PROBE_PREFIX) for m in models) and engine.get("quantization"):
+        raise ValueError("Probe Pruning runs on float weights: drop -q, or compare static pruned directories")
+    llms = [_load(m, models[0], engine, calibration) for m in models]
     ids = llms[0].tokenizer.encode(DEFAULT_PROMPT, add_special_tokens=False)
-    decode = _interleaved([(_brisk_run, llm) for llm in llms], ids, new_tokens, repeats)
+    decode = _interleaved([(_run, llm) for llm in llms], ids, new_tokens, repeats)
     work = make_workload(batch, llms[0].model_config.vocab_size, seed, 128, new_tokens)
     batched: list[list[float]] = [[] for _ in llms]
     for llm in llms:
@@ -41,13 +76,16 @@ def bench_prune(models: list[str], engine: dict[str, Any], new_tokens: int, repe
             batched[i].append(run_brisk(llm, work)["output_tokens_per_s"])
     rows = []
     for m, llm, (summary, _), tput in zip(models, llms, decode, batched):
-        pruning = llm.pruning or pruning_of(Path(m))
+        pruning = llm.pruning or (None if m.startswith(PROBE_PREFIX) else pruning_of(Path(m)))
         rows.append({
             "model": m, "pruning": None if pruning is None else f"{pruning['method']} {pruning['ratio']:g}",
             "layer_weights_removed": None if pruning is None else pruning["layer_weights_removed"],
             "params_m": round(model_params(llm.model_config) / 1e6, 2),
             "weight_mib": round(weight_bytes(llm.model) / 2**20, 1),
-            "decode_tok_s": summary["decode_tok_s"], "batched_tok_s": round(statistics.median(tput), 2)})
+            "decode_tok_s": summary["decode_tok_s"], "batched_tok_s": round(statistics.median(tput), 2),
+            "ttft_s": summary["ttft_s"]})
+        if llm.last_probe is not None:  # the decision of the batched run (its prompts are the batch)
+            rows[-1]["batched_decision_s"] = round(llm.last_probe.seconds, 3)
     for row in rows:
         row["decode_vs_dense"] = round(row["decode_tok_s"] / rows[0]["decode_tok_s"], 3)
         row["batched_vs_dense"] = round(row["batched_tok_s"] / rows[0]["batched_tok_s"], 3)

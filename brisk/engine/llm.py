@@ -8,10 +8,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import time
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any, Self, Union
+from typing import TYPE_CHECKING, Any, Self, Union
 
 from tqdm import tqdm
 
@@ -24,13 +26,19 @@ from brisk.config import (
     SchedulerConfig,
     SpecConfig,
 )
-from brisk.engine.llm_engine import LLMEngine
+from brisk.engine.llm_engine import LLMEngine, num_kv_blocks
 from brisk.engine.outputs import RequestOutput
 from brisk.engine.workers import Cluster, WorkerArgs, start_cluster
 from brisk.loader.load import load_model
 from brisk.loader.resolve import DEFAULT_MODEL
 from brisk.model.base import CausalLM
 from brisk.request import SamplingParams
+from brisk.runtime.paged_runner import kv_block_bytes, model_kv_groups
+
+if TYPE_CHECKING:
+    from brisk.compress.probe import Decision, ProbePruner
+
+PROBE_PACK_MIN_TOKENS = 256  # Probe Pruning: prompt tokens of a batch from which its compact model is packed
 
 # A prompt is text, or {"prompt_token_ids": [...]} for pre-tokenized input (as in vLLM).
 Prompt = Union[str, dict[str, Any]]
@@ -106,6 +114,8 @@ class LLM:
             raise ValueError("pruning at load runs in a single process: write the pruned model once with `brisk "
                              "prune ... --out DIR`, then run DIR with tensor/pipeline parallelism")
         self.pruning: dict[str, Any] | None = None  # what pruning at load did (compress/prune.py's report)
+        self._probe: ProbePruner | None = None  # Probe Pruning: decides per batch (compress/probe.py)
+        self.last_probe: Decision | None = None  # ...what it decided for the last batch
         if parallel.world_size > 1:
             cache.check_multi_process()  # before any worker starts
             if spec is not None and spec.method != "ngram":
@@ -120,6 +130,14 @@ class LLM:
             # Until the engine holds the cluster (below), a failure here must not leave workers behind.
             self._finalizer = weakref.finalize(self, self._cluster.close)
             loaded = self._cluster.loaded
+        elif prune is not None and prune.method == "probe":
+            from brisk.compress.probe import load_probe
+
+            if dequantize or quant is not None:
+                raise ValueError("Probe Pruning cuts float weights per batch of prompts: it cannot combine with "
+                                 "quantization or --dequantize yet (static pruning, method \"structured\", can)")
+            loaded, self._probe = load_probe(model, prune, dtype=dtype, device=device, max_model_len=max_model_len)
+            self.pruning = self._probe.report()
         elif prune is not None:
             from brisk.compress.prune import load_pruned
 
@@ -145,8 +163,15 @@ class LLM:
         for m in (self.model, draft):
             if m is not None:
                 m.use_decode_plan = not enforce_eager
-        self.engine = LLMEngine(loaded.model, loaded.tokenizer, cache, sched, seed, pack_weights, spec, draft,
+        # Under Probe Pruning every batch gets an engine of its own (_probe_batch): the dense model's
+        # holds one sequence's KV, not the cache's worth
+        dense_cache = cache if self._probe is None or not self._probe.active else \
+            dataclasses.replace(cache, num_kv_blocks=-(-self.max_model_len // cache.block_size) + 1)
+        self.engine = LLMEngine(loaded.model, loaded.tokenizer, dense_cache, sched, seed, pack_weights, spec, draft,
                                 None if self._cluster is None else self._cluster.runner)
+        self._engine_args = (cache, sched, seed, pack_weights, spec, draft)  # Probe Pruning's engines per batch
+        self._idle_engine = self.engine  # ...and the dense model's, held while the next one is built
+        self._dense_model = loaded.model
         if self._cluster is not None:
             # The workers live as long as the engine (a server may keep the engine and drop the LLM).
             self._finalizer.detach()
@@ -221,7 +246,7 @@ class LLM:
             if error is not None:
                 raise RuntimeError(f"generation failed: {error}") from error
 
-    def get_tokenizer(self):  # noqa: ANN201 - the Tokenizer type lives in loader/
+    def get_tokenizer(self):
         return self.tokenizer
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -255,6 +280,8 @@ class LLM:
     def _add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
         """Validate and queue every prompt, or none: a bad one aborts those added before it."""
         prepared = [self._prompt_ids(p) for p in prompts]
+        if self._probe is not None and self._probe.active:
+            self._probe_batch([ids for _, ids in prepared], params)
         ids: list[str] = []
         try:
             for (text, token_ids), p in zip(prepared, params):
@@ -266,6 +293,34 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return ids
+
+    def _probe_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+        """Probe Pruning: decide this batch's heads and channels on its prompts, then run it on an
+        engine over the compact model they make (KV sized for this batch; the last batch's goes)."""
+        assert self._probe is not None
+        if self.engine.unfinished_request_ids():
+            raise ValueError("Probe Pruning decides the kept heads and channels per batch of prompts, and requests "
+                             "of an earlier batch are still running: finish or abort them first (or pass all "
+                             "prompts to one generate call)")
+        started = time.perf_counter()
+        decision = self._probe.decide(prompts)
+        old = self.model if self.model is not self._dense_model else None
+        self.engine = self._idle_engine  # the last batch's engine and KV go before the next is built
+        compact = self._probe.compact_model(decision.plan, reuse=old)
+        compact.use_decode_plan = self._dense_model.use_decode_plan
+        cache, sched, seed, pack, spec, draft = self._engine_args
+        block = cache.block_size
+        need = sum(-(-(len(ids) + (p.max_tokens or self.max_model_len)) // block) for ids, p in zip(prompts, params))
+        room = min(need + len(prompts), num_kv_blocks(cache, kv_block_bytes(compact, block,
+                                                                             model_kv_groups(compact, sched.max_model_len))))
+        # Packed weights speed up prompt rows only (decode steps run on the plan's own kernels), and
+        # packing a compact model costs ~0.1 s: worth it from a few hundred prompt tokens.
+        pack = pack and sum(len(ids) for ids in prompts) >= PROBE_PACK_MIN_TOKENS
+        self.engine = LLMEngine(compact, self.tokenizer, dataclasses.replace(cache, num_kv_blocks=room), sched, seed,
+                                pack, spec, draft)
+        self.model = compact
+        decision.seconds = time.perf_counter() - started  # decision pass, compact model and engine together
+        self.last_probe = decision
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's output after each step that extends it; `.outputs[i].delta` is the new text.

@@ -24,6 +24,10 @@ def build_app(llm: LLM, api_key: str | None = None, max_waiting: int = 256, limi
     from brisk.engine.async_engine import AsyncEngine
     from brisk.server.app import ServerState, create_app
 
+    if llm._probe is not None and llm._probe.active:
+        raise ValueError("Probe Pruning decides heads and channels per batch of prompts (LLM.generate, `brisk "
+                         "generate`, `brisk eval ppl`); a server's requests come and go one at a time: serve a "
+                         "statically pruned model instead (`brisk prune --method structured`)")
     engine = AsyncEngine(llm.engine, max_waiting=max_waiting)
     engine.start()
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
