@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--text", type=Path, required=True, help="UTF-8 text file, e.g. wikitext-2-raw/wiki.test.raw")
     ppl.add_argument("--window", type=int, default=1024, help="tokens per non-overlapping window (default 1024)")
     ppl.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")
+    ppl.add_argument("--score-from", type=int, default=1,
+                     help="score each window's tokens from this position on; the ones before are context only "
+                          "(default 1: all but the first). Under Probe Pruning they are also the prompt its decision "
+                          "is made on, so no scored token is seen before it is predicted (the default decides on "
+                          "the whole window, as the paper's perplexity does)")
     ppl.add_argument("--json", action="store_true", help="print only the JSON line")
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
@@ -105,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("prune", help="write a pruned copy of a model (fewer heads, channels or layers) as a directory")
     pr.add_argument("model", help="built-in name, .gguf file or HF directory")
-    pr.add_argument("--method", required=True, choices=PRUNE_METHODS,
+    pr.add_argument("--method", required=True, choices=[m for m in PRUNE_METHODS if m != "probe"],
                     help="structured: whole KV groups of attention heads and MLP channels, FLAP's standardized "
                          "fluctuation scores over all layers, bias compensation; layers: whole decoder layers, "
                          "ShortGPT's block influence; 2:4: 2 of every 4 weights of a row (SparseGPT), stored packed")
@@ -330,7 +335,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.max_tokens is not None and args.max_tokens < 2:
         raise ValueError("--max-tokens must be >= 2")
     result = eval_ppl(args.model, args.dtype, args.text, args.window, args.max_tokens, quant_kwargs(args),
-                      device=args.device)
+                      device=args.device, score_from=args.score_from)
     if not args.json:
         print(f"perplexity {result['perplexity']} over {result['tokens_scored']} tokens "
               f"(KL vs float32 {result['kl_vs_float32']}, top-1 agreement {result['top1_agreement_vs_float32']})",

@@ -32,7 +32,10 @@ PRUNING_HELP = ('prune at load, as JSON: \'{"method": "structured", "ratio": 0.2
                 '(whole KV groups of heads and MLP channels, FLAP scores; "multiple": MLP widths kept in multiples of '
                 'it, default 64; "bias_compensation": default true) or \'{"method": "layers", "ratio": 0.2, '
                 '"calibration": "text.txt"}\' (whole layers, ShortGPT block influence); "calibration_tokens" '
-                '(default 8192). `brisk prune` writes the same model as a directory')
+                '(default 8192). `brisk prune` writes the same model as a directory. Or \'{"method": "probe", '
+                '"ratio": 0.4, "calibration": "text.txt"}\': Probe Pruning, heads and channels decided per batch of '
+                'prompts from a probe of it ("probe_tokens" 0.5, "probe_sequences" 0.05, "dense_layers" 3; not '
+                'with serve)')
 
 
 def add_pruning(p: argparse.ArgumentParser) -> None:

@@ -51,15 +51,15 @@ def _hidden(model: CausalLM, ids: list[int]) -> torch.Tensor:
 
 @torch.inference_mode()
 def score_window(model: CausalLM, ids: list[int], reference: CausalLM | None,
-                 hidden: torch.Tensor | None = None) -> WindowScore:
-    """NLL of tokens 1.. given the ones before, plus KL and top-1 agreement against `reference`.
-    `hidden`: the window's final hidden states when something other than `model`'s forward made
-    them (Probe Pruning's decision pass)."""
+                 hidden: torch.Tensor | None = None, score_from: int = 1) -> WindowScore:
+    """NLL of tokens `score_from`.. given the ones before, plus KL and top-1 agreement against
+    `reference`. `hidden`: the window's final hidden states when something other than `model`'s
+    forward made them (Probe Pruning's decision pass)."""
     h = _hidden(model, ids) if hidden is None else hidden
     h_ref = _hidden(reference, ids) if reference is not None else None
     targets = torch.tensor(ids[1:], device=h.device)
-    score = WindowScore(tokens=len(ids) - 1)
-    for start in range(0, len(ids) - 1, LOGIT_ROWS):
+    score = WindowScore(tokens=len(ids) - score_from)
+    for start in range(score_from - 1, len(ids) - 1, LOGIT_ROWS):
         rows = slice(start, min(start + LOGIT_ROWS, len(ids) - 1))
         logp = F.log_softmax(model.compute_logits(h[rows]), dim=-1)  # [r, vocab] float32
         score.nll_sum -= float(logp.gather(-1, targets[rows, None]).sum())
@@ -84,9 +84,11 @@ def weight_bytes(model: CausalLM) -> int:
 
 
 def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: int | None,
-             quant: dict[str, Any] | None = None, device: str = "cpu") -> dict[str, Any]:
+             quant: dict[str, Any] | None = None, device: str = "cpu", score_from: int = 1) -> dict[str, Any]:
     if window < 2:
         raise ValueError(f"--window must be >= 2 tokens, got {window}")
+    if not 1 <= score_from < window:
+        raise ValueError(f"--score-from must be a position inside the window (1 to {window - 1}), got {score_from}")
     if not text.is_file():
         raise ValueError(f"--text {text} is not a file")
     started = time.perf_counter()
@@ -118,17 +120,24 @@ def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: in
     total = WindowScore()
     probe_seconds = 0.0
     start = time.perf_counter()
+    compact = None
     for i in range(0, len(ids) - 1, window):
         chunk = ids[i:i + window]
-        if len(chunk) < 2:
+        if len(chunk) <= score_from:
             break
-        if probe is not None:  # each window is the batch whose probe decides its channels (the paper's protocol)
+        if probe is not None and score_from > 1:  # decided on the window's context part, as on a prompt
+            started_decision = time.perf_counter()
+            with sdpa_context(reference.device):  # type: ignore[union-attr]
+                compact = probe.compact_model(probe.decide([chunk[:score_from]]).plan, reuse=compact)
+            probe_seconds += time.perf_counter() - started_decision
+            s = score_window(compact, chunk, reference, score_from=score_from)
+        elif probe is not None:  # each window is the batch whose probe decides its channels (the paper's protocol)
             with sdpa_context(reference.device):  # type: ignore[union-attr]
                 hidden, decision = probe.forward([chunk])
             probe_seconds += decision.seconds
             s = score_window(reference, chunk, reference, hidden)  # type: ignore[arg-type]
         else:
-            s = score_window(llm.model, chunk, reference)
+            s = score_window(llm.model, chunk, reference, score_from=score_from)
         total.nll_sum += s.nll_sum
         total.kl_sum += s.kl_sum
         total.top1_agree += s.top1_agree
@@ -137,7 +146,7 @@ def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: in
     decode = _decode_tokens_per_s(llm)  # under Probe Pruning llm.model is then the compact model it decided
     result: dict[str, Any] = {
         "bench": "ppl", "model": model_ref, "dtype": dtype, "device": device, "quantization": llm.quantization.describe() if llm.quantization else None, "text": str(text),
-        "window": window,
+        "window": window, "score_from": score_from,
         "tokens_scored": total.tokens, "perplexity": round(math.exp(total.nll_sum / total.tokens), 4),
         "nll_per_token": round(total.nll_sum / total.tokens, 5),
         "kl_vs_float32": round(total.kl_sum / total.tokens, 6) + 0.0 if reference is not None else 0.0,
@@ -152,7 +161,8 @@ def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: in
                                          "probe_tokens": pruning["probe_tokens"],
                                          "probe_sequences": pruning["probe_sequences"],
                                          "decision": "per window: each window is the batch whose probe decides "
-                                                     "its heads and channels",
+                                                     "its heads and channels" if score_from == 1 else
+                                                     f"per window, on its first {score_from} tokens (not scored)",
                                          "decision_seconds": round(probe_seconds, 2)})},
         "scoring_tokens_per_s": round(total.tokens / elapsed, 1),
         "decode_tokens_per_s": decode,

@@ -52,7 +52,8 @@ def _load(m: str, dense: str, engine: dict[str, Any], calibration: str | None) -
             ratio = float(m.removeprefix(PROBE_PREFIX))
         except ValueError:
             raise ValueError(f"variant {m!r}: write Probe Pruning as probe:RATIO, e.g. probe:0.4") from None
-        return LLM(dense, **_as_saved(engine), pruning={"method": "probe", "ratio": ratio, "calibration": calibration})
+        floats = {k: v for k, v in _as_saved(engine).items() if k != "dequantize"}  # probe always runs on floats
+        return LLM(dense, **floats, pruning={"method": "probe", "ratio": ratio, "calibration": calibration})
     return LLM(m, **(engine if quantization_of(Path(m)) is None else _as_saved(engine)))
 
 
@@ -80,7 +81,7 @@ def bench_prune(models: list[str], engine: dict[str, Any], new_tokens: int, repe
         rows.append({
             "model": m, "pruning": None if pruning is None else f"{pruning['method']} {pruning['ratio']:g}",
             "layer_weights_removed": None if pruning is None else pruning["layer_weights_removed"],
-            "params_m": round(model_params(llm.model_config) / 1e6, 2),
+            "params_m": round(model_params(llm.model.config) / 1e6, 2),  # Probe Pruning: its compact model
             "weight_mib": round(weight_bytes(llm.model) / 2**20, 1),
             "decode_tok_s": summary["decode_tok_s"], "batched_tok_s": round(statistics.median(tput), 2),
             "ttft_s": summary["ttft_s"]})

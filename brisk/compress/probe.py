@@ -85,10 +85,11 @@ def check_probe(cfg: ModelConfig, pcfg: PruneConfig) -> None:
             raise ValueError(f"layer {i}'s MLP is {cfg.intermediate(i)} channels, fewer than the multiple "
                              f"{pcfg.multiple} widths are kept in: lower \"multiple\"")
         groups, width = keep_counts(cfg, i, rho, pcfg.multiple)
-        kept = 1 - (groups * _group_cost(cfg, i) + width * 3 * cfg.hidden_size) / cfg.layer_params(i)
-        if rho > 0 and kept > rho + 0.25:
+        removed = 1 - (groups * _group_cost(cfg, i) + width * 3 * cfg.hidden_size) / cfg.layer_params(i)
+        if rho > 0 and removed > rho + 0.25:
             raise ValueError(f"pruning ratio {pcfg.ratio:g} cannot be met in layer {i} with at least one KV group "
-                             f"and {pcfg.multiple} MLP channels (it would remove {kept:.2f} of it): lower the ratio")
+                             f"and {pcfg.multiple} MLP channels (it would remove {removed:.2f} of it): lower the "
+                             "ratio")
 
 
 def _group_cost(cfg: ModelConfig, i: int) -> int:
@@ -97,13 +98,14 @@ def _group_cost(cfg: ModelConfig, i: int) -> int:
 
 
 def keep_counts(cfg: ModelConfig, i: int, rho: float, multiple: int) -> tuple[int, int]:
-    """KV groups and MLP channels layer `i` keeps when `rho` of its weights go: whole groups
-    first (the nearest count, at least one), the rest of the target from the MLP, its width
-    rounded to the nearest multiple of `multiple` (at least one)."""
+    """KV groups and MLP channels layer `i` keeps when `rho` of its weights go: a whole KV group
+    goes only where `rho` of the groups covers it (a group is a coarse step: a third of the
+    attention of a 3-group model), at least one stays; the rest of the target comes from the MLP,
+    its width rounded to the nearest multiple of `multiple` (at least one)."""
     kv, inter = cfg.kv_heads(i), cfg.intermediate(i)
     if rho <= 0:
         return kv, inter
-    groups = max(1, min(kv, round(kv * (1 - rho))))
+    groups = max(1, kv - math.floor(kv * rho + 1e-9))
     target = rho * cfg.layer_params(i) - (kv - groups) * _group_cost(cfg, i)
     width = inter - target / (3 * cfg.hidden_size)
     width = min(inter, max(multiple, multiple * round(width / multiple)))

@@ -398,6 +398,9 @@ def prune_to_dir(ref: str, pcfg: PruneConfig, out: Path, dtype: str = "float32",
     from brisk.loader.convert import write_tokenizer_files
     from brisk.loader.hf_loader import hf_config_dict
 
+    if pcfg.method == "probe":
+        raise ValueError("Probe Pruning decides per batch at run time, so there is no pruned model to write: give "
+                         "--pruning '{\"method\": \"probe\", ...}' to generate / eval ppl")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
     check_before_load(ref, pcfg)

@@ -178,3 +178,19 @@ def test_the_server_refuses_per_batch_pruning(gguf_path: Path) -> None:
 
     with pytest.raises(ValueError, match="serve a statically pruned model instead"):
         build_app(LLM(str(gguf_path), pruning=_options(0.25)))
+
+
+def test_bench_prune_measures_probe_variants_with_their_decisions() -> None:
+    from brisk.bench.prune_bench import bench_prune
+
+    engine = {"max_model_len": 512, "num_kv_blocks": 64, "dequantize": True}
+    res = bench_prune(["smollm2-135m", "probe:0.3"], engine, new_tokens=4, repeats=1, batch=2,
+                      calibration=CALIBRATION)
+    dense, probe = res["models"]
+    assert dense["pruning"] is None and probe["pruning"] == "probe 0.3"
+    assert probe["params_m"] < dense["params_m"] and probe["weight_mib"] < dense["weight_mib"]
+    assert probe["decode_tok_s"] > 0 and probe["batched_decision_s"] > 0 and "batched_decision_s" not in dense
+    with pytest.raises(ValueError, match="needs --calibration"):
+        bench_prune(["smollm2-135m", "probe:0.3"], engine, 4, 1, 2)
+    with pytest.raises(ValueError, match="write Probe Pruning as probe:RATIO"):
+        bench_prune(["smollm2-135m", "probe:x"], engine, 4, 1, 2, calibration=CALIBRATION)
