@@ -102,15 +102,19 @@ def test_decision_pass_computes_what_the_compact_model_computes(dense: LoadedMod
                                    fresh.compute_logits(forward_sequence(fresh, ids)), atol=0, rtol=0)
 
 
-def test_the_batch_decides_for_all_its_requests(dense: LoadedModel, pruner: ProbePruner) -> None:
-    """Each layer's probe is the batch's loudest sequence there (5% of 4 prompts: one), so the
-    batch's channels differ from what some of its prompts would get alone: a request's output
-    depends on its batch (README: Pruning). The same batch always decides the same."""
+def test_the_batch_decides_by_its_probe_sequence(dense: LoadedModel, pruner: ProbePruner) -> None:
+    """5% of a 4-prompt batch is one sequence, the one with the largest residual norm entering
+    the first pruned layer: the batch's decision is that prompt's alone, so the other prompts get
+    channels other than their own (a request's output depends on its batch: README, Pruning).
+    The same batch always decides the same."""
     seqs = [_ids(dense, p) for p in PROMPTS]
     batch = pruner.decide(seqs).plan
     alone = [pruner.decide([s]).plan for s in seqs]
+    loudest = int(pruner._entry_norms(seqs).argmax())  # noqa: SLF001
+    assert alone[loudest] == batch
     assert any(a != batch for a in alone)
     assert pruner.decide(seqs).plan == batch
+    assert pruner.decide([seqs[loudest], seqs[loudest]]).plan == batch
 
 
 def test_generation_runs_the_compact_model_batched_as_alone(gguf_path: Path) -> None:
