@@ -40,8 +40,13 @@ def _run(llm: LLM, ids: list[int], new_tokens: int) -> tuple[float, float, list[
     out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
     m, decision = out.metrics, llm.last_probe
     assert m.first_token_time is not None and m.finish_time is not None and decision is not None
-    return m.first_token_time - started, (new_tokens - 1) / (m.finish_time - m.first_token_time + decision.seconds), \
-        out.outputs[0].token_ids
+    steps = m.finish_time - m.first_token_time
+    _DECISIONS.setdefault(id(llm), []).append((decision.seconds, (new_tokens - 1) / steps))
+    return m.first_token_time - started, (new_tokens - 1) / (steps + decision.seconds), out.outputs[0].token_ids
+
+
+# Probe Pruning runs: (decision seconds, decode tokens/s of the steps alone) per single-stream run, by LLM
+_DECISIONS: dict[int, list[tuple[float, float]]] = {}
 
 
 def _load(m: str, dense: str, engine: dict[str, Any], calibration: str | None) -> LLM:
@@ -86,9 +91,14 @@ def bench_prune(models: list[str], engine: dict[str, Any], new_tokens: int, repe
             "decode_tok_s": summary["decode_tok_s"], "batched_tok_s": round(statistics.median(tput), 2),
             "ttft_s": summary["ttft_s"]})
         if llm.last_probe is not None:  # the decision of the batched run (its prompts are the batch)
+            runs = _DECISIONS.pop(id(llm), [])[1:]  # past the warm-up
+            rows[-1]["decision_s"] = round(statistics.median(d for d, _ in runs), 4)
+            rows[-1]["decode_steps_tok_s"] = round(statistics.median(r for _, r in runs), 2)  # without the decision
             rows[-1]["batched_decision_s"] = round(llm.last_probe.seconds, 3)
     for row in rows:
         row["decode_vs_dense"] = round(row["decode_tok_s"] / rows[0]["decode_tok_s"], 3)
+        if "decode_steps_tok_s" in row:
+            row["decode_steps_vs_dense"] = round(row["decode_steps_tok_s"] / rows[0]["decode_tok_s"], 3)
         row["batched_vs_dense"] = round(row["batched_tok_s"] / rows[0]["batched_tok_s"], 3)
     return {"bench": "prune", "machine": _machine(engine.get("device", "cpu")),
             "quantization": None if llms[0].quantization is None else llms[0].quantization.describe(),

@@ -194,6 +194,7 @@ def test_bench_prune_measures_probe_variants_with_their_decisions() -> None:
     assert dense["pruning"] is None and probe["pruning"] == "probe 0.3"
     assert probe["params_m"] < dense["params_m"] and probe["weight_mib"] < dense["weight_mib"]
     assert probe["decode_tok_s"] > 0 and probe["batched_decision_s"] > 0 and "batched_decision_s" not in dense
+    assert probe["decision_s"] > 0 and probe["decode_steps_tok_s"] >= probe["decode_tok_s"]
     with pytest.raises(ValueError, match="needs --calibration"):
         bench_prune(["smollm2-135m", "probe:0.3"], engine, 4, 1, 2)
     with pytest.raises(ValueError, match="write Probe Pruning as probe:RATIO"):
