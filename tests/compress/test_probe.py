@@ -110,7 +110,7 @@ def test_the_batch_decides_by_its_probe_sequence(dense: LoadedModel, pruner: Pro
     seqs = [_ids(dense, p) for p in PROMPTS]
     batch = pruner.decide(seqs).plan
     alone = [pruner.decide([s]).plan for s in seqs]
-    loudest = int(pruner._entry_norms(seqs).argmax())  # noqa: SLF001
+    loudest = int(pruner._entry_norms(seqs).argmax())
     assert alone[loudest] == batch
     assert any(a != batch for a in alone)
     assert pruner.decide(seqs).plan == batch
