@@ -73,21 +73,20 @@ def test_pruned_at_load_is_measured_against_the_dense_model(text_file: Path) -> 
 def test_probe_pruning_is_scored_per_window_and_from_a_prompt(text_file: Path) -> None:
     """Probe Pruning decides on each window (the paper's protocol), or with score_from on the
     window's unscored head only (generation's view: nothing scored is seen before it is predicted);
-    the dense model it runs on is the reference, and score_from scores the same tokens for all."""
+    the dense model it runs on is the reference."""
     readme = str(Path(__file__).resolve().parents[2] / "README.md")
     pruning = {"method": "probe", "ratio": 0.3, "calibration": readme, "calibration_tokens": 512}
-    dense = eval_ppl("smollm2-135m", "float32", text_file, window=96, max_tokens=250, quant={"dequantize": True},
-                     score_from=48)
     window = eval_ppl("smollm2-135m", "float32", text_file, window=96, max_tokens=250, quant={"pruning": pruning})
     prompt = eval_ppl("smollm2-135m", "float32", text_file, window=96, max_tokens=250, quant={"pruning": pruning},
                       score_from=48)
-    assert window["tokens_scored"] == 249 - 2 and prompt["tokens_scored"] == dense["tokens_scored"] == 2 * 48 + 58 - 48
+    # windows of 96, 96 and 58 tokens: all but the first of each, or from position 48
+    assert window["tokens_scored"] == 249 - 2 and prompt["tokens_scored"] == 2 * 48 + 58 - 48
     for res in (window, prompt):
         assert res["pruning"]["method"] == "probe" and res["pruning"]["decision_seconds"] > 0
-        assert res["kl_vs_float32"] > 0 and res["perplexity"] > 0
-        assert res["params"] < res["pruning"]["params_dense"] == dense["params"]
-        assert res["weight_mib"] < res["pruning"]["dense_weight_mib"] == dense["weight_mib"]
-    assert "first 48 tokens" in prompt["pruning"]["decision"] and prompt["perplexity"] > dense["perplexity"]
+        assert res["kl_vs_float32"] > 0 and res["perplexity"] > 0 and res["top1_agreement_vs_float32"] < 1
+        assert res["params"] < res["pruning"]["params_dense"]
+        assert res["weight_mib"] < res["pruning"]["dense_weight_mib"]
+    assert "first 48 tokens" in prompt["pruning"]["decision"] and "per window" in window["pruning"]["decision"]
     with pytest.raises(ValueError, match="--score-from must be a position inside the window"):
         eval_ppl("smollm2-135m", "float32", text_file, window=96, max_tokens=250, score_from=96)
 

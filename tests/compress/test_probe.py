@@ -47,6 +47,11 @@ def pruner(dense: LoadedModel) -> ProbePruner:
     return ProbePruner.from_loaded(dense, _pcfg(0.4))
 
 
+@pytest.fixture(scope="module")
+def probe_llm(gguf_path: Path) -> LLM:
+    return LLM(str(gguf_path), pruning=_options(0.4))
+
+
 def _ids(dense: LoadedModel, text: str) -> list[int]:
     return dense.tokenizer.encode(text)
 
@@ -117,8 +122,8 @@ def test_the_batch_decides_by_its_probe_sequence(dense: LoadedModel, pruner: Pro
     assert pruner.decide([seqs[loudest], seqs[loudest]]).plan == batch
 
 
-def test_generation_runs_the_compact_model_batched_as_alone(gguf_path: Path) -> None:
-    llm = LLM(str(gguf_path), pruning=_options(0.4))
+def test_generation_runs_the_compact_model_batched_as_alone(probe_llm: LLM) -> None:
+    llm = probe_llm
     batched = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     decision, compact = llm.last_probe, llm.model
     assert decision is not None and compact is not llm._dense_model
@@ -140,8 +145,8 @@ def test_generation_runs_the_compact_model_batched_as_alone(gguf_path: Path) -> 
     assert logits[len(ids) - 1:].argmax(-1).tolist() == alone
 
 
-def test_an_open_batch_blocks_a_new_decision(gguf_path: Path) -> None:
-    llm = LLM(str(gguf_path), pruning=_options(0.25))
+def test_an_open_batch_blocks_a_new_decision(probe_llm: LLM) -> None:
+    llm = probe_llm
     stream = llm.stream("Hello there", GREEDY)
     next(stream)
     with pytest.raises(ValueError, match="per batch of prompts, and requests of an earlier batch are still running"):
@@ -177,11 +182,11 @@ def test_what_a_model_cannot_take_is_refused_before_loading(gguf_path: Path, den
         LLM(str(gguf_path), pruning={**_options(0.4), "calibration": "/nonexistent.txt"})
 
 
-def test_the_server_refuses_per_batch_pruning(gguf_path: Path) -> None:
+def test_the_server_refuses_per_batch_pruning(probe_llm: LLM) -> None:
     from brisk.server import build_app
 
     with pytest.raises(ValueError, match="serve a statically pruned model instead"):
-        build_app(LLM(str(gguf_path), pruning=_options(0.25)))
+        build_app(probe_llm)
 
 
 def test_bench_prune_measures_probe_variants_with_their_decisions() -> None:
