@@ -56,8 +56,8 @@ def _ids(dense: LoadedModel, text: str) -> list[int]:
     return dense.tokenizer.encode(text)
 
 
-def test_ratio_zero_generates_the_dense_models_tokens(gguf_path: Path) -> None:
-    dense = LLM(str(gguf_path), dequantize=True).generate(PROMPTS, GREEDY, use_tqdm=False)
+def test_ratio_zero_generates_the_dense_models_tokens(gguf_path: Path, brisk_llm: LLM) -> None:
+    dense = brisk_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     probed = LLM(str(gguf_path), pruning=_options(0.0)).generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in probed] == [o.outputs[0].token_ids for o in dense]
 
@@ -189,6 +189,8 @@ def test_the_server_refuses_per_batch_pruning(probe_llm: LLM) -> None:
         build_app(probe_llm)
 
 
+# ~20 s (two engines, calibration, a batched workload): a slow check, run with the benchmarks.
+@pytest.mark.slow
 def test_bench_prune_measures_probe_variants_with_their_decisions() -> None:
     from brisk.bench.prune_bench import bench_prune
 

@@ -233,6 +233,9 @@ def test_2_4_directory_decodes_through_the_plan_as_pruned_at_load(gguf_path: Pat
     assert at_load.pruning is not None and at_load.pruning["method"] == "2:4"
 
 
+# ~27 s (a SparseGPT pass of its own): a slow check; int8 2:4 modules are checked against their
+# dense masked weight in tests/quant/test_sparse24.py, every ISA.
+@pytest.mark.slow
 def test_2_4_with_int8_values(gguf_path: Path) -> None:
     from brisk.quant.int8 import Int8Linear
     from brisk.quant.sparse24 import Sparse24Linear
