@@ -310,7 +310,7 @@ class LLM:
         compact.use_decode_plan = self._dense_model.use_decode_plan
         cache, sched, seed, pack, spec, draft = self._engine_args
         block = cache.block_size
-        need = sum(-(-(len(ids) + (p.max_tokens or self.max_model_len)) // block) for ids, p in zip(prompts, params))
+        need = sum(p.n * -(-(len(ids) + (p.max_tokens or self.max_model_len)) // block) for ids, p in zip(prompts, params))
         room = min(need + len(prompts), num_kv_blocks(cache, kv_block_bytes(compact, block,
                                                                              model_kv_groups(compact, sched.max_model_len))))
         # Packed weights speed up prompt rows only (decode steps run on the plan's own kernels), and

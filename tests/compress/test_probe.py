@@ -153,6 +153,10 @@ def test_an_open_batch_blocks_a_new_decision(probe_llm: LLM) -> None:
         llm.generate("Another prompt", GREEDY, use_tqdm=False)
     stream.close()
     assert llm.generate("Another prompt", GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # the KV came back
+    # n samples of one prompt: the batch's KV is sized for every sibling
+    many = llm.generate("Once", SamplingParams(n=3, max_tokens=40, temperature=1.0, seed=7, ignore_eos=True),
+                        use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in many.outputs] == [40, 40, 40]
 
 
 @pytest.mark.parametrize(("options", "message"), [
