@@ -343,13 +343,19 @@ def decided_config(cfg: ModelConfig, plan: Plan) -> ModelConfig:
                                  for i in range(n)))
 
 
-def _planned_config(cfg: ModelConfig, keep: list[tuple[int, int]]) -> ModelConfig:
+def first_plan(cfg: ModelConfig, keep: list[tuple[int, int]]) -> Plan:
+    """A plan of the widths `keep` gives, keeping each layer's first groups and channels (the
+    shape of every decision at one ratio)."""
     plan = Plan(list(range(cfg.num_hidden_layers)), {}, {})
     for i, (groups, width) in enumerate(keep):
         if (groups, width) != (cfg.kv_heads(i), cfg.intermediate(i)):
             plan.kv_groups[i] = list(range(groups))
             plan.channels[i] = list(range(width))
-    return decided_config(cfg, plan)
+    return plan
+
+
+def _planned_config(cfg: ModelConfig, keep: list[tuple[int, int]]) -> ModelConfig:
+    return decided_config(cfg, first_plan(cfg, keep))
 
 
 def _cuts(cfg: ModelConfig, i: int, plan: Plan) -> list[tuple[str, int, torch.Tensor]]:

@@ -171,6 +171,11 @@ class LLM:
                                 None if self._cluster is None else self._cluster.runner)
         self._engine_args = (cache, sched, seed, pack_weights, spec, draft)  # Probe Pruning's engines per batch
         self._idle_engine = self.engine  # ...and the dense model's, held while the next one is built
+        self._spare: CausalLM | None = None  # a compact model allocated at load: the first batch refills it
+        if self._probe is not None and self._probe.active:
+            from brisk.compress.probe import first_plan
+
+            self._spare = self._probe.compact_model(first_plan(loaded.config, self._probe.keep))
         self._dense_model = loaded.model
         if self._cluster is not None:
             # The workers live as long as the engine (a server may keep the engine and drop the LLM).
@@ -280,13 +285,15 @@ class LLM:
     def _add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
         """Validate and queue every prompt, or none: a bad one aborts those added before it."""
         prepared = [self._prompt_ids(p) for p in prompts]
+        arrival = None
         if self._probe is not None and self._probe.active:
+            arrival = time.perf_counter()  # the decision is part of each request's time to first token
             self._probe_batch([ids for _, ids in prepared], params)
         ids: list[str] = []
         try:
             for (text, token_ids), p in zip(prepared, params):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, token_ids, p, prompt=text)
+                self.engine.add_request(rid, token_ids, p, prompt=text, arrival_time=arrival)
                 ids.append(rid)
         except ValueError:
             for rid in ids:
@@ -304,7 +311,7 @@ class LLM:
                              "prompts to one generate call)")
         started = time.perf_counter()
         decision = self._probe.decide(prompts)
-        old = self.model if self.model is not self._dense_model else None
+        old = self.model if self.model is not self._dense_model else self._spare
         self.engine = self._idle_engine  # the last batch's engine and KV go before the next is built
         compact = self._probe.compact_model(decision.plan, reuse=old)
         compact.use_decode_plan = self._dense_model.use_decode_plan

@@ -128,6 +128,7 @@ def test_generation_runs_the_compact_model_batched_as_alone(probe_llm: LLM) -> N
     decision, compact = llm.last_probe, llm.model
     assert decision is not None and compact is not llm._dense_model
     assert decision.probe_rows > 0 and decision.seconds > 0
+    assert all(o.metrics.ttft > decision.seconds for o in batched)  # the decision counts in TTFT
     # Each request's tokens are the compact model's greedy choices over its own sequence (the
     # paged, batched decode plan equals a whole-sequence forward of the same model)...
     for prompt, out in zip(PROMPTS, batched):
