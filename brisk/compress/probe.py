@@ -51,11 +51,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from brisk.compress.prune import Plan, calibrate, calibration_ids, model_params
+from brisk.compress.prune import (
+    Plan,
+    calibrate,
+    calibration_ids,
+    kept_rows,
+    model_params,
+    stacked_rows,
+)
 from brisk.config import ModelConfig, PruneConfig
 from brisk.loader.load import LoadedModel
-from brisk.model.attention import ContiguousAttention, SeqSpan
-from brisk.model.base import CausalLM
+from brisk.model.attention import SeqSpan
+from brisk.model.base import CausalLM, contiguous_batch
 from brisk.model.registry import build_model
 
 
@@ -157,14 +164,7 @@ class ProbePruner:
         hidden states of every token (flat, in order) and the channels each layer kept."""
         started = time.perf_counter()
         model, cfg = self.model, self.config
-        flat = [t for s in seqs for t in s]
-        device, dtype = model.device, model.dtype
-        longest = max(len(s) for s in seqs)
-        caches = [(torch.empty(len(seqs), cfg.kv_heads(i), longest, cfg.head_dim, dtype=dtype, device=device),
-                   torch.empty(len(seqs), cfg.kv_heads(i), longest, cfg.head_dim, dtype=dtype, device=device))
-                  for i in range(cfg.num_hidden_layers)]
-        spans = _spans(seqs)
-        positions = torch.cat([torch.arange(len(s), device=device) for s in seqs])
+        ids, positions, meta = contiguous_batch(model, seqs)
         plan = Plan(list(range(cfg.num_hidden_layers)), {}, {})
         probe: dict[str, torch.Tensor] = {}
         counted = [0]
@@ -172,12 +172,11 @@ class ProbePruner:
         for i, layer in enumerate(model.layers):
             if i < self.pcfg.dense_layers or not self.active:
                 continue
-            hooks.append(layer.register_forward_pre_hook(self._probe_hook(spans, probe, counted)))
+            hooks.append(layer.register_forward_pre_hook(self._probe_hook(meta.seqs, probe, counted)))
             hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(self._attn_hook(i, probe, plan)))
             hooks.append(layer.mlp.down_proj.register_forward_pre_hook(self._mlp_hook(i, probe, plan)))
         try:
-            hidden = model(torch.tensor(flat, device=device), positions,
-                           ContiguousAttention(caches, spans, scale=cfg.attn_scale))
+            hidden = model(ids, positions, meta)
         finally:
             for h in hooks:
                 h.remove()
@@ -199,19 +198,10 @@ class ProbePruner:
     def _entry_norms(self, seqs: list[list[int]]) -> torch.Tensor:
         """Each sequence's mean residual L2 norm entering layer `dense_layers` (the layers before
         it are never pruned: the whole batch runs only those)."""
-        model, cfg, end = self.model, self.config, self.pcfg.dense_layers
-        device, dtype = model.device, model.dtype
-        longest = max(len(s) for s in seqs)
-        caches = [(torch.empty(len(seqs), cfg.kv_heads(i), longest, cfg.head_dim, dtype=dtype, device=device),
-                   torch.empty(len(seqs), cfg.kv_heads(i), longest, cfg.head_dim, dtype=dtype, device=device))
-                  for i in range(end)]
-        spans = _spans(seqs)
-        flat = torch.tensor([t for s in seqs for t in s], device=device)
-        positions = torch.cat([torch.arange(len(s), device=device) for s in seqs])
-        h, residual = model.run_layers(model.embed(flat), None, positions,
-                                       ContiguousAttention(caches, spans, scale=cfg.attn_scale), 0, end)
-        norms = torch.linalg.vector_norm((h if residual is None else h + residual).float(), dim=-1)
-        return torch.stack([norms[s.query_start:s.query_start + s.num_tokens].mean() for s in spans])
+        model, end = self.model, self.pcfg.dense_layers
+        ids, positions, meta = contiguous_batch(model, seqs, end)
+        h, residual = model.run_layers(model.embed(ids), None, positions, meta, 0, end)
+        return _span_means(_row_norms(h if residual is None else h + residual), meta.seqs)
 
     def _probe_hook(self, spans: list[SeqSpan], probe: dict[str, torch.Tensor],
                     counted: list[int]) -> Callable[[nn.Module, tuple[Any, ...]], None]:
@@ -280,7 +270,7 @@ class ProbePruner:
 
     def report(self, plan: Plan | None = None) -> dict[str, Any]:
         cfg = self.config
-        new_cfg = decided_config(cfg, plan) if plan is not None else _planned_config(cfg, self.keep)
+        new_cfg = decided_config(cfg, plan if plan is not None else first_plan(cfg, self.keep))
         layers = [sum(c.layer_params(i) for i in range(c.num_hidden_layers)) for c in (cfg, new_cfg)]
         return {
             "method": "probe", "ratio": self.pcfg.ratio, "layer_ratio": round(self.rho, 4),
@@ -294,20 +284,21 @@ class ProbePruner:
         }
 
 
-def _spans(seqs: list[list[int]]) -> list[SeqSpan]:
-    """One contiguous-cache slot per sequence, the flat batch in order."""
-    spans, offset = [], 0
-    for slot, s in enumerate(seqs):
-        spans.append(SeqSpan(slot, 0, len(s), offset))
-        offset += len(s)
-    return spans
+def _row_norms(stream: torch.Tensor) -> torch.Tensor:
+    """The residual L2 norm of every row (token) of the flat batch: [n]."""
+    return torch.linalg.vector_norm(stream.float(), dim=-1)
+
+
+def _span_means(norms: torch.Tensor, spans: list[SeqSpan]) -> torch.Tensor:
+    """Each sequence's mean of `norms` over its rows: [sequences]."""
+    return torch.stack([norms[s.query_start:s.query_start + s.num_tokens].mean() for s in spans])
 
 
 def probe_rows(stream: torch.Tensor, spans: list[SeqSpan], seq_share: float, token_share: float) -> torch.Tensor:
     """Flat row indices of the probe: the `seq_share` of sequences with the largest mean residual
     L2 norm (at least one), and in each the `token_share` of tokens with the largest norm (at least one)."""
-    norms = torch.linalg.vector_norm(stream.float(), dim=-1)  # [n]
-    means = torch.stack([norms[s.query_start:s.query_start + s.num_tokens].mean() for s in spans])
+    norms = _row_norms(stream)
+    means = _span_means(norms, spans)
     n_seq = max(1, math.ceil(seq_share * len(spans)))
     rows = []
     for k in torch.topk(means, n_seq).indices.tolist():
@@ -354,22 +345,14 @@ def first_plan(cfg: ModelConfig, keep: list[tuple[int, int]]) -> Plan:
     return plan
 
 
-def _planned_config(cfg: ModelConfig, keep: list[tuple[int, int]]) -> ModelConfig:
-    return decided_config(cfg, first_plan(cfg, keep))
-
-
 def _cuts(cfg: ModelConfig, i: int, plan: Plan) -> list[tuple[str, int, torch.Tensor]]:
     """(tensor name, dim, kept indices) of layer `i`'s attention and MLP tensors, in brisk's own
     names and layout (q|k|v stacked, gate|up stacked)."""
-    hd, group = cfg.head_dim, cfg.heads(i) // cfg.kv_heads(i)
-    kv, ch = plan.kv_groups[i], torch.tensor(plan.channels[i])
-    q_rows = torch.tensor([r for g in kv for r in range(g * group * hd, (g + 1) * group * hd)])
-    kv_rows = torch.tensor([r for g in kv for r in range(g * hd, (g + 1) * hd)])
-    q_size, kv_size, inter = cfg.heads(i) * hd, cfg.kv_heads(i) * hd, cfg.intermediate(i)
-    qkv = torch.cat([q_rows, q_size + kv_rows, q_size + kv_size + kv_rows])
+    q_rows, kv_rows, ch = kept_rows(cfg, i, plan)
+    qkv, gate_up = stacked_rows(cfg, i, q_rows, kv_rows, ch)
     p = f"layers.{i}."
     return [(p + "self_attn.qkv_proj.weight", 0, qkv), (p + "self_attn.qkv_proj.bias", 0, qkv),
-            (p + "self_attn.o_proj.weight", 1, q_rows), (p + "mlp.gate_up_proj.weight", 0, torch.cat([ch, inter + ch])),
+            (p + "self_attn.o_proj.weight", 1, q_rows), (p + "mlp.gate_up_proj.weight", 0, gate_up),
             (p + "mlp.down_proj.weight", 1, ch)]
 
 

@@ -260,7 +260,7 @@ def layers_plan(cal: Calibration, pcfg: PruneConfig) -> Plan:
 _LAYER_RE = re.compile(r"^(model\.)?layers\.(\d+)\.(.+)$")
 
 
-def _rows(cfg: ModelConfig, i: int, plan: Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def kept_rows(cfg: ModelConfig, i: int, plan: Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kept q rows, kv rows (per k or v) and MLP channels of original layer `i`."""
     hd, group = cfg.head_dim, cfg.heads(i) // cfg.kv_heads(i)
     kv = plan.kv_groups.get(i, list(range(cfg.kv_heads(i))))
@@ -294,7 +294,7 @@ def slice_tensors(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
         i, rest = int(m.group(2)), m.group(3)
         if i not in new_index:
             continue
-        q, kv, ch = _rows(cfg, i, plan)
+        q, kv, ch = kept_rows(cfg, i, plan)
         new_name = f"{m.group(1) or ''}layers.{new_index[i]}.{rest}"
         out[new_name] = _cut(cfg, i, rest, tensor, q, kv, ch)
         if bias and cal is not None and rest in _COMPENSATED:
@@ -308,23 +308,30 @@ def slice_tensors(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
 _COMPENSATED = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 
 
+def stacked_rows(cfg: ModelConfig, i: int, q: torch.Tensor, kv: torch.Tensor,
+                 ch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept rows of layer `i`'s stacked q|k|v and gate|up weights (Phi-3's fused tensors,
+    brisk's own Linears) from its kept q rows, kv rows and MLP channels."""
+    q_size, kv_size, inter = cfg.heads(i) * cfg.head_dim, cfg.kv_heads(i) * cfg.head_dim, cfg.intermediate(i)
+    return torch.cat([q, q_size + kv, q_size + kv_size + kv]), torch.cat([ch, inter + ch])
+
+
 def _cut(cfg: ModelConfig, i: int, rest: str, t: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
          ch: torch.Tensor) -> torch.Tensor:
     """One layer tensor (HF name `rest` within the layer) with the dropped heads / channels removed."""
-    q_size, kv_size, inter = cfg.heads(i) * cfg.head_dim, cfg.kv_heads(i) * cfg.head_dim, cfg.intermediate(i)
     kind = rest.rsplit(".", 1)[0]
     if kind == "self_attn.q_proj":
         return t[q].contiguous()
     if kind in ("self_attn.k_proj", "self_attn.v_proj"):
         return t[kv].contiguous()
     if kind == "self_attn.qkv_proj":  # fused (Phi-3)
-        return t[torch.cat([q, q_size + kv, q_size + kv_size + kv])].contiguous()
+        return t[stacked_rows(cfg, i, q, kv, ch)[0]].contiguous()
     if rest == "self_attn.o_proj.weight":
         return t[:, q].contiguous()
     if kind in ("mlp.gate_proj", "mlp.up_proj"):
         return t[ch].contiguous()
     if kind == "mlp.gate_up_proj":  # fused (Phi-3)
-        return t[torch.cat([ch, inter + ch])].contiguous()
+        return t[stacked_rows(cfg, i, q, kv, ch)[1]].contiguous()
     if rest == "mlp.down_proj.weight":
         return t[:, ch].contiguous()
     return t  # norms, biases of o_proj / down_proj (per output row: unchanged)

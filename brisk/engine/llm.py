@@ -171,7 +171,7 @@ class LLM:
                                 None if self._cluster is None else self._cluster.runner)
         self._engine_args = (cache, sched, seed, pack_weights, spec, draft)  # Probe Pruning's engines per batch
         self._idle_engine = self.engine  # ...and the dense model's, held while the next one is built
-        self._spare: CausalLM | None = None  # a compact model allocated at load: the first batch refills it
+        self._spare: CausalLM | None = None  # the compact model, allocated at load, refilled by every batch
         if self._probe is not None and self._probe.active:
             from brisk.compress.probe import first_plan
 
@@ -251,7 +251,7 @@ class LLM:
             if error is not None:
                 raise RuntimeError(f"generation failed: {error}") from error
 
-    def get_tokenizer(self):
+    def get_tokenizer(self):  # noqa: ANN201 - the Tokenizer type lives in loader/
         return self.tokenizer
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -311,9 +311,8 @@ class LLM:
                              "prompts to one generate call)")
         started = time.perf_counter()
         decision = self._probe.decide(prompts)
-        old = self.model if self.model is not self._dense_model else self._spare
         self.engine = self._idle_engine  # the last batch's engine and KV go before the next is built
-        compact = self._probe.compact_model(decision.plan, reuse=old)
+        compact = self._spare = self._probe.compact_model(decision.plan, reuse=self._spare)
         compact.use_decode_plan = self._dense_model.use_decode_plan
         cache, sched, seed, pack, spec, draft = self._engine_args
         block = cache.block_size

@@ -318,15 +318,28 @@ def embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
     return float(torch.tensor(math.sqrt(hidden_size), dtype=dtype))
 
 
+def contiguous_batch(model: CausalLM, seqs: list[list[int]],
+                     layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor, ContiguousAttention]:
+    """Whole sequences as one flat batch over a fresh contiguous KV cache (one slot each, for the
+    first `layers` layers, default all): input ids, positions and attention metadata for `model`."""
+    cfg, device, dtype = model.config, model.device, model.dtype
+    longest = max(len(s) for s in seqs)
+    shapes = [(len(seqs), cfg.kv_heads(i), longest, cfg.head_dim) for i in range(layers or cfg.num_hidden_layers)]
+    caches = [(torch.empty(s, dtype=dtype, device=device), torch.empty(s, dtype=dtype, device=device)) for s in shapes]
+    spans, offset = [], 0
+    for slot, s in enumerate(seqs):
+        spans.append(SeqSpan(slot, 0, len(s), offset))
+        offset += len(s)
+    ids = torch.tensor([t for s in seqs for t in s], device=device)
+    positions = torch.cat([torch.arange(len(s), device=device) for s in seqs])
+    return ids, positions, ContiguousAttention(caches, spans, scale=cfg.attn_scale)
+
+
 @torch.inference_mode()
 def forward_sequence(model: CausalLM, ids: list[int], num_layers: int | None = None) -> torch.Tensor:
     """One whole sequence through a fresh contiguous KV cache (evaluation, calibration, training
     data for heads): the final-normed hidden state of every position, [len(ids), hidden]."""
-    cfg, n, device, dtype = model.config, len(ids), model.device, model.dtype
-    shapes = [(1, cfg.kv_heads(i), n, cfg.head_dim) for i in range(cfg.num_hidden_layers)]
-    caches = [(torch.empty(s, dtype=dtype, device=device), torch.empty(s, dtype=dtype, device=device)) for s in shapes]
-    return model(torch.tensor(ids, device=device), torch.arange(n, device=device),
-                 ContiguousAttention(caches, [SeqSpan(0, 0, n, 0)], scale=cfg.attn_scale), num_layers)
+    return model(*contiguous_batch(model, [ids]), num_layers)
 
 
 def _missing(expected: set[str], loaded: set[str], model: nn.Module) -> set[str]:
