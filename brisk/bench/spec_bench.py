@@ -109,8 +109,8 @@ def bench_spec(base: LLM, methods: dict[str, dict[str, Any]], max_tokens: int,
 
 
 def _counters(llm: LLM) -> tuple[int, int, int]:
-    s = llm.engine.spec.stats if llm.engine.spec is not None else None
-    return (0, 0, 0) if s is None else (s.num_verify_steps, s.num_draft_tokens, s.num_accepted_tokens)
+    s = llm.engine.spec.stats
+    return s.num_verify_steps, s.num_draft_tokens, s.num_accepted_tokens
 
 
 def _acceptance(before: tuple[int, int, int], after: tuple[int, int, int]) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from brisk.core.scheduler import Scheduler
 from brisk.core.virtual_kv import VirtualKVManager
 from brisk.engine.detokenizer import IncrementalDetokenizer
 from brisk.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from brisk.engine.speculative import build_speculator
+from brisk.engine.speculative import Speculator, build_speculator
 from brisk.loader.tokenizer import Tokenizer
 from brisk.model.base import CausalLM
 from brisk.request import FinishReason, Request, RequestStatus, SamplingParams
@@ -130,7 +130,8 @@ class LLMEngine:
         kv = self.virtual_kv or KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching,
                                                [g.window for g in self.runner.groups])
         self.scheduler = Scheduler(scheduler, kv)
-        self.spec = None if speculative is None else build_speculator(
+        # without a speculative method, constrained requests still draft what their grammar forces
+        self.spec = Speculator(None, None) if speculative is None else build_speculator(
             speculative, self.runner, cache, self.num_blocks, draft_model, pack_weights, seed)
         if self.virtual_kv is not None:
             self._memory().release_all()  # the speculator's start-up measurement wrote scratch KV into row 0
@@ -219,8 +220,7 @@ class LLMEngine:
         for sid in group.seq_ids:
             self.scheduler.abort_request(sid)
             self._seqs.pop(sid, None)
-            if self.spec is not None:
-                self.spec.release(sid, finished=True)
+            self.spec.release(sid, finished=True)
         self._sync_memory()
         return True
 
@@ -239,13 +239,11 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return an output for every request that made progress."""
-        if self.spec is not None:
-            self.spec.plan(self.scheduler.running)
+        self.spec.plan(self.scheduler.running, self._constraints())
         sched = self.scheduler.schedule()
         self._sync_memory()  # this step's tiles committed before the forward writes them
-        if self.spec is not None:
-            for rid in sched.preempted_ids:
-                self.spec.release(rid, finished=False)
+        for rid in sched.preempted_ids:
+            self.spec.release(rid, finished=False)
         if sched.is_empty:
             assert not self.scheduler.has_unfinished(), "scheduler made no progress with requests queued"
             return []
@@ -266,7 +264,7 @@ class LLMEngine:
         for req in self.scheduler.update_from_output(sched, sampled):
             self._on_tokens(self._seqs[req.request_id])
             touched.add(self._seqs[req.request_id].group)
-            if req.is_finished() and self.spec is not None:
+            if req.is_finished():
                 self.spec.release(req.request_id, finished=True)
         self._sync_memory()
         return [self._output(g) for g in sorted(touched, key=lambda g: self._groups[g].arrival_time)]
@@ -276,10 +274,9 @@ class LLMEngine:
         every request that reached the end of its known tokens. Logprobs are recorded here."""
         steps, drafts = sched.scheduled, {}
         grammars: dict[str, Constraint | None] = {}  # the proposer's forced tokens, the verifier's masks
-        speculating = self.spec is not None and any(s.num_spec_slots for s in sched.scheduled)
-        if speculating:
+        if any(s.num_spec_slots for s in sched.scheduled):
             requests, generators = self._requests(), self._generators()
-            grammars = {sid: seq.constraint for sid, seq in self._seqs.items() if seq.constraint is not None}
+            grammars = self._constraints()
             steps, drafts = self.spec.fill(sched, requests, generators, grammars)
         prompt_rows = frozenset(s.request_id for s in sched.scheduled
                                 if self._wants_prompt_logprobs(s.request_id, s.start_pos))
@@ -290,7 +287,7 @@ class LLMEngine:
         finally:
             if masks is not None:
                 masks.result()  # the matchers are the engine thread's again (an error surfaces here)
-        if self.spec is not None and all(s.num_tokens == 1 for s in sched.scheduled):  # decode-only steps
+        if all(s.num_tokens == 1 for s in sched.scheduled):  # decode-only steps
             self.spec.observe_forward(time.perf_counter() - started, drafts)
         for step in sched.scheduled:
             if step.request_id in prompt_rows:
@@ -302,18 +299,17 @@ class LLMEngine:
                 sampled[sid] = [tok]
                 if lp is not None:
                     self._seqs[sid].logprobs.append(lp)
-        if self.spec is not None:
-            verified = self._isolating(lambda ids: self.spec.verify(out, {i: drafts[i] for i in ids}, requests,
-                                                                    generators, grammars),
-                                       list(drafts)) if drafts else {}
-            self.spec.observe_hidden(out, verified)
-            for sid, res in verified.items():
-                sampled[sid] = res.token_ids
-                seq = self._seqs[sid]
-                seq.num_draft_tokens += len(drafts[sid].token_ids)
-                seq.num_accepted_tokens += res.num_accepted
-                if res.logprobs is not None:
-                    seq.logprobs.extend(res.logprobs)
+        verified = self._isolating(lambda ids: self.spec.verify(out, {i: drafts[i] for i in ids}, requests,
+                                                                generators, grammars),
+                                   list(drafts)) if drafts else {}
+        self.spec.observe_hidden(out, verified)
+        for sid, res in verified.items():
+            sampled[sid] = res.token_ids
+            seq = self._seqs[sid]
+            seq.num_draft_tokens += len(drafts[sid].token_ids)
+            seq.num_accepted_tokens += res.num_accepted
+            if res.logprobs is not None:
+                seq.logprobs.extend(res.logprobs)
         return sampled
 
     def _masks_ahead(self, steps: list[ScheduledRequest], drafts: dict[str, Draft]) -> Future[None] | None:
@@ -380,6 +376,10 @@ class LLMEngine:
 
     def _generators(self) -> dict[str, torch.Generator | None]:
         return {sid: seq.generator for sid, seq in self._seqs.items()}
+
+    def _constraints(self) -> dict[str, Constraint]:
+        """The grammars of the constrained sequences by id."""
+        return {sid: seq.constraint for sid, seq in self._seqs.items() if seq.constraint is not None}
 
     def _abort_failed_step(self, sched: SchedulerOutput) -> None:
         """The forward or the sampler raised (a kernel error, Ctrl-C): the step's KV was not
@@ -514,7 +514,7 @@ class LLMEngine:
         return {"running": s.num_running, "waiting": s.num_waiting, "kv_usage": s.kv_usage,
                 "prefix_hit_rate": s.prefix_hit_rate, "num_preemptions": s.num_preemptions,
                 "num_kv_blocks": self.num_blocks, "peak_kv_usage": self.peak_kv_usage,
-                **(self.spec.info() if self.spec is not None else {}),
+                **self.spec.info(),
                 **(self.runner.info() if isinstance(self.runner, ParallelRunner) else {})}
 
     def reset_peak_stats(self) -> None:

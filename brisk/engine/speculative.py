@@ -38,6 +38,9 @@ from brisk.spec.verify import VerifyOutput, verify
 # Cost of verifying one more token in a decode step, as a fraction of the step, when nothing was
 # measured (tests); the engine measures the real curve at start-up (measure_verify_costs).
 VERIFY_COST = 0.06
+# Forced tokens a constrained request verifies in one step (jump-forward). A JSON schema's forced
+# runs (`", "field_07": `, closing brackets) are a few tokens; longer literals continue next step.
+MAX_FORCED = 16
 
 
 @dataclass
@@ -75,33 +78,55 @@ class _Ema:
 
 
 class Speculator:
-    def __init__(self, config: SpecConfig, proposer: Proposer, verify_costs: list[float] | None = None,
+    """Drafts for the next step and their verification. Requests under a grammar draft the tokens
+    it forces (jump-forward) whether or not a proposer is configured; the others draft with the
+    proposer, if any."""
+
+    def __init__(self, config: SpecConfig | None, proposer: Proposer | None, verify_costs: list[float] | None = None,
                  seed: int = 0, measure_costs: bool = True) -> None:
-        """`verify_costs[k]`: measured extra cost of verifying k drafts (None: VERIFY_COST * k).
+        """`config`, `proposer`: the speculative method (both None: only forced drafts, the engine's
+        default). `verify_costs[k]`: measured extra cost of verifying k drafts (None: VERIFY_COST * k).
         `measure_costs`: refine the draft cost from timings (False: keep the proposer's estimate,
         for reproducible draft lengths in tests)."""
+        assert (config is None) == (proposer is None), "a speculative method needs its proposer"
         self.config = config
         self.proposer = proposer
-        max_k = min(config.max_tokens, getattr(proposer, "max_drafts", config.max_tokens))  # Medusa: one per head
-        self.verify_costs = verify_costs or [VERIFY_COST * k for k in range(config.max_tokens + 1)]
-        self.length = DraftLength(config, proposer.draft_cost, self.verify_costs, seed, max_k=max_k)
-        self.stats = SpecStats()
+        self.length: DraftLength | None = None  # the proposer's draft lengths
+        if config is not None and proposer is not None:
+            max_k = min(config.max_tokens, getattr(proposer, "max_drafts", config.max_tokens))  # Medusa: one per head
+            self.verify_costs = verify_costs or [VERIFY_COST * k for k in range(config.max_tokens + 1)]
+            self.length = DraftLength(config, proposer.draft_cost, self.verify_costs, seed, max_k=max_k)
+        self.stats = SpecStats()  # every draft, forced ones included
         self._draft_seconds = _Ema()  # one draft pass over the batch
         self._plain_seconds = _Ema()  # one target forward, less the verified drafts' share
         self._seen: set[str] = set()  # requests that have had a proposal since (re)admission
         self._classes: dict[str, int] = {}  # request id -> the draft class its length was planned for
+        self._forced: set[str] = set()  # this step's requests whose drafts are their grammar's forced tokens
         self.measure_costs = measure_costs
 
-    def plan(self, running: list[Request]) -> None:
-        """Draft lengths for the requests that will decode next step."""
-        classify = getattr(self.proposer, "draft_class", None)
+    @property
+    def method(self) -> str | None:
+        """The configured speculative method (None: forced drafts only)."""
+        return None if self.config is None else self.config.method
+
+    def plan(self, running: list[Request], constraints: dict[str, Constraint] | None = None) -> None:
+        """Draft lengths for the requests that will decode next step: a constrained request's is
+        the number of tokens its grammar forces from here (`constraints`: grammars by request id)."""
+        grammars = constraints or {}
         for req in running:
-            if classify is None:
-                req.num_spec_wanted = self.length.wanted(req.request_id)
-                continue
-            cls, available = classify(req.request_id, req.all_token_ids)
-            self._classes[req.request_id] = cls
-            req.num_spec_wanted = min(available, self.length.wanted(req.request_id, cls)) if available else 0
+            grammar = grammars.get(req.request_id)
+            req.num_spec_wanted = len(grammar.forced_tokens(MAX_FORCED)) if grammar is not None else self._wanted(req)
+
+    def _wanted(self, req: Request) -> int:
+        """The proposer's draft length for an unconstrained request (0 without a proposer)."""
+        if self.length is None:
+            return 0
+        classify = getattr(self.proposer, "draft_class", None)
+        if classify is None:
+            return self.length.wanted(req.request_id)
+        cls, available = classify(req.request_id, req.all_token_ids)
+        self._classes[req.request_id] = cls
+        return min(available, self.length.wanted(req.request_id, cls)) if available else 0
 
     def fill(self, sched: SchedulerOutput, requests: dict[str, Request],
              generators: dict[str, torch.Generator | None],
@@ -111,10 +136,13 @@ class Speculator:
         non-empty drafts by request id.
 
         A request under a grammar drafts only the tokens the grammar forces next (jump-forward:
-        keys, `": `, closing brackets; verified like any draft), never the proposer's: measured on
-        SmolLM2 under an 8-field schema, ngram guesses were accepted 12% of the time and made
-        constrained decoding 0.72-0.80x plain, forced tokens 100% and 1.10-1.18x (BENCHMARKS.md)."""
+        keys, `": `, closing brackets), never the proposer's: measured on SmolLM2 under an 8-field
+        schema, ngram guesses were accepted 12% of the time and made constrained decoding
+        0.72-0.80x plain, forced tokens 100% and 1.10-1.18x (BENCHMARKS.md). Forced drafts are
+        verified like any other: the grammar forces bytes, not their split into tokens, so the
+        target's own choice of tokens is what counts (greedy: it agreed every time measured)."""
         asks = [s for s in sched.scheduled if s.num_spec_slots > 0]
+        self._forced = set()
         if not asks:
             return sched.scheduled, {}
         grammars = constraints or {}
@@ -123,8 +151,9 @@ class Speculator:
             grammar = grammars.get(ask.request_id)
             if grammar is not None and (forced := grammar.forced_tokens(ask.num_spec_slots)):
                 drafts[ask.request_id] = Draft(forced)  # a point mass the masked target agrees with
+                self._forced.add(ask.request_id)
         free = [s for s in asks if grammars.get(s.request_id) is None]
-        if free:
+        if free and self.proposer is not None:
             self._propose(free, requests, generators, drafts)
         steps = [dataclasses.replace(s, token_ids=s.token_ids + drafts[s.request_id].token_ids)
                  if s.request_id in drafts else s for s in sched.scheduled]
@@ -151,7 +180,9 @@ class Speculator:
     def observe_forward(self, seconds: float, drafts: dict[str, Draft]) -> None:
         """The target's forward took `seconds`: refresh the draft cost the length controller uses
         (one draft pass over one plain decode step, both measured on this machine and batch)."""
-        longest = max((len(d.token_ids) for d in drafts.values()), default=0)
+        if self.length is None:
+            return
+        longest = min(max((len(d.token_ids) for d in drafts.values()), default=0), len(self.verify_costs) - 1)
         self._plain_seconds.update(seconds / (1.0 + self.verify_costs[longest]))
         if self.measure_costs and self._draft_seconds.value is not None and self._plain_seconds.value:
             self.length.draft_cost = self._draft_seconds.value / self._plain_seconds.value
@@ -167,13 +198,14 @@ class Speculator:
                          [drafts[rid] for rid in ids], [generators[rid] for rid in ids], grammars)
         for rid, res in zip(ids, results):
             self.stats.add(len(drafts[rid].token_ids), res.num_accepted)
-            self.length.observe(rid, len(drafts[rid].token_ids), res.num_accepted, self._classes.get(rid))
+            if self.length is not None and rid not in self._forced:  # forced drafts teach nothing of the proposer
+                self.length.observe(rid, len(drafts[rid].token_ids), res.num_accepted, self._classes.get(rid))
         return dict(zip(ids, results))
 
     def observe_hidden(self, out: StepLogits, verified: dict[str, VerifyOutput]) -> None:
         """Proposers that read the target's hidden state (Medusa) get, per request, the row that
         produced its newest token."""
-        observe = getattr(self.proposer, "observe", None)
+        observe = getattr(self.proposer, "observe", None)  # None without a proposer too
         if observe is None:
             return
         for rid in out.sample_ids:
@@ -181,14 +213,19 @@ class Speculator:
             observe(rid, out.hidden[first + (verified[rid].num_accepted if rid in verified else count - 1)])
 
     def release(self, request_id: str, finished: bool) -> None:
-        self.proposer.release(request_id)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
         self._seen.discard(request_id)
         self._classes.pop(request_id, None)
-        if finished:
+        if finished and self.length is not None:
             self.length.forget(request_id)
 
     def info(self) -> dict[str, float]:
+        """Counters for the engine's stats: every draft, the grammars' forced ones included
+        (nothing without a speculative method until a constrained request has drafted)."""
         s = self.stats
+        if self.config is None and not s.num_verify_steps:
+            return {}
         return {"spec_verify_steps": s.num_verify_steps, "spec_draft_tokens": s.num_draft_tokens,
                 "spec_accepted_tokens": s.num_accepted_tokens, "spec_acceptance_rate": s.acceptance_rate,
                 "spec_mean_accepted_per_step": s.mean_accepted_per_step}

@@ -99,6 +99,7 @@ class Constraint:
         self.vocab_size = vocab_size
         self._moves = 0  # tokens consumed: the state a prefetched mask belongs to
         self._ahead: tuple[int, tuple[int, ...], torch.Tensor, int] | None = None  # (moves, drafts, rows, n)
+        self._forced: tuple[int, list[int]] | None = None  # (moves, forced tokens from that state)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row` of an int32 [rows, ceil(vocab / 32)] bitmask: the allowed tokens' bits set."""
@@ -146,8 +147,13 @@ class Constraint:
     def forced_tokens(self, limit: int) -> list[int]:
         """Up to `limit` tokens the grammar forces from here (the canonical tokens of the only
         bytes it allows: `{"address": ` after the object opens), without moving the matcher.
-        Speculation drafts them: the target still verifies each, so nothing is assumed."""
-        return list(self.matcher.compute_ff_tokens())[:limit] if limit > 0 else []
+        Speculation drafts them: the target still verifies each, so nothing is assumed. Computed
+        once per state (the engine asks when planning the step and again when filling drafts)."""
+        if limit <= 0:
+            return []
+        if self._forced is None or self._forced[0] != self._moves:
+            self._forced = (self._moves, list(self.matcher.compute_ff_tokens()))
+        return self._forced[1][:limit]
 
     def allows_nothing(self) -> bool:
         """No token fits here, EOS included: the grammar reached a dead end (say, a rule limited

@@ -51,7 +51,7 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS)
         self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens counted, time of last output)
         # Speculative decoding (engine counters since start-up; absent without speculation).
-        method = engine.engine.spec.config.method if engine.engine.spec is not None else None
+        method = engine.engine.spec.method
         self.spec_method = method
         if method is not None:
             labels = {"method": method}

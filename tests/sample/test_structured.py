@@ -94,7 +94,7 @@ def test_preemption_keeps_the_grammar(gguf_path: Path) -> None:
                                     {"method": "draft", "model": "smollm2-135m", "num_speculative_tokens": 4}])
 def test_speculation_checks_drafts_against_the_grammar(gguf_path: Path, method: dict) -> None:
     """Drafts of constrained requests (the grammar's forced tokens) are verified under the grammar's
-    masks: greedy tokens equal plain constrained decoding's (the grammar's last token ends it, not a
+    masks, with any proposer configured: greedy tokens equal plain constrained decoding's (the grammar's last token ends it, not a
     verified EOS after it), drafts really are accepted, and sampled outputs stay valid."""
     params = SamplingParams(max_tokens=150, temperature=0.0, structured={"json": SCHEMA})
     prompts = ["Give a user record as JSON:", "Three users as JSON, the first:"]
@@ -110,6 +110,27 @@ def test_speculation_checks_drafts_against_the_grammar(gguf_path: Path, method: 
     for out in spec.generate(prompts, sampled, use_tqdm=False):
         for c in out.outputs:
             jsonschema.validate(json.loads(c.text), SCHEMA)
+
+
+def test_constrained_requests_jump_forward_without_a_speculative_method(llm: LLM, monkeypatch) -> None:
+    """With no speculative method configured, a constrained request still drafts the tokens its
+    grammar forces and the target verifies them (jump-forward, lossless): the greedy tokens equal
+    decoding one token a step, drafts are taken, free requests in the batch draft nothing."""
+    import brisk.engine.speculative as speculative
+
+    constrained = SamplingParams(max_tokens=120, temperature=0.0, structured={"json": SCHEMA})
+    free = SamplingParams(max_tokens=40, temperature=0.0)
+    prompts = [_chat(llm, "A user record, please."), "The capital of France is", _chat(llm, "Another one.")]
+    params = [constrained, free, constrained]
+    jumped = llm.generate(prompts, params, use_tqdm=False)
+    drafted = [o.metrics.num_draft_tokens for o in jumped]
+    assert drafted[0] > 20 and drafted[2] > 20 and drafted[1] == 0
+    assert sum(o.metrics.num_accepted_tokens for o in jumped) > 0.9 * sum(drafted)
+    monkeypatch.setattr(speculative, "MAX_FORCED", 0)  # one token a step
+    stepped = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.metrics.num_draft_tokens for o in stepped] == [0, 0, 0]
+    assert [o.outputs[0].token_ids for o in jumped] == [o.outputs[0].token_ids for o in stepped]
+    assert [o.outputs[0].finish_reason for o in jumped] == [o.outputs[0].finish_reason for o in stepped]
 
 
 def test_forced_tokens_are_the_grammars_canonical_continuation(llm: LLM) -> None:
