@@ -1,4 +1,4 @@
-"""`brisk` command line: generate | serve | convert | quantize | prune | eval | bench | train-heads | env.
+"""`brisk` command line: generate | serve | convert | quantize | prune | distill | eval | bench | train-heads | env.
 
 Bad input (a missing model, an empty prompt, an invalid sampling value) prints one line
 `brisk: error: ...` and exits with status 2; no traceback.
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from brisk.cli_bench import add_bench_parsers, run_bench
+from brisk.cli_distill import add_distill_parser, cmd_distill
 from brisk.cli_common import (
     QUANT_CONFIG_HELP,
     QUANT_HELP,
@@ -137,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parsers(sub)
     _add_train_heads(sub)
+    add_distill_parser(sub)
     return parser
 
 
@@ -368,7 +370,8 @@ def _cmd_env(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": _cmd_generate, "convert": _cmd_convert, "bench": run_bench, "serve": _cmd_serve,
-            "eval": _cmd_eval, "quantize": _cmd_quantize, "prune": _cmd_prune, "train-heads": _cmd_train_heads, "env": _cmd_env}
+            "eval": _cmd_eval, "quantize": _cmd_quantize, "prune": _cmd_prune, "train-heads": _cmd_train_heads, "env": _cmd_env,
+            "distill": cmd_distill}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -451,6 +451,72 @@ class PruneConfig:
                            calibration_tokens=self.calibration_tokens)
 
 
+DISTILL_LOSSES = ("fkl", "rkl", "tvd")  # compress/distill.py
+
+
+def _positive_int(what: str, value: Any, least: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"distill {what} must be an integer >= {least}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Knowledge distillation (`brisk distill`, compress/distill.py): the student learns the
+    teacher's next-token distributions on `batch_size` sequences of `seq_len` tokens a step.
+
+    `loss`: "fkl" forward KL(teacher || student) (with `top_k` > 0, over the teacher's top k tokens
+    renormalised), "rkl" reverse KL(student || teacher) (MiniLLM), "tvd" total variation distance.
+    `on_policy`: the share of steps whose sequences the student writes itself (temperature 1, from
+    the first `prompt_tokens` tokens of a training window), scored by the teacher (GKD,
+    DistillSpec). AdamW at `lr` (linear warm-up over `warmup` steps, cosine decay to 10%), gradients
+    clipped at `grad_clip`; `bf16`: bfloat16 autocast for the student's matmuls. The first
+    `eval_tokens` tokens of the text are held out, scored every `eval_every` steps; a checkpoint
+    every `checkpoint_every` steps."""
+
+    loss: str = "fkl"
+    steps: int = 200
+    batch_size: int = 4
+    seq_len: int = 256
+    lr: float = 5e-5
+    warmup: int = 10
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    temperature: float = 1.0
+    top_k: int = 0
+    on_policy: float = 0.0
+    prompt_tokens: int = 32
+    train_embeddings: bool = False
+    bf16: bool = False
+    eval_tokens: int = 8192
+    eval_every: int = 50
+    checkpoint_every: int = 100
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.loss not in DISTILL_LOSSES:
+            raise ValueError(f"unknown distillation loss {self.loss!r}; choose one of: {', '.join(DISTILL_LOSSES)}")
+        for name in ("steps", "batch_size", "eval_every", "checkpoint_every", "prompt_tokens"):
+            _positive_int(name, getattr(self, name))
+        _positive_int("seq_len", self.seq_len, 8)
+        _positive_int("eval_tokens", self.eval_tokens, 0)
+        _positive_int("top_k", self.top_k, 0)
+        _positive_int("warmup", self.warmup, 0)
+        if self.top_k and self.loss != "fkl":
+            raise ValueError(f"top_k keeps the teacher's k most likely tokens, which only forward KL can use; "
+                             f"drop top_k or use loss fkl (got loss {self.loss!r})")
+        if not 0 <= self.on_policy <= 1:
+            raise ValueError(f"distill on_policy is the share of steps on student-written text, in [0, 1]; "
+                             f"got {self.on_policy!r}")
+        if self.on_policy and self.prompt_tokens >= self.seq_len:
+            raise ValueError(f"distill prompt_tokens ({self.prompt_tokens}) must be below seq_len ({self.seq_len}): "
+                             "the student writes the rest of each on-policy sequence")
+        for name in ("lr", "temperature"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"distill {name} must be > 0, got {getattr(self, name)!r}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("distill weight_decay and grad_clip must be >= 0 (grad_clip 0: no clipping)")
+
+
 SPEC_METHODS = ("ngram", "draft", "early_exit", "medusa")  # spec/ registers one proposer per name
 SPEC_OPTIONS = ("method", "num_speculative_tokens", "max_speculative_tokens", "prompt_lookup_min",
                 "prompt_lookup_max", "model", "quantization", "quantization_config", "exit_layer", "heads")

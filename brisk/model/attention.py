@@ -123,3 +123,34 @@ class ContiguousAttention:
             qh, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=num_kv != num_heads, scale=self.scale
         )  # [1, num_heads, n, head_dim]
         return out[0].transpose(0, 1)
+
+
+@dataclass
+class WholeSequences:
+    """Whole sequences laid end to end in the flat batch, each attending causally within itself,
+    no KV kept: training and scoring where nothing is decoded after (compress/distill.py). Nothing
+    is written in place, so autograd can run through it (a contiguous cache written sequence after
+    sequence would invalidate the keys saved for backward)."""
+
+    lengths: list[int]
+    scale: float | None = None  # None: SDPA's 1/sqrt(head_dim)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
+        n, num_heads, head_dim = q.shape
+        gqa = k.shape[1] != num_heads
+        if len(set(self.lengths)) == 1:  # equal lengths: one batched call
+            b, t = len(self.lengths), self.lengths[0]
+            qh, kh, vh = (x.view(b, t, x.shape[1], head_dim).transpose(1, 2) for x in (q, k, v))
+            out = self._sdpa(qh, kh, vh, t, window, gqa)  # [b, heads, t, head_dim]
+            return out.transpose(1, 2).reshape(n, num_heads, head_dim)
+        outs, start = [], 0
+        for t in self.lengths:
+            qh, kh, vh = (x[start:start + t].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            outs.append(self._sdpa(qh, kh, vh, t, window, gqa)[0].transpose(0, 1))
+            start += t
+        return torch.cat(outs)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int, window: int, gqa: bool) -> torch.Tensor:
+        mask = window_mask(t, t, window, q.device) if window else None
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa,
+                                              scale=self.scale)

@@ -72,6 +72,7 @@ _STACKED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+_UNSTACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _STACKED_RE = re.compile(r"^(layers\.\d+\.(?:self_attn|mlp))\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 
 
@@ -117,6 +118,31 @@ class DecoderLM(nn.Module):
     def load_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """An HF checkpoint tensor as this model stores it (Gemma keeps 1 + w in its norms)."""
         return tensor
+
+    def save_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The inverse of `load_tensor`: a stored tensor as an HF checkpoint holds it."""
+        return tensor
+
+    def hf_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter under its HF checkpoint name, as a checkpoint stores it: the inverse of
+        `load_weights` (stacked Linears split into q/k/v and gate/up, except Phi-3's fused ones;
+        `save_tensor`; partial rotary's dims in HF's order). What `brisk distill` writes."""
+        fused = self.config.architecture == "phi3"  # its checkpoints keep qkv_proj / gate_up_proj whole
+        out: dict[str, torch.Tensor] = {}
+        for name, param in self.named_parameters():
+            if not param.dtype.is_floating_point:
+                raise ValueError(f"{name} is {param.dtype}: only a float model's weights are written as a checkpoint")
+            module_name, _, leaf = name.rpartition(".")
+            parent, _, kind = module_name.rpartition(".")
+            module = self.get_submodule(module_name)
+            pieces = [(name, param.detach())]
+            if kind in _UNSTACKED and not fused and isinstance(module, Linear) and leaf in ("weight", "bias"):
+                pieces = [(f"{parent}.{part}.{leaf}", piece)
+                          for part, piece in zip(_UNSTACKED[kind], param.detach().split(module.output_sizes))]
+            for hf_name, tensor in pieces:
+                stored = rotary_layout(self.config, hf_name, self.save_tensor(hf_name, tensor), to_checkpoint=True)
+                out[hf_name if hf_name.startswith("lm_head.") else f"model.{hf_name}"] = stored.contiguous()
+        return out
 
     # ---- the protocol ---------------------------------------------------------------------
     @property
@@ -292,14 +318,16 @@ class DecoderLM(nn.Module):
         return f"{target}.{m.group(3)}#{part}"
 
 
-def rotary_layout(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
+def rotary_layout(cfg: ModelConfig, name: str, tensor: torch.Tensor, to_checkpoint: bool = False) -> torch.Tensor:
     """A checkpoint tensor with partial rotary's q / k dims in the order brisk's kernels rotate
     (rotary.partial_rotary_order): q_proj, k_proj (weights, biases, block rows), the q and k part
     of a fused qkv_proj, QK-norm weights; every other tensor, and every tensor of a model whose
-    heads rotate whole, as it is."""
+    heads rotate whole, as it is. `to_checkpoint`: the other way, brisk's order back to HF's."""
     order = partial_rotary_order(cfg.head_dim, cfg.rotary_dim)
     if order is None:
         return tensor
+    if to_checkpoint:
+        order = sorted(range(len(order)), key=order.__getitem__)  # the inverse permutation
     if name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
         return permute_heads(tensor, order, cfg.head_dim)
     if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):  # fused (Phi-3): q and k rows, v as it is
@@ -318,12 +346,13 @@ def embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
     return float(torch.tensor(math.sqrt(hidden_size), dtype=dtype))
 
 
-def contiguous_batch(model: CausalLM, seqs: list[list[int]],
-                     layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor, ContiguousAttention]:
+def contiguous_batch(model: CausalLM, seqs: list[list[int]], layers: int | None = None,
+                     cache_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor, ContiguousAttention]:
     """Whole sequences as one flat batch over a fresh contiguous KV cache (one slot each, for the
-    first `layers` layers, default all): input ids, positions and attention metadata for `model`."""
+    first `layers` layers, default all; `cache_len` tokens a slot, default the longest sequence's):
+    input ids, positions and attention metadata for `model`."""
     cfg, device, dtype = model.config, model.device, model.dtype
-    longest = max(len(s) for s in seqs)
+    longest = cache_len or max(len(s) for s in seqs)
     shapes = [(len(seqs), cfg.kv_heads(i), longest, cfg.head_dim) for i in range(layers or cfg.num_hidden_layers)]
     caches = [(torch.empty(s, dtype=dtype, device=device), torch.empty(s, dtype=dtype, device=device)) for s in shapes]
     spans, offset = [], 0

@@ -62,3 +62,6 @@ class Gemma3ForCausalLM(DecoderLM):
 
     def load_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor + 1.0 if name.endswith(_NORM_SUFFIXES) else tensor
+
+    def save_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor - 1.0 if name.endswith(_NORM_SUFFIXES) else tensor

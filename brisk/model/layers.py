@@ -92,6 +92,13 @@ class Linear(nn.Module):
 SMALL_GEMM_FIRST_ROWS = 8
 
 
+def trains(*tensors: torch.Tensor | None) -> bool:
+    """A tensor here needs gradients (distillation, compress/distill.py): brisk's C++ kernels have
+    no backward, so the layers take torch's ops. Inference runs with gradients off and never pays
+    more than this check."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, but on CPU: one row through brisk's streaming GEMV (decode is bound by how fast
@@ -99,7 +106,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     weight when there is one; otherwise a few rows through brisk's small GEMM, which reads the
     weights once and gives every row the bit-identical result it would get alone."""
     rows = x.shape[0]
-    if x.dim() != 2:
+    if x.dim() != 2 or trains(x, weight):
         return F.linear(x, weight, bias)
     if rows == 1 and gemv_supported(weight):
         return gemv(x, weight, bias)
@@ -121,7 +128,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            if rms_norm_supported(x, self.weight):  # one C++ pass instead of six small torch ops
+            if rms_norm_supported(x, self.weight) and not trains(x, self.weight):  # one C++ pass instead of six small torch ops
                 return rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Lower precision: normalise in float32 like the reference, then scale in the model dtype.
@@ -141,7 +148,7 @@ class Embedding(nn.Module):
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a stacked [gate | up] projection (one C++ pass for float32 CPU rows: the decode
     plan calls the same kernel, so both paths give the same floats)."""
-    if silu_mul_supported(gate_up):
+    if silu_mul_supported(gate_up) and not trains(gate_up):
         return silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -150,7 +157,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """GeGLU (tanh-approximated GELU, HF's gelu_pytorch_tanh) on a stacked [gate | up] projection;
     one C++ pass for float32 CPU rows, the decode plan's floats (torch's to float rounding)."""
-    if gelu_tanh_mul_supported(gate_up):
+    if gelu_tanh_mul_supported(gate_up) and not trains(gate_up):
         return gelu_tanh_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up

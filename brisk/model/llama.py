@@ -13,7 +13,7 @@ from brisk.config import ModelConfig
 from brisk.kernels import rotary, rotary_supported
 from brisk.model.attention import AttentionMetadata
 from brisk.model.base import DecoderLM, Rope
-from brisk.model.layers import Linear, RMSNorm, gelu_tanh_and_mul, silu_and_mul
+from brisk.model.layers import Linear, RMSNorm, gelu_tanh_and_mul, silu_and_mul, trains
 from brisk.model.rotary import apply_rotary
 
 __all__ = ["LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP"]
@@ -44,7 +44,7 @@ class LlamaAttention(nn.Module):
         rotated = self.num_heads + self.num_kv_heads
         qk_in = self._normed_qk(qkv) if hasattr(self, "q_norm") else qkv
         # q and k rotate together: one rotary call for both.
-        if rotary_supported(qk_in, cos):
+        if rotary_supported(qk_in, cos) and not trains(qk_in):
             qk = rotary(qk_in, rotated, cos, sin)  # one C++ pass, the same floats as apply_rotary
         else:
             qk = apply_rotary(qk_in[:, : rotated * hd].view(n, rotated, hd), cos, sin)

@@ -1,0 +1,361 @@
+"""Knowledge distillation (`brisk distill`): a student learns the teacher's next-token distributions.
+
+    data (distill_data.py) ──► batch of sequences ──► teacher forward (no grad) ──┐
+                                                  └─► student forward (autograd) ─┴─► loss per token
+    loss: fkl KL(t || s) (top_k: the teacher's k likeliest tokens, renormalised), rkl KL(s || t)
+          (MiniLLM), tvd; at temperature T (fkl scaled by T^2, as Hinton et al.)
+    step: AdamW, linear warm-up then cosine to 10% of lr, gradients clipped; a tqdm bar with loss
+          and tokens/s; held-out perplexity and KL to the teacher every eval_every steps
+    checkpoints: every checkpoint_every steps (student, optimizer, step); `resume` continues bit
+          for bit, since every batch and sample is fixed by (seed, step); a checkpoint from another
+          run is refused; a non-finite loss stops the run with the last good checkpoint kept
+    output: an HF directory (config.json saying how it was made, model.safetensors, tokenizer)
+          that `--model DIR` and speculative "draft" load
+
+The teacher's distributions are computed in the loop, every position in full (not stored): on this
+CPU its forward is a third of a student step, and rkl / tvd need the whole distribution anyway.
+Both models run brisk's own model code; under autograd the layers take torch's ops (brisk's C++
+kernels have no backward: model/layers.py `trains`), and attention is `WholeSequences` (no cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from brisk.compress.distill_data import (
+    Corpus,
+    describe_student,
+    epoch_order,
+    on_policy_step,
+    sample_continuations,
+    step_generator,
+)
+from brisk.config import DistillConfig
+from brisk.loader.load import LoadedModel
+from brisk.model.attention import WholeSequences
+from brisk.model.base import CausalLM
+
+DISTILL_KEY = "brisk_distill"  # config.json: how a distilled directory was made
+_EVAL_ROWS = 512  # logit rows at a time in evaluation (a 49k vocabulary: 100 MB each)
+
+
+def distill_loss(kind: str, student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0,
+                 top_k: int = 0) -> torch.Tensor:
+    """Mean over rows of the per-token divergence between [rows, vocab] logits."""
+    s = F.log_softmax(student.float() / temperature, dim=-1)
+    if kind == "fkl" and top_k:
+        values, index = teacher.topk(top_k, dim=-1)
+        p = F.log_softmax(values.float() / temperature, dim=-1)  # the top k renormalised
+        return (p.exp() * (p - s.gather(-1, index))).sum(-1).mean() * temperature ** 2
+    t = F.log_softmax(teacher.float() / temperature, dim=-1)
+    if kind == "fkl":
+        return (t.exp() * (t - s)).sum(-1).mean() * temperature ** 2
+    if kind == "rkl":
+        return (s.exp() * (s - t)).sum(-1).mean()
+    if kind == "tvd":
+        return 0.5 * (s.exp() - t.exp()).abs().sum(-1).mean()
+    raise ValueError(f"unknown distillation loss {kind!r}")
+
+
+def logits_of(model: CausalLM, seqs: list[list[int]]) -> torch.Tensor:
+    """[sum of lengths, vocab] float32 logits of every position of whole sequences (no KV kept;
+    differentiable when gradients are on)."""
+    device = model.device
+    ids = torch.tensor([t for s in seqs for t in s], device=device)
+    positions = torch.cat([torch.arange(len(s), device=device) for s in seqs])
+    hidden = model(ids, positions, WholeSequences([len(s) for s in seqs], scale=model.config.attn_scale))
+    return model.compute_logits(hidden)
+
+
+@dataclasses.dataclass
+class EvalScore:
+    ppl: float
+    teacher_ppl: float
+    kl: float  # mean KL(teacher || student) per token
+    tokens: int
+
+
+@torch.no_grad()
+def evaluate(student: CausalLM, teacher: CausalLM, windows: list[list[int]]) -> EvalScore:
+    """The student's and the teacher's perplexity on held-out windows, and the student's KL to the
+    teacher there."""
+    nll, t_nll, kl, n = 0.0, 0.0, 0.0, 0
+    for w in windows:
+        targets = torch.tensor(w[1:], device=student.device)
+        s_logits, t_logits = logits_of(student, [w])[:-1], logits_of(teacher, [w])[:-1]
+        for start in range(0, len(targets), _EVAL_ROWS):
+            rows = slice(start, start + _EVAL_ROWS)
+            s = F.log_softmax(s_logits[rows], dim=-1)
+            t = F.log_softmax(t_logits[rows], dim=-1)
+            nll -= float(s.gather(-1, targets[rows, None]).sum())
+            t_nll -= float(t.gather(-1, targets[rows, None]).sum())
+            kl += float((t.exp() * (t - s)).sum())
+        n += len(targets)
+    return EvalScore(math.exp(nll / max(1, n)), math.exp(t_nll / max(1, n)), kl / max(1, n), n)
+
+
+@dataclasses.dataclass
+class Run:
+    """What makes two runs the same run (a checkpoint resumes only its own)."""
+
+    teacher: str
+    student: str
+    student_shape: dict[str, Any]
+    data: str
+    config: DistillConfig
+
+    def fingerprint(self) -> dict[str, Any]:
+        cfg = dataclasses.asdict(self.config)
+        for free in ("steps", "eval_every", "checkpoint_every"):  # a resumed run may go further or look more often
+            cfg.pop(free)
+        return {"teacher": self.teacher, "student": self.student, "student_shape": self.student_shape,
+                "data": self.data, "config": cfg}
+
+
+class Distiller:
+    """One run: the student's parameters trained toward the teacher on `corpus`."""
+
+    def __init__(self, teacher: LoadedModel, student: LoadedModel, corpus: Corpus, run: Run, out: Path) -> None:
+        self.teacher, self.student, self.corpus, self.run, self.out = teacher, student, corpus, run, out
+        self.cfg = run.config
+        for p in teacher.model.parameters():
+            p.requires_grad_(False)
+        self.params = [p for name, p in student.model.named_parameters()
+                       if self.cfg.train_embeddings or not name.startswith("embed_tokens")]
+        for p in self.params:
+            p.requires_grad_(True)
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        self.step = 0
+        self.history: list[dict[str, Any]] = []  # evaluations
+        self.tokens_seen = 0
+        self.train_seconds = 0.0  # in train_step, this session (evaluations and checkpoints not counted)
+        self._orders: dict[int, list[int]] = {}
+
+    # ---------------------------------------------------------------------------- one step
+    def batch(self, step: int) -> list[list[int]]:
+        """Step `step`'s sequences: the next `batch_size` of the epoch's order, or on on-policy
+        steps the student's own continuations of their first `prompt_tokens` tokens."""
+        cfg, n = self.cfg, len(self.corpus.train)
+        seqs = []
+        for j in range(cfg.batch_size):
+            k = step * cfg.batch_size + j
+            epoch = k // n
+            if epoch not in self._orders:
+                self._orders = {epoch: epoch_order(n, epoch, cfg.seed)}
+            seqs.append(self.corpus.train[self._orders[epoch][k % n]])
+        if on_policy_step(cfg.seed, step, cfg.on_policy):
+            prompts = [s[:cfg.prompt_tokens] for s in seqs]
+            seqs = sample_continuations(self.student.model, prompts, max(len(s) for s in seqs),
+                                        step_generator(cfg.seed, step))
+        return seqs
+
+    def lr_at(self, step: int) -> float:
+        cfg = self.cfg
+        if step < cfg.warmup:
+            return cfg.lr * (step + 1) / cfg.warmup
+        done = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, done))))
+
+    def train_step(self) -> float:
+        """One optimizer step; returns its loss. A non-finite loss raises before anything changes."""
+        started = time.perf_counter()
+        cfg, seqs = self.cfg, self.batch(self.step)
+        with torch.no_grad():
+            teacher = logits_of(self.teacher.model, seqs)
+        autocast = torch.autocast(self.student.model.device.type, dtype=torch.bfloat16) if cfg.bf16 \
+            else contextlib.nullcontext()
+        with autocast:
+            student = logits_of(self.student.model, seqs)
+        loss = distill_loss(cfg.loss, student, teacher, cfg.temperature, cfg.top_k)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise FloatingPointError(value)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.step)
+        self.optimizer.step()
+        self.step += 1
+        self.tokens_seen += sum(len(s) for s in seqs)
+        self.train_seconds += time.perf_counter() - started
+        return value
+
+    def evaluate(self) -> dict[str, Any]:
+        score = evaluate(self.student.model, self.teacher.model, self.corpus.held_out)
+        entry = {"step": self.step, "ppl": round(score.ppl, 4), "kl": round(score.kl, 5), "tokens": score.tokens,
+                 "teacher_ppl": round(score.teacher_ppl, 4)}
+        self.history.append(entry)
+        return entry
+
+    # ------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> Path:
+        """checkpoints/step-N under `out`, written under a temporary name and renamed into place
+        (a full disk leaves the previous checkpoint whole); only the last two are kept."""
+        root = self.out / "checkpoints"
+        final, tmp = root / f"step-{self.step:06d}", root / f".step-{self.step:06d}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file({k: v.detach().contiguous() for k, v in self.student.model.state_dict().items()
+                   if not k.startswith("rope_")}, str(tmp / "student.safetensors"))
+        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "history": self.history,
+                 "run": self.run.fingerprint()}
+        (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(p for p in root.glob("step-*") if p != final)[:-1]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Continue from `path` (a checkpoint directory, or a run's output directory: its latest)."""
+        path = latest_checkpoint(path)
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+        mine = self.run.fingerprint()
+        for key, theirs in state.get("run", {}).items():
+            if theirs != mine.get(key):
+                raise ValueError(f"--resume {path} is a checkpoint of another run: its {key} is {theirs!r}, this "
+                                 f"run's is {mine.get(key)!r}; resume with the options it was started with, or start "
+                                 "afresh without --resume")
+        weights = load_file(str(path / "student.safetensors"))
+        missing, unexpected = self.student.model.load_state_dict(weights, strict=False)
+        if unexpected or [m for m in missing if not m.startswith("rope_")]:
+            raise ValueError(f"--resume {path}: its student does not fit this student's shape")
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        self.step, self.tokens_seen, self.history = state["step"], state["tokens_seen"], state["history"]
+
+
+def latest_checkpoint(path: Path) -> Path:
+    if (path / "state.json").is_file():
+        return path
+    found = sorted((path / "checkpoints").glob("step-*")) if path.is_dir() else []
+    if not found:
+        raise ValueError(f"--resume {path}: no checkpoint there (a checkpoints/step-N directory of a distill run, "
+                         "or a run's --out directory)")
+    return found[-1]
+
+
+# ------------------------------------------------------------------------------------- driver
+@dataclasses.dataclass(frozen=True)
+class DistillJob:
+    """`brisk distill`'s arguments: who teaches whom, on what, into which directory."""
+
+    teacher: str
+    out: Path
+    student: str | None = None  # a model reference; None: derived from the teacher
+    student_layers: list[int] | None = None
+    student_mlp: int | None = None
+    text: Path | None = None
+    prompts_file: Path | None = None
+    resume: Path | None = None
+
+
+def distill(job: DistillJob, cfg: DistillConfig, progress: bool = True) -> dict[str, Any]:
+    """Run the job; write the student to `job.out`; return the report (also in its config.json)."""
+    from brisk.compress.distill_data import check_tokenizers, derived_student, prompts_corpus, text_corpus
+    from brisk.loader.load import load_model
+
+    _check_job(job)
+    teacher = load_model(job.teacher, dtype="float32", dequantize=True)
+    if job.student is not None:
+        student = load_model(job.student, dtype="float32", dequantize=True)
+        check_tokenizers(teacher, student)
+    else:
+        student = derived_student(teacher, job.student_layers, job.student_mlp)
+    text = text_corpus(teacher.tokenizer, job.text, cfg) if job.text is not None else None
+    corpus = text if job.prompts_file is None else prompts_corpus(
+        job.teacher, teacher.tokenizer, job.prompts_file, cfg, text.held_out if text is not None else None)
+    assert corpus is not None
+    student_name = job.student or f"derived from {job.teacher}: layers {job.student_layers or 'all'}, " \
+                                   f"mlp {job.student_mlp or 'as the teacher'}"
+    run = Run(job.teacher, student_name, describe_student(student.config), corpus.source, cfg)
+    trainer = Distiller(teacher, student, corpus, run, job.out)
+    if job.resume is not None:
+        trainer.load_checkpoint(job.resume)
+    return _train(trainer, progress)
+
+
+def _check_job(job: DistillJob) -> None:
+    if job.text is None and job.prompts_file is None:
+        raise ValueError("distill needs training text: --text FILE (windows of it) and/or --prompts-file F (the "
+                         "teacher's continuations of its prompts)")
+    if job.student is not None and (job.student_layers is not None or job.student_mlp is not None):
+        raise ValueError("--student names a model to train; --student-layers / --student-mlp derive one from the "
+                         "teacher instead: give one or the other")
+    if job.out.exists() and not job.out.is_dir():
+        raise ValueError(f"--out {job.out} exists and is not a directory")
+
+
+def _train(trainer: Distiller, progress: bool) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    cfg, started, first, first_tokens = trainer.cfg, time.perf_counter(), trainer.step, trainer.tokens_seen
+    if not trainer.history or trainer.history[-1]["step"] != trainer.step:
+        trainer.evaluate()  # where the student starts
+    bar = tqdm(total=cfg.steps, initial=trainer.step, desc="distill", disable=not progress, unit="step")
+    last_good: Path | None = None
+    while trainer.step < cfg.steps:
+        try:
+            loss = trainer.train_step()
+        except FloatingPointError as e:
+            bar.close()
+            kept = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written yet"
+            raise ValueError(f"distillation stopped at step {trainer.step + 1}: the loss became {e.args[0]} "
+                             f"(diverged); {kept}; lower --lr or use another loss, and --resume from it") from None
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{(trainer.tokens_seen - first_tokens) / trainer.train_seconds:.0f}",
+                        refresh=False)
+        if trainer.step % cfg.eval_every == 0 or trainer.step == cfg.steps:
+            entry = trainer.evaluate()
+            bar.write(f"step {trainer.step}: held-out ppl {entry['ppl']:.3f}, KL to the teacher {entry['kl']:.4f}")
+        if trainer.step % cfg.checkpoint_every == 0 or trainer.step == cfg.steps:
+            last_good = trainer.save_checkpoint()
+    bar.close()
+    seconds = time.perf_counter() - started
+    return write_student(trainer, seconds, trainer.tokens_seen - first_tokens)
+
+
+def write_student(trainer: Distiller, seconds: float, tokens_now: int) -> dict[str, Any]:
+    """`seconds`: this session's wall time; `tokens_now`: the tokens it trained on."""
+    """The student as an HF directory in `out` (files written under temporary names, then renamed)."""
+    from brisk.compress.prune import PRUNING_KEY, model_params, pruning_of
+    from brisk.loader.convert import write_tokenizer_files
+    from brisk.loader.hf_loader import hf_config_dict
+
+    cfg, student, out = trainer.cfg, trainer.student, trainer.out
+    report = {
+        "teacher": trainer.run.teacher, "student": trainer.run.student, "data": trainer.corpus.source,
+        **dataclasses.asdict(cfg), "params": model_params(student.config),
+        "teacher_params": model_params(trainer.teacher.config), "tokens_trained": trainer.tokens_seen,
+        "seconds_this_session": round(seconds, 1), "train_seconds_this_session": round(trainer.train_seconds, 1),
+        "train_tokens_per_s": round(tokens_now / trainer.train_seconds, 1) if trainer.train_seconds else None,
+        "teacher_held_out_ppl": trainer.history[-1]["teacher_ppl"] if trainer.history else None,
+        "eval": trainer.history,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".model.safetensors.tmp"
+    save_file(student.model.hf_tensors(), str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / "model.safetensors")
+    config = hf_config_dict(student.config, "float32")
+    config[DISTILL_KEY] = report
+    cut = pruning_of(student.source.path) if student.source.kind == "hf" else None
+    if cut is not None:  # a pruned student keeps its pruning report: `eval ppl` then compares with its source
+        config[PRUNING_KEY] = cut
+    (out / ".config.json.tmp").write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(out / ".config.json.tmp", out / "config.json")
+    write_tokenizer_files(student.tokenizer, student.config, out)
+    return report

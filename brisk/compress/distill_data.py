@@ -1,0 +1,196 @@
+"""What `brisk distill` trains on, and the students it can start from (compress/distill.py runs the loop).
+
+Data:
+- `--text FILE`: the file's tokens cut into windows of `seq_len`; its first `eval_tokens` tokens
+  are held out (scored, never trained on), so `brisk eval ppl --max-tokens N` on the same file
+  with N <= eval_tokens measures held-out text.
+- `--prompts-file F`: one prompt a line; the teacher writes a sampled continuation of each with
+  brisk's engine (batched, prefix-cached), prompt + continuation is a training sequence
+  (sequence-level distillation, DistillSpec's data for drafts). Without `--text` the last 5% of
+  them (at least one) are held out.
+- on-policy steps: the student samples the rest of a window from its first `prompt_tokens`
+  tokens (temperature 1), the teacher scores what the student wrote (GKD).
+
+Students: any model brisk loads (a `brisk prune` directory: recovery), or one derived from the
+teacher: chosen teacher layers (`student_layers`) and, optionally, every layer's MLP narrowed to
+`student_mlp` channels, kept by weight magnitude (the pruning code's slicer cuts them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from brisk.config import DistillConfig, ModelConfig
+from brisk.loader.load import LoadedModel, read_checkpoint
+from brisk.loader.tokenizer import Tokenizer
+from brisk.model.attention import ContiguousAttention, SeqSpan
+from brisk.model.base import CausalLM, contiguous_batch
+from brisk.model.registry import build_model
+
+# Text whose tokens the teacher's and the student's tokenizers must agree on: letters, digits,
+# code, whitespace runs, accents and CJK, emoji (byte fallback).
+_PROBE_TEXT = "The quick brown fox, 1984 & co.\n\tdef f(x): return x**2  # naïve café 東京 🙂 ÅÄÖ"
+
+
+@dataclass
+class Corpus:
+    """Training sequences and held-out ones (token ids); `source` says where they came from."""
+
+    train: list[list[int]]
+    held_out: list[list[int]]
+    source: str
+
+    @property
+    def train_tokens(self) -> int:
+        return sum(len(s) for s in self.train)
+
+
+def check_tokenizers(teacher: LoadedModel, student: LoadedModel) -> None:
+    """The student must read and write the teacher's tokens: same vocabulary, same ids."""
+    t, s = teacher.tokenizer, student.tokenizer
+    problems = []
+    if teacher.config.vocab_size != student.config.vocab_size:
+        problems.append(f"logits over {student.config.vocab_size} tokens, the teacher's over {teacher.config.vocab_size}")
+    if t.vocab_size != s.vocab_size:
+        problems.append(f"a {s.vocab_size}-token vocabulary, the teacher's has {t.vocab_size}")
+    elif t.encode(_PROBE_TEXT, add_special_tokens=False) != s.encode(_PROBE_TEXT, add_special_tokens=False):
+        problems.append("another tokenization of the same text")
+    if problems:
+        raise ValueError(f"the student's tokenizer differs from the teacher's ({'; '.join(problems)}): distillation "
+                         "compares their distributions token by token, so the student must use the teacher's "
+                         "tokenizer (derive one from the teacher with --student-layers / --student-mlp)")
+
+
+def text_corpus(tokenizer: Tokenizer, path: Path, cfg: DistillConfig) -> Corpus:
+    """Windows of `seq_len` tokens; the first `eval_tokens` tokens held out in windows of the same size."""
+    if not path.is_file():
+        raise ValueError(f"distill text {path} is not a file")
+    ids = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
+    held, rest = ids[:cfg.eval_tokens], ids[cfg.eval_tokens:]
+    train = _windows(rest, cfg.seq_len)
+    if len(train) < cfg.batch_size:
+        raise ValueError(f"distill text {path} has {len(ids)} tokens: after the {len(held)} held out for evaluation "
+                         f"(eval_tokens) it gives {len(train)} windows of {cfg.seq_len} tokens, fewer than one step's "
+                         f"{cfg.batch_size}; give a longer text, or lower seq_len, batch_size or eval_tokens")
+    return Corpus(train, _windows(held, cfg.seq_len), f"{path} ({len(ids)} tokens, first {len(held)} held out)")
+
+
+def _windows(ids: list[int], size: int) -> list[list[int]]:
+    return [ids[i:i + size] for i in range(0, len(ids) - size + 1, size)]
+
+
+def prompts_corpus(teacher_ref: str, tokenizer: Tokenizer, path: Path, cfg: DistillConfig,
+                   held_out: list[list[int]] | None) -> Corpus:
+    """The teacher's sampled continuations of each prompt of `path` (one a line) up to `seq_len`
+    tokens, written by brisk's engine. `held_out`: evaluation windows from a text (else the last
+    5% of the sequences)."""
+    from brisk.engine.llm import LLM
+    from brisk.request import SamplingParams
+
+    if not path.is_file():
+        raise ValueError(f"distill prompts file {path} is not a file")
+    prompts = [line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    ids = [tokenizer.encode(p) for p in prompts]
+    long = [i for i, p in enumerate(ids) if len(p) >= cfg.seq_len]
+    if not prompts or long:
+        raise ValueError(f"distill prompts file {path}: " + (f"prompt {long[0] + 1} has {len(ids[long[0]])} tokens, "
+                         f"not fewer than seq_len {cfg.seq_len}" if long else "no prompt in it (one a line)"))
+    llm = LLM(teacher_ref, max_model_len=cfg.seq_len, seed=cfg.seed)
+    params = [SamplingParams(max_tokens=cfg.seq_len - len(p), temperature=1.0, seed=cfg.seed + i, ignore_eos=True)
+              for i, p in enumerate(ids)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=True)
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(ids, outs)]
+    if held_out is None:
+        cut = max(1, len(seqs) // 20)
+        if len(seqs) - cut < 1:
+            raise ValueError(f"distill prompts file {path} has {len(seqs)} prompt(s): give at least 2 (one is held "
+                             "out for evaluation), or --text for the held-out text")
+        seqs, held_out = seqs[:-cut], seqs[-cut:]
+    return Corpus(seqs, held_out, f"{path} ({len(prompts)} prompts, the teacher's continuations to {cfg.seq_len} tokens)")
+
+
+@torch.no_grad()
+def sample_continuations(model: CausalLM, prompts: list[list[int]], total: int,
+                         generator: torch.Generator) -> list[list[int]]:
+    """Each prompt continued to `total` tokens by `model`, sampled at temperature 1 (on-policy
+    data), through a contiguous KV cache: one prefill, then a token a step for all."""
+    device = model.device
+    seqs = [list(p) for p in prompts]
+    ids, positions, meta = contiguous_batch(model, seqs, cache_len=total)
+    while True:
+        hidden = model(ids, positions, meta)
+        last = torch.tensor([s.query_start + s.num_tokens - 1 for s in meta.seqs], device=device)
+        probs = torch.softmax(model.compute_logits(hidden[last]), dim=-1)  # [b, vocab]
+        drawn = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).tolist()
+        for seq, tok in zip(seqs, drawn):
+            seq.append(tok)
+        if all(len(s) >= total for s in seqs):
+            return [s[:total] for s in seqs]
+        meta = ContiguousAttention(meta.kv_caches, [SeqSpan(slot, len(s) - 1, 1, slot) for slot, s in enumerate(seqs)],
+                                   scale=meta.scale)
+        ids = torch.tensor([s[-1] for s in seqs], device=device)
+        positions = torch.tensor([len(s) - 1 for s in seqs], device=device)
+
+
+def derived_student(teacher: LoadedModel, layers: list[int] | None, mlp: int | None) -> LoadedModel:
+    """A student cut from the teacher: the teacher layers `layers` (all when None), each MLP
+    narrowed to its `mlp` channels of largest weight norm (||gate_j|| ||up_j|| ||down_:j||); float32."""
+    from brisk.compress.prune import Plan, pruned_config, slice_tensors
+
+    cfg = teacher.config
+    n = cfg.num_hidden_layers
+    keep = list(range(n)) if layers is None else layers
+    if not keep or sorted(set(keep)) != keep or keep[0] < 0 or keep[-1] >= n:
+        raise ValueError(f"--student-layers must be teacher layers in increasing order, each from 0 to {n - 1}; "
+                         f"got {layers}")
+    plan = Plan(keep, {}, {})
+    if mlp is not None:
+        widest = min(cfg.intermediate(i) for i in keep)
+        if not 1 <= mlp <= widest:
+            raise ValueError(f"--student-mlp must be from 1 to the teacher's MLP width {widest}; got {mlp}")
+        plan = Plan(keep, {i: list(range(cfg.kv_heads(i))) for i in keep},
+                    {i: _strongest_channels(teacher.model, i, mlp) for i in keep})
+    _, _, weights = read_checkpoint(teacher.source)
+    tensors = slice_tensors(cfg, weights, plan, None, False)
+    student_cfg = pruned_config(cfg, plan, False)
+    model = build_model(student_cfg, torch.float32, max_positions=teacher.model.max_positions)
+    with torch.no_grad():
+        model.load_weights(tensors.items())
+    return LoadedModel(model.eval(), teacher.tokenizer, student_cfg, teacher.source)
+
+
+def _strongest_channels(model: CausalLM, layer: int, keep: int) -> list[int]:
+    mlp = model.layers[layer].mlp  # type: ignore[index]
+    gate, up = mlp.gate_up_proj.weight.float().chunk(2, dim=0)  # [inter, hidden] each
+    score = gate.norm(dim=1) * up.norm(dim=1) * mlp.down_proj.weight.float().norm(dim=0)
+    return sorted(score.topk(keep).indices.tolist())
+
+
+def describe_student(cfg: ModelConfig) -> dict[str, object]:
+    """The student's shape, for reports and the run's fingerprint."""
+    return {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+            "mlp": sorted({cfg.intermediate(i) for i in range(cfg.num_hidden_layers)}),
+            "kv_heads": sorted({cfg.kv_heads(i) for i in range(cfg.num_hidden_layers)})}
+
+
+def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
+    """The training sequences' order in `epoch`: a permutation fixed by (seed, epoch), so a resumed
+    run sees the same batches."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=gen).tolist()
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The on-policy sampler's generator for `step` (fixed by seed and step, for resume)."""
+    return torch.Generator().manual_seed(seed * 7_919 + step * 104_729 + 1)
+
+
+def on_policy_step(seed: int, step: int, share: float) -> bool:
+    """Whether `step` trains on the student's own samples (a fixed draw per step, for resume)."""
+    if share <= 0:
+        return False
+    gen = torch.Generator().manual_seed(seed * 31 + step * 65_537 + 2)
+    return float(torch.rand(1, generator=gen)) < share

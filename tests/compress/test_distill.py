@@ -1,0 +1,274 @@
+"""Distillation (compress/distill.py) on tiny random teacher / student pairs written as HF folders:
+the loss falls and KL to the teacher drops, a checkpoint resumes bit for bit (on-policy steps
+included), the written student reloads, generates and serves as an exact draft, the data and the
+losses are what they say, and every bad input is refused with a message that names it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from brisk import LLM, SamplingParams
+from brisk.cli import main
+from brisk.cli_distill import layer_list
+from brisk.compress.distill import (
+    DistillJob,
+    Distiller,
+    Run,
+    distill,
+    distill_loss,
+    logits_of,
+)
+from brisk.compress.distill_data import derived_student, on_policy_step, sample_continuations, text_corpus
+from brisk.config import DistillConfig
+from brisk.loader.load import load_model
+from brisk.model.base import forward_sequence
+from tests.parallel.conftest import TINY, TINY_GEMMA, VOCAB, write_tiny
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """(teacher dir, student dir, text file): two random tiny Qwen2 models with one tokenizer, and
+    a text the teacher wrote itself (so there is something to learn)."""
+    root = tmp_path_factory.mktemp("distill")
+    teacher = write_tiny(root / "teacher", seed=0)
+    student = write_tiny(root / "student", seed=1)
+    llm = LLM(str(teacher), max_model_len=256)
+    prompts = [" ".join(f"w{random.Random(i).randrange(VOCAB)}" for _ in range(4)) for i in range(24)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=120, temperature=1.0, seed=5, ignore_eos=True),
+                        use_tqdm=False)
+    text = root / "text.txt"
+    text.write_text("\n".join(p + " " + " ".join(f"w{t}" for t in o.outputs[0].token_ids)
+                              for p, o in zip(prompts, outs)))
+    return teacher, student, text
+
+
+CFG = DistillConfig(steps=40, batch_size=4, seq_len=32, lr=3e-3, warmup=2, eval_tokens=256, eval_every=20,
+                    checkpoint_every=20)
+
+
+def test_loss_falls_and_kl_to_the_teacher_drops(pair, tmp_path: Path) -> None:
+    teacher, student, text = pair
+    report = distill(DistillJob(str(teacher), tmp_path / "out", str(student), text=text), CFG, progress=False)
+    first, last = report["eval"][0], report["eval"][-1]
+    assert [e["step"] for e in report["eval"]] == [0, 20, 40]
+    assert last["kl"] < 0.5 * first["kl"] and last["ppl"] < first["ppl"]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["brisk_distill"]["eval"] == report["eval"] and config["brisk_distill"]["loss"] == "fkl"
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step-000020", "step-000040"]
+
+
+def test_the_written_student_reloads_generates_and_drafts_exactly(pair, tmp_path: Path) -> None:
+    """The directory holds the trained weights (its logits are the trained student's), loads like
+    any model, and as a draft keeps the teacher's greedy output exactly."""
+    teacher, student, text = pair
+    cfg = dataclasses.replace(CFG, steps=6, eval_every=6, checkpoint_every=6)
+    t, s = load_model(str(teacher)), load_model(str(student))
+    corpus = text_corpus(t.tokenizer, text, cfg)
+    trainer = Distiller(t, s, corpus, Run(str(teacher), str(student), {}, corpus.source, cfg), tmp_path / "out")
+    for _ in range(cfg.steps):
+        trainer.train_step()
+    from brisk.compress.distill import write_student
+
+    write_student(trainer, 1.0, 1)
+    reloaded = load_model(str(tmp_path / "out")).model
+    ids = corpus.held_out[0]
+    with torch.no_grad():
+        assert torch.equal(forward_sequence(reloaded, ids), forward_sequence(s.model, ids))
+    prompts = ["w3 w5 w7", "w1 w2"]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(teacher), max_model_len=256).generate(prompts, greedy, use_tqdm=False)
+    spec = LLM(str(teacher), max_model_len=256,
+               speculative_config={"method": "draft", "model": str(tmp_path / "out"), "num_speculative_tokens": 3})
+    got = spec.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.metrics.num_draft_tokens for o in got) > 0
+
+
+def _trainer(pair, out: Path, cfg: DistillConfig) -> Distiller:
+    teacher, student, text = pair
+    t, s = load_model(str(teacher)), load_model(str(student))
+    corpus = text_corpus(t.tokenizer, text, cfg)
+    return Distiller(t, s, corpus, Run(str(teacher), str(student), {"layers": 4}, corpus.source, cfg), out)
+
+
+def test_resume_continues_bit_for_bit_on_and_off_policy(pair, tmp_path: Path) -> None:
+    cfg = dataclasses.replace(CFG, steps=8, on_policy=0.5, prompt_tokens=8, loss="rkl")
+    first = _trainer(pair, tmp_path / "run", cfg)
+    for _ in range(3):
+        first.train_step()
+    checkpoint = first.save_checkpoint()
+    after = [first.train_step() for _ in range(4)]
+    resumed = _trainer(pair, tmp_path / "run", cfg)
+    resumed.load_checkpoint(tmp_path / "run")  # the run's directory: its latest checkpoint
+    assert resumed.step == 3 and checkpoint.name == "step-000003"
+    assert [resumed.train_step() for _ in range(4)] == after
+    assert any(on_policy_step(cfg.seed, step, cfg.on_policy) for step in range(3, 7))  # the student's own samples
+    assert not all(on_policy_step(cfg.seed, step, cfg.on_policy) for step in range(3, 7))  # and the text
+
+
+def test_a_checkpoint_of_another_run_is_refused(pair, tmp_path: Path) -> None:
+    first = _trainer(pair, tmp_path / "run", CFG)
+    first.train_step()
+    first.save_checkpoint()
+    other = _trainer(pair, tmp_path / "other", dataclasses.replace(CFG, loss="tvd"))
+    with pytest.raises(ValueError, match="checkpoint of another run: its config"):
+        other.load_checkpoint(tmp_path / "run")
+    with pytest.raises(ValueError, match="no checkpoint there"):
+        other.load_checkpoint(tmp_path / "nowhere")
+
+
+def test_a_diverging_loss_stops_with_the_last_good_checkpoint(pair, tmp_path: Path, monkeypatch) -> None:
+    teacher, student, text = pair
+    import brisk.compress.distill as module
+
+    real = module.distill_loss
+    calls = []
+
+    def breaks_at_step_4(*args, **kwargs):
+        calls.append(1)
+        loss = real(*args, **kwargs)
+        return loss * float("nan") if len(calls) == 4 else loss
+
+    monkeypatch.setattr(module, "distill_loss", breaks_at_step_4)
+    cfg = dataclasses.replace(CFG, checkpoint_every=2, eval_every=100)
+    with pytest.raises(ValueError, match=r"stopped at step 4: the loss became nan .*step-000002"):
+        distill(DistillJob(str(teacher), tmp_path / "out", str(student), text=text), cfg, progress=False)
+    assert (tmp_path / "out" / "checkpoints" / "step-000002" / "state.json").is_file()
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_bad_inputs_name_what_is_wrong(pair, tmp_path: Path) -> None:
+    teacher, student, text = pair
+    other = write_tiny(tmp_path / "other_vocab", cfg=dataclasses.replace(TINY, vocab_size=VOCAB + 8))
+    cases = [
+        (DistillJob(str(teacher), tmp_path / "a", str(other), text=text), CFG, "tokenizer differs from the teacher"),
+        (DistillJob(str(teacher), tmp_path / "b", str(student)), CFG, "needs training text"),
+        (DistillJob(str(teacher), tmp_path / "c", str(student), [0, 1], text=text), CFG, "give one or the other"),
+        (DistillJob(str(teacher), tmp_path / "d", None, [2, 1], text=text), CFG, "increasing order"),
+        (DistillJob(str(teacher), tmp_path / "e", None, [0, 9], text=text), CFG, "each from 0 to 3"),
+        (DistillJob(str(teacher), tmp_path / "f", None, None, 4096, text=text), CFG, "student-mlp must be from 1"),
+        (DistillJob(str(teacher), tmp_path / "g", str(student), text=tmp_path / "missing.txt"), CFG, "is not a file"),
+        (DistillJob(str(teacher), tmp_path / "h", str(student), text=text),
+         dataclasses.replace(CFG, eval_tokens=10 ** 6), "fewer than one step's"),
+    ]
+    for job, cfg, message in cases:
+        with pytest.raises(ValueError, match=message):
+            distill(job, cfg, progress=False)
+    for options, message in [({"loss": "kl"}, "unknown distillation loss"), ({"loss": "rkl", "top_k": 8}, "top_k"),
+                             ({"on_policy": 1.5}, "on_policy"), ({"seq_len": 4}, "seq_len"), ({"lr": 0}, "lr"),
+                             ({"on_policy": 0.5, "prompt_tokens": 64, "seq_len": 32}, "prompt_tokens")]:
+        with pytest.raises(ValueError, match=message):
+            DistillConfig(**options)
+    with pytest.raises(ValueError, match="layer numbers"):
+        layer_list("0,a")
+    assert layer_list("0-2,5,7-8") == [0, 1, 2, 5, 7, 8]
+
+
+def test_losses_are_the_divergences_they_name() -> None:
+    torch.manual_seed(0)
+    s, t = torch.randn(6, 50), torch.randn(6, 50)
+    ls, lt = F.log_softmax(s, -1), F.log_softmax(t, -1)
+    assert torch.allclose(distill_loss("fkl", s, t), F.kl_div(ls, lt, log_target=True, reduction="batchmean"))
+    assert torch.allclose(distill_loss("rkl", s, t), F.kl_div(lt, ls, log_target=True, reduction="batchmean"))
+    assert torch.allclose(distill_loss("tvd", s, t), 0.5 * (ls.exp() - lt.exp()).abs().sum(-1).mean())
+    assert torch.allclose(distill_loss("fkl", s, t, top_k=50), distill_loss("fkl", s, t))
+    assert torch.allclose(distill_loss("fkl", s, t, temperature=2.0),
+                          4 * F.kl_div(F.log_softmax(s / 2, -1), F.log_softmax(t / 2, -1), log_target=True,
+                                       reduction="batchmean"))
+    for kind in ("fkl", "rkl", "tvd"):
+        assert float(distill_loss(kind, t, t)) == pytest.approx(0.0, abs=1e-6)
+    top = distill_loss("fkl", s, t, top_k=5)
+    assert 0 < float(top) and torch.isfinite(top)
+
+
+@pytest.mark.parametrize("cfg", [TINY, TINY_GEMMA], ids=["qwen2", "gemma3-sliding"])
+def test_training_logits_are_the_engines(cfg, tmp_path: Path) -> None:
+    """Whole sequences without a cache, with gradients on (torch's ops) or off (brisk's kernels),
+    give the contiguous-cache forward's logits; sequences of different lengths in one batch too."""
+    model = load_model(str(write_tiny(tmp_path / "m", cfg=cfg))).model
+    a, b = list(range(3, 40)), [5, 9, 11, 2, 7, 1, 30, 31, 8, 6, 4]
+    with torch.no_grad():
+        ref = [model.compute_logits(forward_sequence(model, s)) for s in (a, b)]
+        both = logits_of(model, [a, b])
+    assert torch.allclose(both[:len(a)], ref[0], atol=1e-5) and torch.allclose(both[len(a):], ref[1], atol=1e-5)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    trained = logits_of(model, [a, a])
+    assert trained.requires_grad and torch.allclose(trained[:len(a)], ref[0], atol=1e-4)
+    trained.sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_derived_students_and_on_policy_samples(pair) -> None:
+    teacher, _, _ = pair
+    t = load_model(str(teacher))
+    narrow = derived_student(t, [0, 3], 16)
+    assert narrow.config.num_hidden_layers == 2 and narrow.config.intermediate(0) == 16
+    assert torch.equal(narrow.model.layers[1].input_layernorm.weight, t.model.layers[3].input_layernorm.weight)
+    same = derived_student(t, None, None)
+    ids = list(range(1, 30))
+    with torch.no_grad():
+        assert torch.equal(forward_sequence(same.model, ids), forward_sequence(t.model, ids))
+    gen = torch.Generator().manual_seed(0)
+    samples = sample_continuations(t.model, [[3, 4, 5], [9]], 12, gen)
+    assert [len(s) for s in samples] == [12, 12] and samples[0][:3] == [3, 4, 5] and samples[1][0] == 9
+    again = sample_continuations(t.model, [[3, 4, 5], [9]], 12, torch.Generator().manual_seed(0))
+    assert again == samples
+
+
+def test_prompts_file_is_the_teachers_continuations(pair, tmp_path: Path) -> None:
+    from brisk.compress.distill_data import prompts_corpus
+
+    teacher, _, text = pair
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w3 w4\n\nw5 w6 w7\nw1\n")
+    t = load_model(str(teacher))
+    corpus = prompts_corpus(str(teacher), t.tokenizer, prompts, CFG, None)
+    assert [len(s) for s in corpus.train + corpus.held_out] == [32, 32, 32]
+    assert corpus.train[0][:2] == t.tokenizer.encode("w3 w4") and len(corpus.held_out) == 1
+    long = tmp_path / "long.txt"
+    long.write_text(" ".join(["w2"] * 40))
+    with pytest.raises(ValueError, match="prompt 1 has 40 tokens"):
+        prompts_corpus(str(teacher), t.tokenizer, long, CFG, None)
+
+
+def test_cli_writes_a_student_and_prints_its_report(pair, tmp_path: Path, capsys) -> None:
+    teacher, _, text = pair
+    rc = main(["distill", "--teacher", str(teacher), "--student-layers", "0-1", "--out", str(tmp_path / "out"),
+               "--text", str(text), "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--eval-tokens", "64",
+               "--eval-every", "1"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["steps"] == 2 and [e["step"] for e in report["eval"]] == [0, 1, 2]
+    assert report["loss"] == "fkl" and report["on_policy"] == 0.0
+    assert load_model(str(tmp_path / "out")).config.num_hidden_layers == 2
+    # --for-draft: DistillSpec's total variation on the student's own samples half the time
+    assert main(["distill", "--teacher", str(teacher), "--student-layers", "0", "--out", str(tmp_path / "draft"),
+                 "--text", str(text), "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--eval-tokens", "64",
+                 "--for-draft", "--prompt-tokens", "4"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["loss"] == "tvd" and report["on_policy"] == 0.5
+
+
+def test_the_default_model_teaches_a_student_cut_from_it(gguf_path: Path, tmp_path: Path) -> None:
+    """The real teacher (the default model, dequantized) and a 4-layer student derived from it:
+    a few steps on real text lower the held-out KL, and the written directory loads and generates."""
+    text = tmp_path / "text.txt"
+    text.write_text("The history of the city begins with a small settlement on the river. " * 60
+                    + "Over the centuries the town grew into a centre of trade and learning. " * 60)
+    cfg = DistillConfig(steps=6, batch_size=2, seq_len=64, lr=1e-3, warmup=1, eval_tokens=128, eval_every=6,
+                        checkpoint_every=6)
+    report = distill(DistillJob("smollm2-135m", tmp_path / "out", None, [0, 1, 2, 29], text=text), cfg,
+                     progress=False)
+    assert report["eval"][-1]["kl"] < report["eval"][0]["kl"]
+    assert report["params"] < 0.5 * report["teacher_params"]
+    llm = LLM(str(tmp_path / "out"), max_model_len=256)
+    (out,) = llm.generate(["The history of the city"], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 8
