@@ -180,9 +180,9 @@ class Speculator:
     def observe_forward(self, seconds: float, drafts: dict[str, Draft]) -> None:
         """The target's forward took `seconds`: refresh the draft cost the length controller uses
         (one draft pass over one plain decode step, both measured on this machine and batch)."""
-        if self.length is None:
+        if self.length is None or self._forced:  # a step that also verified forced runs times more than the proposer's drafts
             return
-        longest = min(max((len(d.token_ids) for d in drafts.values()), default=0), len(self.verify_costs) - 1)
+        longest = max((len(d.token_ids) for d in drafts.values()), default=0)
         self._plain_seconds.update(seconds / (1.0 + self.verify_costs[longest]))
         if self.measure_costs and self._draft_seconds.value is not None and self._plain_seconds.value:
             self.length.draft_cost = self._draft_seconds.value / self._plain_seconds.value
