@@ -95,6 +95,11 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     spb.add_argument("--draft-model", default=None, help="draft model of method draft (default: the target's name)")
     spb.add_argument("--draft-quantization", default="gguf",
                      help="quantization of the draft model (default gguf: the file's own 4-bit blocks)")
+    spb.add_argument("--draft", action="append", default=[], metavar="NAME=JSON",
+                     help="one more draft configuration run side by side, named NAME: the JSON object's options "
+                          "(model, quantization, draft_vocab, ...) of method draft, e.g. "
+                          "'distilled={\"model\": \"DIR\", \"quantization\": \"int4\", \"draft_vocab\": 8192}'; "
+                          "repeatable")
     spb.add_argument("--medusa-heads", default=None, help="heads file from `brisk train-heads --kind medusa`")
     spb.add_argument("--exit-heads", default=None, help="exit head from `brisk train-heads --kind early_exit`")
     spb.add_argument("--exit-layer", type=int, default=None, help="early_exit: layers the draft runs")
@@ -309,6 +314,16 @@ def spec_methods(args: argparse.Namespace, target: str) -> dict[str, dict[str, o
                 raise ValueError("--methods includes medusa: give --medusa-heads (from `brisk train-heads --kind medusa`)")
             cfg["heads"] = args.medusa_heads
         configs[method] = cfg
+    for entry in args.draft:
+        name, _, options = entry.partition("=")
+        try:
+            extra = json.loads(options)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--draft {entry!r}: after NAME= comes a JSON object of draft options ({exc})") from None
+        if not name or name in configs or not isinstance(extra, dict):
+            raise ValueError(f"--draft {entry!r}: give NAME=JSON with a new name and a JSON object, e.g. "
+                             "'d8={\"model\": \"DIR\"}'")
+        configs[name] = {"method": "draft", "num_speculative_tokens": k, **extra}
     return configs
 
 

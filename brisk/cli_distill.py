@@ -29,6 +29,9 @@ def add_distill_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
                     help="training text: windows of --seq-len tokens; its first --eval-tokens tokens are held out")
     ds.add_argument("--prompts-file", type=Path, default=None,
                     help="one prompt a line: the teacher's sampled continuations to --seq-len tokens are the data")
+    ds.add_argument("--chat", action="store_true",
+                    help="each line of --prompts-file is a user turn rendered by the teacher's chat template "
+                         "(for a chat model's draft)")
     ds.add_argument("--loss", default=None, choices=DISTILL_LOSSES,
                     help=f"fkl: KL(teacher||student); rkl: KL(student||teacher) (MiniLLM); tvd: total variation "
                          f"(default {_D.loss}; with --for-draft tvd)")
@@ -39,7 +42,8 @@ def add_distill_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
                     help=f"share of steps on the student's own samples, scored by the teacher (GKD; 0..1; default "
                          f"{_D.on_policy:g}, with --for-draft {FOR_DRAFT['on_policy']:g})")
     ds.add_argument("--prompt-tokens", type=int, default=_D.prompt_tokens,
-                    help="on-policy: the student continues each window from its first this many tokens")
+                    help="on-policy on --text windows: the student continues each from its first this many tokens "
+                         "(a --prompts-file sequence: from its prompt)")
     ds.add_argument("--for-draft", action="store_true",
                     help="train a speculative draft (DistillSpec): total variation, whose complement is the "
                          "acceptance rate, on the student's own samples half the time, unless --loss / --on-policy say")
@@ -88,11 +92,12 @@ def cmd_distill(args: argparse.Namespace) -> int:
         train_embeddings=args.train_embeddings, bf16=args.bf16, eval_tokens=args.eval_tokens,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, seed=args.seed)
     job = DistillJob(args.teacher, args.out, args.student, layer_list(args.student_layers), args.student_mlp,
-                     args.text, args.prompts_file, args.resume)
+                     args.text, args.prompts_file, args.resume, args.chat)
     report = distill(job, cfg)
     first, last = report["eval"][0], report["eval"][-1]
     print(f"wrote {args.out}: held-out perplexity {first['ppl']:.3f} -> {last['ppl']:.3f} (teacher "
-          f"{report['teacher_held_out_ppl']:.3f}), KL to the teacher {first['kl']:.4f} -> {last['kl']:.4f}",
+          f"{report['teacher_held_out_ppl']:.3f}), KL to the teacher {first['kl']:.4f} -> {last['kl']:.4f}, "
+          f"top-1 agreement {first['top1']:.3f} -> {last['top1']:.3f}",
           file=sys.stderr)
     print(json.dumps(report), flush=True)
     return 0

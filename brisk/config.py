@@ -467,7 +467,7 @@ class DistillConfig:
     `loss`: "fkl" forward KL(teacher || student) (with `top_k` > 0, over the teacher's top k tokens
     renormalised), "rkl" reverse KL(student || teacher) (MiniLLM), "tvd" total variation distance.
     `on_policy`: the share of steps whose sequences the student writes itself (temperature 1, from
-    the first `prompt_tokens` tokens of a training window), scored by the teacher (GKD,
+    the sequence's prompt, or the first `prompt_tokens` tokens of a text window), scored by the teacher (GKD,
     DistillSpec). AdamW at `lr` (linear warm-up over `warmup` steps, cosine decay to 10%), gradients
     clipped at `grad_clip`; `bf16`: bfloat16 autocast for the student's matmuls. The first
     `eval_tokens` tokens of the text are held out, scored every `eval_every` steps; a checkpoint
@@ -517,9 +517,11 @@ class DistillConfig:
             raise ValueError("distill weight_decay and grad_clip must be >= 0 (grad_clip 0: no clipping)")
 
 
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # `brisk distill`'s token ranking beside a student (FR-Spec drafts)
 SPEC_METHODS = ("ngram", "draft", "early_exit", "medusa")  # spec/ registers one proposer per name
 SPEC_OPTIONS = ("method", "num_speculative_tokens", "max_speculative_tokens", "prompt_lookup_min",
-                "prompt_lookup_max", "model", "quantization", "quantization_config", "exit_layer", "heads")
+                "prompt_lookup_max", "model", "quantization", "quantization_config", "exit_layer", "heads",
+                "draft_vocab", "draft_vocab_file")
 
 
 @dataclass(frozen=True)
@@ -530,7 +532,9 @@ class SpecConfig:
     chosen every step by Thompson sampling over its acceptance history, up to
     `max_speculative_tokens` (7), and may fall to 0 (plain decoding) when drafts stop being accepted.
     Per method: ngram `prompt_lookup_min` / `prompt_lookup_max` (n-gram sizes matched against the
-    request's own tokens); draft `model` (+ `quantization`, `quantization_config`); early_exit
+    request's own tokens); draft `model` (+ `quantization`, `quantization_config`, and `draft_vocab`:
+    draft among that many most frequent tokens of `draft_vocab_file`, by default the draft directory's
+    draft_vocab.json that `brisk distill` writes: FR-Spec, lossless); early_exit
     `exit_layer` (layers the draft runs; None: a quarter of them) and optional `heads` (a file of
     trained exit head weights); medusa `heads` (written by `brisk train-heads`).
     """
@@ -545,6 +549,8 @@ class SpecConfig:
     quantization_config: dict[str, Any] | None = None
     exit_layer: int | None = None
     heads: str | None = None
+    draft_vocab: int | None = None
+    draft_vocab_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -569,6 +575,14 @@ class SpecConfig:
         if self.exit_layer is not None and (self.method != "early_exit" or not isinstance(self.exit_layer, int)
                                             or self.exit_layer < 1):
             raise ValueError(f'"exit_layer" must be an integer >= 1 for method early_exit, got {self.exit_layer!r}')
+        if (self.draft_vocab is not None or self.draft_vocab_file is not None) and self.method != "draft":
+            raise ValueError(f'"draft_vocab" applies to method draft (medusa and early_exit heads carry their own), '
+                             f'not {self.method}')
+        if self.draft_vocab_file is not None and self.draft_vocab is None:
+            raise ValueError('"draft_vocab_file" needs "draft_vocab": how many of its most frequent tokens to draft among')
+        if self.draft_vocab is not None and (isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int)
+                                             or self.draft_vocab < 1):
+            raise ValueError(f'"draft_vocab" must be a number of tokens >= 1, got {self.draft_vocab!r}')
         if self.quantization is not None:
             QuantConfig.parse(self.quantization, self.quantization_config)  # the same checks as the target's
         elif self.quantization_config is not None:

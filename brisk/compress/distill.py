@@ -28,6 +28,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ from brisk.compress.distill_data import (
     sample_continuations,
     step_generator,
 )
-from brisk.config import DistillConfig
+from brisk.config import DRAFT_VOCAB_FILE, DistillConfig
 from brisk.loader.load import LoadedModel
 from brisk.model.attention import WholeSequences
 from brisk.model.base import CausalLM
@@ -85,13 +86,15 @@ class EvalScore:
     teacher_ppl: float
     kl: float  # mean KL(teacher || student) per token
     tokens: int
+    top1: float = 0.0  # share of positions where the student's argmax is the teacher's (a greedy draft's acceptance)
+    accept: float = 0.0  # mean 1 - TVD(teacher, student): a draft's acceptance when sampling at temperature 1
 
 
 @torch.no_grad()
 def evaluate(student: CausalLM, teacher: CausalLM, windows: list[list[int]]) -> EvalScore:
     """The student's and the teacher's perplexity on held-out windows, and the student's KL to the
-    teacher there."""
-    nll, t_nll, kl, n = 0.0, 0.0, 0.0, 0
+    teacher there, with the two per-token acceptance rates a draft of this student would get."""
+    nll, t_nll, kl, same, accept, n = 0.0, 0.0, 0.0, 0, 0.0, 0
     for w in windows:
         targets = torch.tensor(w[1:], device=student.device)
         s_logits, t_logits = logits_of(student, [w])[:-1], logits_of(teacher, [w])[:-1]
@@ -102,8 +105,11 @@ def evaluate(student: CausalLM, teacher: CausalLM, windows: list[list[int]]) -> 
             nll -= float(s.gather(-1, targets[rows, None]).sum())
             t_nll -= float(t.gather(-1, targets[rows, None]).sum())
             kl += float((t.exp() * (t - s)).sum())
+            same += int((s.argmax(-1) == t.argmax(-1)).sum())
+            accept += float(torch.minimum(s.exp(), t.exp()).sum())
         n += len(targets)
-    return EvalScore(math.exp(nll / max(1, n)), math.exp(t_nll / max(1, n)), kl / max(1, n), n)
+    d = max(1, n)
+    return EvalScore(math.exp(nll / d), math.exp(t_nll / d), kl / d, n, same / d, accept / d)
 
 
 @dataclasses.dataclass
@@ -146,17 +152,20 @@ class Distiller:
     # ---------------------------------------------------------------------------- one step
     def batch(self, step: int) -> list[list[int]]:
         """Step `step`'s sequences: the next `batch_size` of the epoch's order, or on on-policy
-        steps the student's own continuations of their first `prompt_tokens` tokens."""
-        cfg, n = self.cfg, len(self.corpus.train)
-        seqs = []
+        steps the student's own continuations of their prompts (a prompts file's lines, else their
+        first `prompt_tokens` tokens)."""
+        cfg, n, lens = self.cfg, len(self.corpus.train), self.corpus.prompt_lens
+        seqs, cut = [], []
         for j in range(cfg.batch_size):
             k = step * cfg.batch_size + j
             epoch = k // n
             if epoch not in self._orders:
                 self._orders = {epoch: epoch_order(n, epoch, cfg.seed)}
-            seqs.append(self.corpus.train[self._orders[epoch][k % n]])
+            index = self._orders[epoch][k % n]
+            seqs.append(self.corpus.train[index])
+            cut.append(lens[index] if lens is not None else cfg.prompt_tokens)
         if on_policy_step(cfg.seed, step, cfg.on_policy):
-            prompts = [s[:cfg.prompt_tokens] for s in seqs]
+            prompts = [s[:c] for s, c in zip(seqs, cut)]
             seqs = sample_continuations(self.student.model, prompts, max(len(s) for s in seqs),
                                         step_generator(cfg.seed, step))
         return seqs
@@ -197,7 +206,8 @@ class Distiller:
     def evaluate(self) -> dict[str, Any]:
         score = evaluate(self.student.model, self.teacher.model, self.corpus.held_out)
         entry = {"step": self.step, "ppl": round(score.ppl, 4), "kl": round(score.kl, 5), "tokens": score.tokens,
-                 "teacher_ppl": round(score.teacher_ppl, 4)}
+                 "teacher_ppl": round(score.teacher_ppl, 4), "top1": round(score.top1, 4),
+                 "accept": round(score.accept, 4)}
         self.history.append(entry)
         return entry
 
@@ -208,13 +218,14 @@ class Distiller:
         root = self.out / "checkpoints"
         final, tmp = root / f"step-{self.step:06d}", root / f".step-{self.step:06d}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file({k: v.detach().contiguous() for k, v in self.student.model.state_dict().items()
-                   if not k.startswith("rope_")}, str(tmp / "student.safetensors"))
-        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        state = {"step": self.step, "tokens_seen": self.tokens_seen, "history": self.history,
-                 "run": self.run.fingerprint()}
-        (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+        with _writing(f"checkpoint {final}", [tmp], "the checkpoints before it are whole: --resume from the last"):
+            tmp.mkdir(parents=True)
+            save_file({k: v.detach().contiguous() for k, v in self.student.model.state_dict().items()
+                       if not k.startswith("rope_")}, str(tmp / "student.safetensors"))
+            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            state = {"step": self.step, "tokens_seen": self.tokens_seen, "history": self.history,
+                     "run": self.run.fingerprint()}
+            (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in sorted(p for p in root.glob("step-*") if p != final)[:-1]:
@@ -262,6 +273,7 @@ class DistillJob:
     text: Path | None = None
     prompts_file: Path | None = None
     resume: Path | None = None
+    chat: bool = False  # the prompts file's lines are user turns for the teacher's chat template
 
 
 def distill(job: DistillJob, cfg: DistillConfig, progress: bool = True) -> dict[str, Any]:
@@ -278,7 +290,8 @@ def distill(job: DistillJob, cfg: DistillConfig, progress: bool = True) -> dict[
         student = derived_student(teacher, job.student_layers, job.student_mlp)
     text = text_corpus(teacher.tokenizer, job.text, cfg) if job.text is not None else None
     corpus = text if job.prompts_file is None else prompts_corpus(
-        job.teacher, teacher.tokenizer, job.prompts_file, cfg, text.held_out if text is not None else None)
+        job.teacher, teacher.tokenizer, job.prompts_file, cfg, text.held_out if text is not None else None, job.chat,
+        job.out / "teacher_sequences.json")
     assert corpus is not None
     student_name = job.student or f"derived from {job.teacher}: layers {job.student_layers or 'all'}, " \
                                    f"mlp {job.student_mlp or 'as the teacher'}"
@@ -293,6 +306,8 @@ def _check_job(job: DistillJob) -> None:
     if job.text is None and job.prompts_file is None:
         raise ValueError("distill needs training text: --text FILE (windows of it) and/or --prompts-file F (the "
                          "teacher's continuations of its prompts)")
+    if job.chat and job.prompts_file is None:
+        raise ValueError("--chat renders the lines of --prompts-file as chat turns: give --prompts-file too")
     if job.student is not None and (job.student_layers is not None or job.student_mlp is not None):
         raise ValueError("--student names a model to train; --student-layers / --student-mlp derive one from the "
                          "teacher instead: give one or the other")
@@ -321,7 +336,8 @@ def _train(trainer: Distiller, progress: bool) -> dict[str, Any]:
                         refresh=False)
         if trainer.step % cfg.eval_every == 0 or trainer.step == cfg.steps:
             entry = trainer.evaluate()
-            bar.write(f"step {trainer.step}: held-out ppl {entry['ppl']:.3f}, KL to the teacher {entry['kl']:.4f}")
+            bar.write(f"step {trainer.step}: held-out ppl {entry['ppl']:.3f}, KL to the teacher {entry['kl']:.4f}, "
+                      f"top-1 agreement {entry['top1']:.3f}, 1 - TVD {entry['accept']:.3f}")
         if trainer.step % cfg.checkpoint_every == 0 or trainer.step == cfg.steps:
             last_good = trainer.save_checkpoint()
     bar.close()
@@ -330,8 +346,9 @@ def _train(trainer: Distiller, progress: bool) -> dict[str, Any]:
 
 
 def write_student(trainer: Distiller, seconds: float, tokens_now: int) -> dict[str, Any]:
-    """`seconds`: this session's wall time; `tokens_now`: the tokens it trained on."""
-    """The student as an HF directory in `out` (files written under temporary names, then renamed)."""
+    """The student as an HF directory in `out` (files written under temporary names, then renamed),
+    with the ranking of its training tokens a draft vocabulary is cut from (FR-Spec).
+    `seconds`: this session's wall time; `tokens_now`: the tokens it trained on."""
     from brisk.compress.prune import PRUNING_KEY, model_params, pruning_of
     from brisk.loader.convert import write_tokenizer_files
     from brisk.loader.hf_loader import hf_config_dict
@@ -347,15 +364,50 @@ def write_student(trainer: Distiller, seconds: float, tokens_now: int) -> dict[s
         "eval": trainer.history,
     }
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".model.safetensors.tmp"
-    save_file(student.model.hf_tensors(), str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
     config = hf_config_dict(student.config, "float32")
     config[DISTILL_KEY] = report
     cut = pruning_of(student.source.path) if student.source.kind == "hf" else None
     if cut is not None:  # a pruned student keeps its pruning report: `eval ppl` then compares with its source
         config[PRUNING_KEY] = cut
-    (out / ".config.json.tmp").write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(out / ".config.json.tmp", out / "config.json")
-    write_tokenizer_files(student.tokenizer, student.config, out)
+    names = ["model.safetensors", "config.json", DRAFT_VOCAB_FILE]
+    tmps = [out / f".{name}.tmp" for name in names]
+    with _writing(f"the student in {out}", tmps, f"the last checkpoint under {out / 'checkpoints'} is whole: free "
+                  "space, then run again with --resume and the same --steps to write the student"):
+        save_file(student.model.hf_tensors(), str(tmps[0]), metadata={"format": "pt"})
+        tmps[1].write_text(json.dumps(config, indent=2) + "\n")
+        write_draft_vocab(tmps[2], token_counts(trainer.corpus, student.config.vocab_size))
+        write_tokenizer_files(student.tokenizer, student.config, out)
+    for tmp, name in zip(tmps, names):  # every file whole before any replaces an older one
+        os.replace(tmp, out / name)
     return report
+
+
+@contextlib.contextmanager
+def _writing(what: str, tmps: list[Path], kept: str) -> Iterator[None]:
+    """Writes under temporary names: an OSError (a full disk, a lost mount) removes them and
+    becomes a ValueError saying what was being written and what is still whole."""
+    try:
+        yield
+    except OSError as exc:
+        for tmp in tmps:
+            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        raise ValueError(f"writing {what} failed ({exc.strerror or exc}); nothing half-written was left: {kept}") \
+            from None
+
+
+def write_draft_vocab(path: Path, counts: torch.Tensor) -> None:
+    """Every token id, most frequent first (ties: lower id first), with its count: the ranking a
+    draft vocabulary's N tokens are read from (speculative draft_vocab)."""
+    values = counts.tolist()
+    order = sorted(range(len(values)), key=lambda t: (-values[t], t))
+    path.write_text(json.dumps({"ranked": order, "counts": values}), encoding="utf-8")
+
+
+def token_counts(corpus: Corpus, vocab_size: int) -> torch.Tensor:
+    """How often each token occurs in the training sequences (after their prompts, where known):
+    what a draft trained on them will mostly be asked to write."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for i, seq in enumerate(corpus.train):
+        start = corpus.prompt_lens[i] if corpus.prompt_lens is not None else 0
+        counts += torch.bincount(torch.tensor(seq[start:], dtype=torch.int64), minlength=vocab_size)[:vocab_size]
+    return counts

@@ -6,10 +6,12 @@ Data:
   with N <= eval_tokens measures held-out text.
 - `--prompts-file F`: one prompt a line; the teacher writes a sampled continuation of each with
   brisk's engine (batched, prefix-cached), prompt + continuation is a training sequence
-  (sequence-level distillation, DistillSpec's data for drafts). Without `--text` the last 5% of
-  them (at least one) are held out.
-- on-policy steps: the student samples the rest of a window from its first `prompt_tokens`
-  tokens (temperature 1), the teacher scores what the student wrote (GKD).
+  (sequence-level distillation, DistillSpec's data for drafts). With `--chat` each line is a user
+  turn rendered by the teacher's chat template (a chat model's draft learns answers, not raw text).
+  Without `--text` the last 5% of them (at least one) are held out.
+- on-policy steps: the student samples the rest of a sequence from its prompt (a prompts file's
+  line; in text windows the first `prompt_tokens` tokens) at temperature 1, the teacher scores what
+  the student wrote (GKD).
 
 Students: any model brisk loads (a `brisk prune` directory: recovery), or one derived from the
 teacher: chosen teacher layers (`student_layers`) and, optionally, every layer's MLP narrowed to
@@ -18,6 +20,9 @@ teacher: chosen teacher layers (`student_layers`) and, optionally, every layer's
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +47,7 @@ class Corpus:
     train: list[list[int]]
     held_out: list[list[int]]
     source: str
+    prompt_lens: list[int] | None = None  # per training sequence, when it is a prompt and its continuation
 
     @property
     def train_tokens(self) -> int:
@@ -83,33 +89,60 @@ def _windows(ids: list[int], size: int) -> list[list[int]]:
 
 
 def prompts_corpus(teacher_ref: str, tokenizer: Tokenizer, path: Path, cfg: DistillConfig,
-                   held_out: list[list[int]] | None) -> Corpus:
+                   held_out: list[list[int]] | None, chat: bool = False, cache: Path | None = None) -> Corpus:
     """The teacher's sampled continuations of each prompt of `path` (one a line) up to `seq_len`
     tokens, written by brisk's engine. `held_out`: evaluation windows from a text (else the last
-    5% of the sequences)."""
-    from brisk.engine.llm import LLM
-    from brisk.request import SamplingParams
-
+    5% of the sequences). `cache`: a JSON file keeping the continuations, reused when the teacher,
+    prompts, template use, `seq_len` and seed are the same (a resumed run does not generate again)."""
     if not path.is_file():
         raise ValueError(f"distill prompts file {path} is not a file")
     prompts = [line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
-    ids = [tokenizer.encode(p) for p in prompts]
+    if chat:
+        if tokenizer.chat_template is None:
+            raise ValueError(f"--chat renders the prompts of {path} with the teacher's chat template, and the teacher "
+                             "has none: drop --chat (each line is then raw text to continue)")
+        ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]),
+                                add_special_tokens=False) for p in prompts]
+    else:
+        ids = [tokenizer.encode(p) for p in prompts]
     long = [i for i, p in enumerate(ids) if len(p) >= cfg.seq_len]
     if not prompts or long:
         raise ValueError(f"distill prompts file {path}: " + (f"prompt {long[0] + 1} has {len(ids[long[0]])} tokens, "
                          f"not fewer than seq_len {cfg.seq_len}" if long else "no prompt in it (one a line)"))
-    llm = LLM(teacher_ref, max_model_len=cfg.seq_len, seed=cfg.seed)
-    params = [SamplingParams(max_tokens=cfg.seq_len - len(p), temperature=1.0, seed=cfg.seed + i, ignore_eos=True)
-              for i, p in enumerate(ids)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=True)
-    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(ids, outs)]
+    key = {"teacher": teacher_ref, "prompts": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+           "seq_len": cfg.seq_len, "seed": cfg.seed}
+    kept = json.loads(cache.read_text(encoding="utf-8")) if cache is not None and cache.is_file() else None
+    if kept is not None and kept.get("key") == key:
+        seqs = kept["sequences"]
+    else:
+        seqs = _teacher_continuations(teacher_ref, ids, cfg)
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_name(cache.name + ".tmp")
+            tmp.write_text(json.dumps({"key": key, "sequences": seqs}), encoding="utf-8")
+            os.replace(tmp, cache)
+    lens = [len(p) for p in ids]
     if held_out is None:
         cut = max(1, len(seqs) // 20)
         if len(seqs) - cut < 1:
             raise ValueError(f"distill prompts file {path} has {len(seqs)} prompt(s): give at least 2 (one is held "
                              "out for evaluation), or --text for the held-out text")
-        seqs, held_out = seqs[:-cut], seqs[-cut:]
-    return Corpus(seqs, held_out, f"{path} ({len(prompts)} prompts, the teacher's continuations to {cfg.seq_len} tokens)")
+        seqs, held_out, lens = seqs[:-cut], seqs[-cut:], lens[:-cut]
+    kind = "chat prompts" if chat else "prompts"
+    return Corpus(seqs, held_out, f"{path} ({len(prompts)} {kind}, the teacher's continuations to {cfg.seq_len} tokens)",
+                  lens)
+
+
+def _teacher_continuations(teacher_ref: str, prompts: list[list[int]], cfg: DistillConfig) -> list[list[int]]:
+    """Each prompt and the teacher's sampled continuation, `seq_len` tokens in all, batched by the engine."""
+    from brisk.engine.llm import LLM
+    from brisk.request import SamplingParams
+
+    llm = LLM(teacher_ref, max_model_len=cfg.seq_len, seed=cfg.seed)
+    params = [SamplingParams(max_tokens=cfg.seq_len - len(p), temperature=1.0, seed=cfg.seed + i, ignore_eos=True)
+              for i, p in enumerate(prompts)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
+    return [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
 
 
 @torch.no_grad()

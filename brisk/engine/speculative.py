@@ -29,7 +29,7 @@ from brisk.sample.structured import Constraint
 from brisk.spec.base import Draft, DraftRequest, Proposer
 from brisk.spec.draft import DraftModelProposer
 from brisk.spec.early_exit import EarlyExitProposer
-from brisk.spec.heads import load_heads
+from brisk.spec.heads import DraftVocab, load_heads, read_draft_vocab
 from brisk.spec.length import DraftLength
 from brisk.spec.medusa import MedusaProposer
 from brisk.spec.ngram import NgramProposer
@@ -253,7 +253,9 @@ def build_speculator(config: SpecConfig, runner: PagedModelRunner | ParallelRunn
         draft_runner = PagedModelRunner(draft_model, num_blocks, cache.block_size, pack_weights)
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                             [g.window for g in draft_runner.groups])
-        proposer = DraftModelProposer(draft_runner, kv, _weight_ratio(draft_model, runner.model))
+        vocab = None if config.draft_vocab is None else read_draft_vocab(
+            config.draft_vocab_file or str(config.model), config.draft_vocab, draft_model)
+        proposer = DraftModelProposer(draft_runner, kv, _weight_ratio(draft_model, runner.model, vocab), vocab)
     else:
         raise ValueError(f"speculative method {config.method!r} is not available yet")
     return Speculator(config, proposer, measure_verify_costs(runner, config.max_tokens), seed=seed)
@@ -317,9 +319,14 @@ def _early_exit(config: SpecConfig, runner: PagedModelRunner) -> EarlyExitPropos
     return EarlyExitProposer(model, runner, layer, head, vocab)
 
 
-def _weight_ratio(draft: torch.nn.Module, target: torch.nn.Module) -> float:
+def _weight_ratio(draft: CausalLM, target: torch.nn.Module, vocab: DraftVocab | None = None) -> float:
     """A first guess of the draft's cost per pass (refined from timings as steps run): its weight
-    bytes over the target's, floored for the per-pass overhead that does not shrink with size."""
+    bytes over the target's (with a draft vocabulary, its rows instead of the head), floored for
+    the per-pass overhead that does not shrink with size."""
     def nbytes(m: torch.nn.Module) -> int:
         return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
-    return max(0.2, nbytes(draft) / max(1, nbytes(target)))
+    size = nbytes(draft)
+    if vocab is not None:  # a pass reads the subset's rows, not the head (a tied one: the embedding's lookups)
+        head = draft.lm_head if draft.lm_head is not None else draft.embed_tokens  # type: ignore[attr-defined]
+        size += vocab.nbytes - nbytes(head)
+    return max(0.2, size / max(1, nbytes(target)))

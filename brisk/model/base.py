@@ -59,6 +59,7 @@ class CausalLM(Protocol):
     def final_norm(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor: ...
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor: ...
+    def head_subset(self, ids: torch.Tensor) -> nn.Module: ...
     def kv_heads_per_layer(self) -> list[int | None]: ...
     def linear_part(self, name: str) -> tuple[str, int] | None: ...
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
@@ -251,6 +252,17 @@ class DecoderLM(nn.Module):
         if dequantize is not None:
             return dequantize(ids).float()
         return head.weight.index_select(0, ids).float()
+
+    def head_subset(self, ids: torch.Tensor) -> nn.Module:
+        """The LM head's rows for token `ids` as a module [rows, hidden] -> [rows, len(ids)]: in the
+        head's stored format when it can select rows (group-quantized heads), else a float copy."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        select = getattr(head, "select_rows", None)
+        if select is not None:
+            return select(ids)
+        rows = Linear(self.config.hidden_size, (len(ids),), dtype=self.dtype).to(ids.device)
+        rows.weight.data = self.head_rows(ids).to(self.dtype).contiguous()
+        return rows
 
     def pack_weights(self) -> int:
         """oneDNN-packed copies of every Linear and of a tied LM head, for batched rows on CPU

@@ -231,6 +231,19 @@ class GroupLinear(TiledLinear):
             rows = dequantize_reference(self.qweight_rows(ids), self.rows("scale", ids), zero, self.group, self.bits)
         return rows if self.input_scale is None else rows * self.input_scale
 
+    def select_rows(self, ids: torch.Tensor) -> GroupLinear:
+        """A GroupLinear of output rows `ids` in this one's stored format (the same values, a
+        fraction of the bytes): a draft's vocabulary subset of a quantized head."""
+        ids = ids.cpu().long()
+        zero = None if self.zero is None else self.rows("zero", ids).clone()
+        bias = None if self.bias is None else self.bias[ids].clone()
+        sub = GroupLinear(self.qweight_rows(ids).clone(), self.rows("scale", ids).clone(), zero, self.group, self.bits,
+                          bias, (len(ids),), self.dtype)
+        if self.input_scale is not None:
+            sub.set_input_scale(self.input_scale)
+        sub.activations = self.activations
+        return sub.to(self.qweight.device)
+
     @property
     def act_mode(self) -> str:
         """What x is rounded to before it meets the weights: `activations`, but "float" for 8-bit

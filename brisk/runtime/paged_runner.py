@@ -6,7 +6,7 @@ positions, the slot (block, offset) of every new token, block tables and the att
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -197,10 +197,12 @@ class PagedModelRunner:
                           all_rows)
 
     @torch.inference_mode()
-    def execute(self, steps: Sequence[ScheduledStep], all_rows_for: frozenset[str] = frozenset()) -> StepLogits:
+    def execute(self, steps: Sequence[ScheduledStep], all_rows_for: frozenset[str] = frozenset(),
+                head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StepLogits:
         """Run one forward; return float32 logits of each sampled request's last token and, for the
         requests in `all_rows_for`, of every token they computed this step (prompt logprobs,
-        speculative verification), projected through the LM head in one call."""
+        speculative verification), projected through the LM head in one call (`head`: another
+        projection to [rows, vocab], e.g. a draft's subset of the vocabulary)."""
         inputs = self.prepare(steps, all_rows_for)
         with sdpa_context(self.device):
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn)  # [num_tokens, hidden]
@@ -209,7 +211,8 @@ class PagedModelRunner:
             return StepLogits(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), {}, [],
                               hidden[:0])
         picked = pick_rows(hidden, index)
-        return StepLogits(self.model.compute_logits(picked), rows, inputs.sample_ids, picked)  # [len(index), vocab]
+        logits = (head or self.model.compute_logits)(picked)  # [len(index), vocab]
+        return StepLogits(logits, rows, inputs.sample_ids, picked)
 
     @torch.inference_mode()
     def exit_hidden(self, steps: Sequence[ScheduledStep], num_layers: int) -> torch.Tensor:

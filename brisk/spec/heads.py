@@ -16,6 +16,7 @@ checked on load against the model they are used with.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from brisk.model.layers import linear
+from brisk.config import DRAFT_VOCAB_FILE
 from brisk.model.base import CausalLM
 
 KINDS = ("medusa", "early_exit")
@@ -65,21 +66,53 @@ class ResidualHeads(nn.Module):
 
 class DraftVocab:
     """The tokens drafts are chosen among (FR-Spec's frequency-ranked subset): the LM head rows of
-    the most frequent tokens in the heads' training text, copied once. A draft head's projection
-    then reads a fraction of the vocabulary matrix; verification still scores the full vocabulary,
-    so a token outside the subset is simply never drafted (nothing is lost but acceptance)."""
+    the most frequent tokens, copied once. A draft's projection then reads a fraction of the
+    vocabulary matrix; verification still scores the full vocabulary, so a token outside the subset
+    is simply never drafted (nothing is lost but acceptance). A group-quantized head (int4's and
+    GGUF's 8-bit heads) keeps its rows in their stored format: the same values, N / vocab of the
+    bytes; any other head is copied in float."""
 
     def __init__(self, token_ids: torch.Tensor, model: CausalLM) -> None:
         self.vocab_size = model.config.vocab_size
+        self.cap = model.config.final_logit_softcapping
         self.token_ids = token_ids.to(model.device)  # [N] long
-        self.weight = model.head_rows(self.token_ids).to(model.dtype).contiguous()  # [N, hidden]
+        self.head = model.head_subset(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        """What one projection reads."""
+        return sum(t.numel() * t.element_size() for t in [*self.head.parameters(), *self.head.buffers()])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] float32: the subset's logits, -inf for every other token
         (the argmax and the sampler's processing then need no index mapping)."""
-        sub = linear(hidden, self.weight).float()  # [rows, N]; one row: brisk's streaming GEMV
+        sub = self.head(hidden).float()  # [rows, N]; one row: brisk's streaming GEMV
+        if self.cap:
+            sub = torch.tanh(sub / self.cap) * self.cap
         full = sub.new_full((sub.shape[0], self.vocab_size), float("-inf"))
         return full.index_copy_(1, self.token_ids, sub)
+
+
+def read_draft_vocab(path: str | Path, size: int, model: CausalLM) -> DraftVocab:
+    """The `size` most frequent tokens of a token ranking (`draft_vocab.json`, written by
+    `brisk distill` from its training sequences) as `model`'s draft vocabulary; ValueError for a
+    missing or foreign file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        raise ValueError(f"draft vocabulary file {str(path)!r} not found: `brisk distill` writes one "
+                         f"({DRAFT_VOCAB_FILE}) beside the student it trains; give its path as \"draft_vocab_file\"")
+    try:
+        ranked = torch.tensor(json.loads(path.read_text(encoding="utf-8"))["ranked"], dtype=torch.long)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{str(path)!r} is not a draft vocabulary file written by `brisk distill` ({exc})") from None
+    if ranked.dim() != 1 or len(ranked) != model.config.vocab_size or \
+            not torch.equal(ranked.sort().values, torch.arange(len(ranked))):
+        raise ValueError(f"{str(path)!r} is not a ranking of this model's {model.config.vocab_size} tokens")
+    if not 1 <= size <= len(ranked):
+        raise ValueError(f"draft_vocab must be 1..{len(ranked)} tokens, got {size}")
+    return DraftVocab(ranked[:size].long().sort().values, model)
 
 
 def save_heads(path: str | Path, heads: ResidualHeads, kind: str, base_model: str, exit_layer: int | None = None,

@@ -89,6 +89,24 @@ def test_the_written_student_reloads_generates_and_drafts_exactly(pair, tmp_path
     got = spec.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     assert sum(o.metrics.num_draft_tokens for o in got) > 0
+    # FR-Spec: the ranking of the training tokens is written beside the student; an int8 draft
+    # drafting among its 40 most frequent tokens keeps the greedy output exactly
+    ranking = {k: torch.tensor(v) for k, v in json.loads((tmp_path / "out" / "draft_vocab.json").read_text()).items()}
+    counts = torch.zeros(VOCAB, dtype=torch.int64)
+    for seq in corpus.train:
+        counts += torch.bincount(torch.tensor(seq), minlength=VOCAB)
+    assert torch.equal(ranking["counts"], counts) and counts[ranking["ranked"][:40]].min() >= counts.max() // 100
+    assert counts[ranking["ranked"]].diff().le(0).all()
+    frs = LLM(str(teacher), max_model_len=256, speculative_config={
+        "method": "draft", "model": str(tmp_path / "out"), "num_speculative_tokens": 3, "quantization": "int8",
+        "draft_vocab": 40})
+    got = frs.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    drafted = frs.engine.spec.proposer.vocab.token_ids.tolist()
+    assert len(drafted) == 40 and sum(o.metrics.num_draft_tokens for o in got) > 0
+    with pytest.raises(ValueError, match="draft vocabulary file"):
+        LLM(str(teacher), max_model_len=256, speculative_config={"method": "draft", "model": str(teacher),
+                                                                 "draft_vocab": 40})
 
 
 def _trainer(pair, out: Path, cfg: DistillConfig) -> Distiller:
@@ -142,6 +160,41 @@ def test_a_diverging_loss_stops_with_the_last_good_checkpoint(pair, tmp_path: Pa
         distill(DistillJob(str(teacher), tmp_path / "out", str(student), text=text), cfg, progress=False)
     assert (tmp_path / "out" / "checkpoints" / "step-000002" / "state.json").is_file()
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_a_full_disk_leaves_the_last_checkpoint_and_student_whole(pair, tmp_path: Path, monkeypatch) -> None:
+    """A write that fails half-way (ENOSPC) removes its temporary files, names what failed, and
+    leaves the previous checkpoint and the previously written student as they were."""
+    import errno
+
+    import brisk.compress.distill as module
+    from brisk.compress.distill import write_student
+
+    cfg = dataclasses.replace(CFG, steps=2, eval_every=100)
+    trainer = _trainer(pair, tmp_path / "out", cfg)
+    trainer.train_step()
+    first = trainer.save_checkpoint()
+    write_student(trainer, 1.0, 1)
+    written = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir() if p.is_file()}
+    trainer.train_step()
+    real = module.save_file
+
+    def fills_the_disk(tensors, path, *args, **kwargs):
+        real(tensors, path, *args, **kwargs)  # a partial file exists when the disk runs out
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(module, "save_file", fills_the_disk)
+    with pytest.raises(ValueError, match=r"writing checkpoint .*step-000002 failed \(No space left on device\); "
+                                         r"nothing half-written was left"):
+        trainer.save_checkpoint()
+    with pytest.raises(ValueError, match=r"writing the student .* --resume"):
+        write_student(trainer, 1.0, 1)
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == [first.name]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir() if p.is_file()} == written
+    monkeypatch.setattr(module, "save_file", real)
+    again = _trainer(pair, tmp_path / "again", cfg)
+    again.load_checkpoint(first)
+    assert again.step == 1
 
 
 def test_bad_inputs_name_what_is_wrong(pair, tmp_path: Path) -> None:
@@ -237,6 +290,56 @@ def test_prompts_file_is_the_teachers_continuations(pair, tmp_path: Path) -> Non
     long.write_text(" ".join(["w2"] * 40))
     with pytest.raises(ValueError, match="prompt 1 has 40 tokens"):
         prompts_corpus(str(teacher), t.tokenizer, long, CFG, None)
+
+
+def test_chat_prompts_are_templated_kept_and_continued_on_policy_from_their_end(pair, tmp_path: Path,
+                                                                               monkeypatch) -> None:
+    """--chat renders each line as a user turn; the teacher's continuations are kept beside the
+    output and reused; on-policy steps continue each sequence from the end of its own prompt."""
+    import shutil
+
+    import brisk.compress.distill as distill_module
+    import brisk.compress.distill_data as data
+    from brisk.compress.distill_data import prompts_corpus
+
+    teacher, student, _ = pair
+    chat_teacher = tmp_path / "chat_teacher"
+    shutil.copytree(teacher, chat_teacher)
+    config = json.loads((chat_teacher / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}"
+                               "{% if add_generation_prompt %}w4{% endif %}")
+    (chat_teacher / "tokenizer_config.json").write_text(json.dumps(config))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w3 w5\nw6\nw7 w8 w9\n")
+    t = load_model(str(chat_teacher))
+    cache = tmp_path / "out" / "teacher_sequences.json"
+    corpus = prompts_corpus(str(chat_teacher), t.tokenizer, prompts, CFG, None, chat=True, cache=cache)
+    rendered = t.tokenizer.encode("w1 w3 w5 w2 w4", add_special_tokens=False)
+    second = t.tokenizer.encode("w1 w6 w2 w4", add_special_tokens=False)
+    assert corpus.train[0][:len(rendered)] == rendered and corpus.prompt_lens == [len(rendered), len(second)]
+    assert "chat prompts" in corpus.source and cache.is_file()
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("the kept continuations were generated again")
+
+    monkeypatch.setattr(data, "_teacher_continuations", no_generation)
+    again = prompts_corpus(str(chat_teacher), t.tokenizer, prompts, CFG, None, chat=True, cache=cache)
+    assert again.train == corpus.train and again.held_out == corpus.held_out
+
+    seen: list[list[list[int]]] = []
+
+    def record(model, prompts, total, generator):
+        seen.append(prompts)
+        return [p + [3] * (total - len(p)) for p in prompts]
+
+    monkeypatch.setattr(distill_module, "sample_continuations", record)
+    cfg = dataclasses.replace(CFG, on_policy=1.0, batch_size=2, prompt_tokens=20)
+    run = Run(str(chat_teacher), str(student), {}, corpus.source, cfg)
+    trainer = Distiller(t, load_model(str(student)), corpus, run, tmp_path / "out")
+    seqs = trainer.batch(0)
+    assert sorted(len(p) for p in seen[0]) == sorted(corpus.prompt_lens) and all(len(s) == 32 for s in seqs)
+    with pytest.raises(ValueError, match="has none"):
+        prompts_corpus(str(teacher), load_model(str(teacher)).tokenizer, prompts, CFG, None, chat=True)
 
 
 def test_cli_writes_a_student_and_prints_its_report(pair, tmp_path: Path, capsys) -> None:

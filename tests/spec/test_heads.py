@@ -54,6 +54,27 @@ def test_draft_vocabulary_keeps_its_tokens_logits_and_masks_the_rest(tmp_path: P
         load_heads(path, "medusa", model)
 
 
+def test_a_quantized_head_keeps_its_draft_rows_in_their_stored_format() -> None:
+    """int4 (8-bit head in groups of 32): the subset is a GroupLinear of the chosen rows, whose
+    logits are the full head's at those tokens, in 3/16 of its bytes."""
+    from brisk import quant
+    from brisk.config import QuantConfig
+    from brisk.quant.grouped import GroupLinear
+
+    model = tiny_model(0)
+    quant.apply(model, QuantConfig.parse("int4", {"group_size": 32}))
+    assert isinstance(model.lm_head, GroupLinear)
+    ids = torch.tensor([5, 2, 9])
+    vocab = DraftVocab(ids, model)
+    assert isinstance(vocab.head, GroupLinear) and vocab.head.bits == 8 and vocab.head.out_features == 3
+    head_bytes = sum(t.numel() * t.element_size() for t in model.lm_head.buffers())
+    assert vocab.nbytes * VOCAB == head_bytes * 3
+    h = torch.randn(4, CFG.hidden_size)
+    full = model.compute_logits(h)
+    assert torch.allclose(vocab.logits(h)[:, ids], full[:, ids], atol=1e-5)
+    assert torch.isinf(vocab.logits(h)).sum() == 4 * (VOCAB - 3)
+
+
 def test_self_distillation_teaches_the_heads_the_model_s_continuations() -> None:
     model = tiny_model(7)
     g = torch.Generator().manual_seed(0)

@@ -105,3 +105,13 @@ def test_speculative_config_errors_are_clear(brisk_llm: LLM, tmp_path: Path) -> 
         brisk_llm.with_speculation({"method": "early_exit", "exit_layer": 30})
     with pytest.raises(ValueError, match="not valid JSON"):
         brisk_llm.with_speculation("{method: ngram}")
+    with pytest.raises(ValueError, match="applies to method draft"):
+        brisk_llm.with_speculation({"method": "ngram", "draft_vocab": 8192})
+    with pytest.raises(ValueError, match="must be a number of tokens >= 1"):
+        brisk_llm.with_speculation({"method": "draft", "model": "smollm2-135m", "draft_vocab": 0})
+    with pytest.raises(ValueError, match="needs \"draft_vocab\""):
+        brisk_llm.with_speculation({"method": "draft", "model": "smollm2-135m", "draft_vocab_file": "v.json"})
+    (tmp_path / "v.json").write_text('{"ranked": [0, 1, 2]}')
+    with pytest.raises(ValueError, match="not a ranking of this model's 49152 tokens"):
+        brisk_llm.with_speculation({"method": "draft", "model": "smollm2-135m", "quantization": "gguf",
+                                    "draft_vocab": 2, "draft_vocab_file": str(tmp_path / "v.json")})
