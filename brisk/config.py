@@ -518,7 +518,7 @@ class DistillConfig:
 
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # `brisk distill`'s token ranking beside a student (FR-Spec drafts)
-SPEC_METHODS = ("ngram", "draft", "early_exit", "medusa")  # spec/ registers one proposer per name
+SPEC_METHODS = ("ngram", "draft", "early_exit", "medusa")  # speculative/ registers one proposer per name
 SPEC_OPTIONS = ("method", "num_speculative_tokens", "max_speculative_tokens", "prompt_lookup_min",
                 "prompt_lookup_max", "model", "quantization", "quantization_config", "exit_layer", "heads",
                 "draft_vocab", "draft_vocab_file")

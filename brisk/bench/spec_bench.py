@@ -21,7 +21,7 @@ import torch
 
 from brisk.engine.llm import LLM
 from brisk.request import SamplingParams
-from brisk.spec.length import expected_tokens
+from brisk.speculative.length import expected_tokens
 
 PASSAGES = [
     ("The lighthouse at Point Arden was built in 1872 from granite quarried two miles inland. Its lamp, first "

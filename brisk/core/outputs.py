@@ -37,7 +37,7 @@ class ScheduledRequest:
     block_ids: list[list[int]]  # the request's block tables, one per KV group, covering start_pos + len(token_ids)
     sample: bool  # this step reaches the end of the known tokens: sample the next one
     # Speculative decoding: KV slots reserved after token_ids for up to this many draft tokens.
-    # The proposer fills them in this step; the verifier keeps the accepted ones (see spec/).
+    # The proposer fills them in this step; the verifier keeps the accepted ones (see speculative/).
     num_spec_slots: int = 0
 
     @property

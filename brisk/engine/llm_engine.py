@@ -47,7 +47,7 @@ from brisk.runtime.virtual_kv import VirtualKV
 from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs
 from brisk.sample.sampler import SamplingBatch, sample
 from brisk.sample.structured import Constraint, GrammarCompiler
-from brisk.spec.base import Draft
+from brisk.speculative.base import Draft
 
 _T = TypeVar("_T")
 

@@ -26,14 +26,14 @@ from brisk.request import Request
 from brisk.runtime.paged_runner import PagedModelRunner, StepLogits
 from brisk.runtime.parallel_runner import ParallelRunner
 from brisk.sample.structured import Constraint
-from brisk.spec.base import Draft, DraftRequest, Proposer
-from brisk.spec.draft import DraftModelProposer
-from brisk.spec.early_exit import EarlyExitProposer
-from brisk.spec.heads import DraftVocab, load_heads, read_draft_vocab
-from brisk.spec.length import DraftLength
-from brisk.spec.medusa import MedusaProposer
-from brisk.spec.ngram import NgramProposer
-from brisk.spec.verify import VerifyOutput, verify
+from brisk.speculative.base import Draft, DraftRequest, Proposer
+from brisk.speculative.draft import DraftModelProposer
+from brisk.speculative.early_exit import EarlyExitProposer
+from brisk.speculative.heads import DraftVocab, load_heads, read_draft_vocab
+from brisk.speculative.length import DraftLength
+from brisk.speculative.medusa import MedusaProposer
+from brisk.speculative.ngram import NgramProposer
+from brisk.speculative.verify import VerifyOutput, verify
 
 # Cost of verifying one more token in a decode step, as a fraction of the step, when nothing was
 # measured (tests); the engine measures the real curve at start-up (measure_verify_costs).

@@ -1,7 +1,7 @@
 """`brisk train-heads`: generate self-distillation text with the target, train heads, save them.
 
 The prompts are chat questions built from topic x template (or a file, one prompt per line); the
-target answers them greedily in one batched run, and spec/train.py fits the heads on its answers.
+target answers them greedily in one batched run, and speculative/train.py fits the heads on its answers.
 The benchmark's open-chat prompts (bench/spec_bench.py) are written separately and no topic here
 is one of theirs (no friendship, space, hiking, job interviews or flight), so the figures measure
 heads on questions they never saw.
@@ -20,8 +20,8 @@ import torch
 
 from brisk.engine.llm import LLM
 from brisk.request import SamplingParams
-from brisk.spec.heads import save_heads
-from brisk.spec.train import HeadTraining, features, train_heads
+from brisk.speculative.heads import save_heads
+from brisk.speculative.train import HeadTraining, features, train_heads
 
 TOPICS = [
     "volcanoes", "the water cycle", "photosynthesis", "the Roman Empire", "black holes", "vaccines",

@@ -158,7 +158,7 @@ def _sample_rows(penalised: torch.Tensor, batch: SamplingBatch, greedy: list[boo
 
 def probabilities(penalised: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Stages 4-7 and the softmax: the distribution a sampled row draws from. [S, V] -> [S, V] float32.
-    Speculative verification (spec/verify.py) accepts drafts against exactly this distribution."""
+    Speculative verification (speculative/verify.py) accepts drafts against exactly this distribution."""
     device = penalised.device
     logits = penalised.float()
 

@@ -16,7 +16,7 @@ from brisk.loader.hf_loader import hf_config_dict, hf_model_config
 from brisk.model.base import CausalLM, forward_sequence
 from brisk.model.registry import build_model
 from brisk.request import SamplingParams
-from tests.spec.conftest import run, tiny_tokenizer
+from tests.speculative.conftest import run, tiny_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

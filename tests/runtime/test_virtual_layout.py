@@ -15,7 +15,7 @@ from brisk.engine.llm import LLM
 from brisk.engine.llm_engine import LLMEngine
 from brisk.model.llama import LlamaForCausalLM
 from brisk.request import SamplingParams
-from tests.spec.conftest import tiny_tokenizer
+from tests.speculative.conftest import tiny_tokenizer
 
 MODEL = "smollm2-135m"
 pytest.importorskip("brisk._C")

@@ -219,14 +219,14 @@ def test_malformed_specs_name_the_field(structured: dict) -> None:
 
 
 def test_verify_rejects_the_first_draft_the_grammar_forbids(llm: LLM) -> None:
-    """spec/verify with a grammar, on random logits: a draft the grammar refuses is rejected at its
+    """speculative/verify with a grammar, on random logits: a draft the grammar refuses is rejected at its
     row even where the raw logits favour it, the token chosen instead fits the grammar, and the
     rows before it are judged as plain constrained sampling would (masked)."""
     import torch
 
     from brisk.request import Request
-    from brisk.spec.base import Draft
-    from brisk.spec.verify import verify
+    from brisk.speculative.base import Draft
+    from brisk.speculative.verify import verify
 
     grammars = llm.engine.grammars()
     tok = llm.tokenizer

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from brisk import LLM, SamplingParams
-from brisk.spec.heads import ResidualHeads, save_heads
+from brisk.speculative.heads import ResidualHeads, save_heads
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
 SYSTEM = "You are a helpful assistant. Answer carefully, quoting the text you are given where it helps."

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from brisk.model.base import CausalLM
-from brisk.spec.base import Draft, DraftRequest, pick_draft_token
-from brisk.spec.heads import DraftVocab, ResidualHeads
+from brisk.speculative.base import Draft, DraftRequest, pick_draft_token
+from brisk.speculative.heads import DraftVocab, ResidualHeads
 
 
 class MedusaProposer:

@@ -14,8 +14,8 @@ from typing import Protocol
 import torch
 
 from brisk.model.base import CausalLM
-from brisk.spec.base import Draft, DraftRequest, DraftStep, pick_draft_token
-from brisk.spec.heads import DraftVocab, ResidualHeads
+from brisk.speculative.base import Draft, DraftRequest, DraftStep, pick_draft_token
+from brisk.speculative.heads import DraftVocab, ResidualHeads
 
 
 class ExitRunner(Protocol):

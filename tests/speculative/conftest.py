@@ -11,7 +11,7 @@ from brisk.engine.llm_engine import LLMEngine
 from brisk.engine.speculative import Speculator
 from brisk.loader.tokenizer import Tokenizer
 from brisk.model.llama import LlamaForCausalLM
-from brisk.spec.base import Draft, DraftRequest
+from brisk.speculative.base import Draft, DraftRequest
 
 VOCAB = 16
 CFG = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -8,7 +8,7 @@ import torch
 from brisk.config import CacheConfig, SpecConfig
 from brisk.engine.speculative import VERIFY_COST, build_speculator
 from brisk.request import SamplingParams
-from tests.spec.conftest import (
+from tests.speculative.conftest import (
     VOCAB,
     FixedProposer,
     OracleProposer,
@@ -17,7 +17,7 @@ from tests.spec.conftest import (
     tiny_model,
     with_proposer,
 )
-from tests.spec.test_verify import _chi2_pvalue_ok
+from tests.speculative.test_verify import _chi2_pvalue_ok
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 

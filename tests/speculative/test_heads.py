@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from brisk.request import SamplingParams
-from brisk.spec.heads import DraftVocab, ResidualHeads, load_heads, save_heads
-from brisk.spec.train import HeadTraining, features, train_heads
-from tests.spec.conftest import CFG, VOCAB, run, tiny_engine, tiny_model
+from brisk.speculative.heads import DraftVocab, ResidualHeads, load_heads, save_heads
+from brisk.speculative.train import HeadTraining, features, train_heads
+from tests.speculative.conftest import CFG, VOCAB, run, tiny_engine, tiny_model
 
 
 @pytest.mark.parametrize("sequential", [False, True])

@@ -32,7 +32,7 @@ from brisk.request import Request
 from brisk.sample.logprobs import TokenLogprobs, token_logprobs
 from brisk.sample.sampler import SamplingBatch, draw, penalise, probabilities
 from brisk.sample.structured import Constraint, mask_draft_rows
-from brisk.spec.base import Draft
+from brisk.speculative.base import Draft
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from brisk.model.base import CausalLM, forward_sequence
-from brisk.spec.heads import ResidualHeads
+from brisk.speculative.heads import ResidualHeads
 
 IGNORE = -100
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from brisk.config import SpecConfig
 from brisk.engine.speculative import Speculator
 from brisk.request import Request, SamplingParams
-from brisk.spec.base import DraftRequest
-from brisk.spec.length import DraftLength
-from brisk.spec.ngram import NgramProposer, ngram_match
+from brisk.speculative.base import DraftRequest
+from brisk.speculative.length import DraftLength
+from brisk.speculative.ngram import NgramProposer, ngram_match
 
 COSTS = [0.06 * k for k in range(8)]
 

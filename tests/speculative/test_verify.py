@@ -7,8 +7,8 @@ import math
 import torch
 
 from brisk.request import Request, SamplingParams
-from brisk.spec.base import Draft
-from brisk.spec.verify import verify
+from brisk.speculative.base import Draft
+from brisk.speculative.verify import verify
 
 V = 8
 

@@ -27,8 +27,8 @@ from typing import Protocol
 import torch
 
 from brisk.request import Request, SamplingParams
-from brisk.spec.base import Draft, DraftRequest, DraftStep, pick_draft_token
-from brisk.spec.heads import DraftVocab
+from brisk.speculative.base import Draft, DraftRequest, DraftStep, pick_draft_token
+from brisk.speculative.heads import DraftVocab
 
 
 class _Pool(Protocol):

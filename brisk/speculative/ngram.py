@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from brisk.spec.base import Draft, DraftRequest
+from brisk.speculative.base import Draft, DraftRequest
 
 
 def ngram_match(tokens: list[int] | np.ndarray, n_min: int, n_max: int, k: int) -> tuple[int, list[int]]:
