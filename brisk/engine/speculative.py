@@ -27,12 +27,8 @@ from brisk.runtime.paged_runner import PagedModelRunner, StepLogits
 from brisk.runtime.parallel_runner import ParallelRunner
 from brisk.sample.structured import Constraint
 from brisk.speculative.base import Draft, DraftRequest, Proposer
-from brisk.speculative.draft import DraftModelProposer
-from brisk.speculative.early_exit import EarlyExitProposer
-from brisk.speculative.heads import DraftVocab, load_heads, read_draft_vocab
 from brisk.speculative.length import DraftLength
-from brisk.speculative.medusa import MedusaProposer
-from brisk.speculative.ngram import NgramProposer
+from brisk.speculative.registry import method as proposer_method
 from brisk.speculative.verify import VerifyOutput, verify
 
 # Cost of verifying one more token in a decode step, as a fraction of the step, when nothing was
@@ -231,34 +227,36 @@ class Speculator:
                 "spec_mean_accepted_per_step": s.mean_accepted_per_step}
 
 
+@dataclass
+class _Context:
+    """speculative.registry.ProposerContext: the engine's pieces a proposer's builder may use."""
+
+    config: SpecConfig
+    target: CausalLM
+    runner: PagedModelRunner | ParallelRunner
+    draft_model: CausalLM | None
+    cache: CacheConfig
+    num_blocks: int
+    pack_weights: bool
+
+    def draft_runtime(self, model: CausalLM) -> tuple[PagedModelRunner, KVCacheManager]:
+        # as many tokens of draft KV as the target has: every running request can draft
+        runner = PagedModelRunner(model, self.num_blocks, self.cache.block_size, self.pack_weights)
+        kv = KVCacheManager(self.num_blocks, self.cache.block_size, self.cache.enable_prefix_caching,
+                            [g.window for g in runner.groups])
+        return runner, kv
+
+
 def build_speculator(config: SpecConfig, runner: PagedModelRunner | ParallelRunner, cache: CacheConfig,
                      num_blocks: int, draft_model: CausalLM | None, pack_weights: bool,
                      seed: int) -> Speculator:
-    """The proposer `config.method` names, wired to what it needs from the engine. Over parallel
-    workers only ngram drafts: the others need hidden states or KV that live on other ranks."""
-    if config.method != "ngram" and not isinstance(runner, PagedModelRunner):
+    """The proposer `config.method` names (speculative.registry), wired to what it needs from the
+    engine. Over parallel workers only methods that need nothing from other ranks draft."""
+    method = proposer_method(config.method)
+    if not method.parallel and not isinstance(runner, PagedModelRunner):
         raise ValueError(f"speculative method {config.method!r} needs a single-process engine; use ngram")
-    if config.method == "ngram":
-        proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    elif config.method == "early_exit":
-        proposer = _early_exit(config, runner)
-    elif config.method == "medusa":
-        assert config.heads is not None
-        model = runner.model
-        heads, _, vocab = load_heads(config.heads, "medusa", model)
-        proposer = MedusaProposer(model, heads, vocab)
-    elif config.method == "draft":
-        assert draft_model is not None, "method draft needs the loaded draft model"
-        # as many tokens of draft KV as the target has: every running request can draft
-        draft_runner = PagedModelRunner(draft_model, num_blocks, cache.block_size, pack_weights)
-        kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
-                            [g.window for g in draft_runner.groups])
-        vocab = None if config.draft_vocab is None else read_draft_vocab(
-            config.draft_vocab_file or str(config.model), config.draft_vocab, draft_model)
-        proposer = DraftModelProposer(draft_runner, kv, _weight_ratio(draft_model, runner.model, vocab), vocab)
-    else:
-        raise ValueError(f"speculative method {config.method!r} is not available yet")
-    return Speculator(config, proposer, measure_verify_costs(runner, config.max_tokens), seed=seed)
+    ctx = _Context(config, runner.model, runner, draft_model, cache, num_blocks, pack_weights)
+    return Speculator(config, method.build(ctx), measure_verify_costs(runner, config.max_tokens), seed=seed)
 
 
 @torch.inference_mode()
@@ -305,28 +303,3 @@ class _Scratch:
     block_ids: list[list[int]]
     request_id: str = "scratch"
     sample: bool = True
-
-
-def _early_exit(config: SpecConfig, runner: PagedModelRunner) -> EarlyExitProposer:
-    """The exit layer: the config's, else the one the heads file was trained for, else half the model."""
-    model = runner.model
-    head, meta, vocab = (None, {}, None) if config.heads is None else load_heads(config.heads, "early_exit", model)
-    trained_for = int(meta["exit_layer"]) if "exit_layer" in meta else None
-    layer = config.exit_layer or trained_for or model.config.num_hidden_layers // 2
-    if head is not None and trained_for is not None and layer != trained_for:
-        raise ValueError(f"the exit head in {config.heads!r} was trained at layer {trained_for}, not {layer}; "
-                         "drop exit_layer or train a head for that layer")
-    return EarlyExitProposer(model, runner, layer, head, vocab)
-
-
-def _weight_ratio(draft: CausalLM, target: torch.nn.Module, vocab: DraftVocab | None = None) -> float:
-    """A first guess of the draft's cost per pass (refined from timings as steps run): its weight
-    bytes over the target's (with a draft vocabulary, its rows instead of the head), floored for
-    the per-pass overhead that does not shrink with size."""
-    def nbytes(m: torch.nn.Module) -> int:
-        return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
-    size = nbytes(draft)
-    if vocab is not None:  # a pass reads the subset's rows, not the head (a tied one: the embedding's lookups)
-        head = draft.lm_head if draft.lm_head is not None else draft.embed_tokens  # type: ignore[attr-defined]
-        size += vocab.nbytes - nbytes(head)
-    return max(0.2, size / max(1, nbytes(target)))

@@ -28,7 +28,9 @@ import torch
 
 from brisk.request import Request, SamplingParams
 from brisk.speculative.base import Draft, DraftRequest, DraftStep, pick_draft_token
-from brisk.speculative.heads import DraftVocab
+from brisk.model.base import CausalLM
+from brisk.speculative.heads import DraftVocab, read_draft_vocab
+from brisk.speculative.registry import ProposerContext, register
 
 
 class _Pool(Protocol):
@@ -149,3 +151,26 @@ class DraftModelProposer:
         shadow = self._shadows.pop(request_id, None)
         if shadow is not None:
             self.kv.free(shadow.request)
+
+
+@register("draft")
+def build(ctx: ProposerContext) -> DraftModelProposer:
+    config, draft = ctx.config, ctx.draft_model
+    assert draft is not None, "method draft needs the loaded draft model"
+    runner, kv = ctx.draft_runtime(draft)
+    vocab = None if config.draft_vocab is None else read_draft_vocab(
+        config.draft_vocab_file or str(config.model), config.draft_vocab, draft)
+    return DraftModelProposer(runner, kv, weight_ratio(draft, ctx.target, vocab), vocab)
+
+
+def weight_ratio(draft: CausalLM, target: torch.nn.Module, vocab: DraftVocab | None = None) -> float:
+    """A first guess of the draft's cost per pass (refined from timings as steps run): its weight
+    bytes over the target's (with a draft vocabulary, its rows instead of the head), floored for
+    the per-pass overhead that does not shrink with size."""
+    def nbytes(m: torch.nn.Module) -> int:
+        return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+    size = nbytes(draft)
+    if vocab is not None:  # a pass reads the subset's rows, not the head (a tied one: the embedding's lookups)
+        head = draft.lm_head if draft.lm_head is not None else draft.embed_tokens  # type: ignore[attr-defined]
+        size += vocab.nbytes - nbytes(head)
+    return max(0.2, size / max(1, nbytes(target)))

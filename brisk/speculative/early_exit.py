@@ -15,7 +15,8 @@ import torch
 
 from brisk.model.base import CausalLM
 from brisk.speculative.base import Draft, DraftRequest, DraftStep, pick_draft_token
-from brisk.speculative.heads import DraftVocab, ResidualHeads
+from brisk.speculative.heads import DraftVocab, ResidualHeads, load_heads
+from brisk.speculative.registry import ProposerContext, register
 
 
 class ExitRunner(Protocol):
@@ -66,3 +67,16 @@ class EarlyExitProposer:
 
     def release(self, request_id: str) -> None:
         pass  # the draft's KV lives in the target's blocks
+
+
+@register("early_exit")
+def build(ctx: ProposerContext) -> EarlyExitProposer:
+    """The exit layer: the config's, else the one the heads file was trained for, else half the model."""
+    config, model = ctx.config, ctx.target
+    head, meta, vocab = (None, {}, None) if config.heads is None else load_heads(config.heads, "early_exit", model)
+    trained_for = int(meta["exit_layer"]) if "exit_layer" in meta else None
+    layer = config.exit_layer or trained_for or model.config.num_hidden_layers // 2
+    if head is not None and trained_for is not None and layer != trained_for:
+        raise ValueError(f"the exit head in {config.heads!r} was trained at layer {trained_for}, not {layer}; "
+                         "drop exit_layer or train a head for that layer")
+    return EarlyExitProposer(model, ctx.runner, layer, head, vocab)

@@ -15,7 +15,8 @@ import torch
 
 from brisk.model.base import CausalLM
 from brisk.speculative.base import Draft, DraftRequest, pick_draft_token
-from brisk.speculative.heads import DraftVocab, ResidualHeads
+from brisk.speculative.heads import DraftVocab, ResidualHeads, load_heads
+from brisk.speculative.registry import ProposerContext, register
 
 
 class MedusaProposer:
@@ -73,3 +74,10 @@ class MedusaProposer:
 
     def release(self, request_id: str) -> None:
         self._hidden.pop(request_id, None)
+
+
+@register("medusa")
+def build(ctx: ProposerContext) -> MedusaProposer:
+    assert ctx.config.heads is not None  # SpecConfig requires them
+    heads, _, vocab = load_heads(ctx.config.heads, "medusa", ctx.target)
+    return MedusaProposer(ctx.target, heads, vocab)

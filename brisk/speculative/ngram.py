@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from brisk.speculative.base import Draft, DraftRequest
+from brisk.speculative.registry import ProposerContext, register
 
 
 def ngram_match(tokens: list[int] | np.ndarray, n_min: int, n_max: int, k: int) -> tuple[int, list[int]]:
@@ -60,3 +61,8 @@ class NgramProposer:
 
     def release(self, request_id: str) -> None:
         self._planned.pop(request_id, None)
+
+
+@register("ngram", parallel=True)  # reads only the request's tokens: drafts over parallel workers too
+def build(ctx: ProposerContext) -> NgramProposer:
+    return NgramProposer(ctx.config.prompt_lookup_min, ctx.config.prompt_lookup_max)

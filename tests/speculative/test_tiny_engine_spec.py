@@ -3,6 +3,7 @@ output distributed as the target's, no block leaked, draft lengths adapting unde
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from brisk.config import CacheConfig, SpecConfig
@@ -153,3 +154,15 @@ def test_draft_model_pool_is_given_back() -> None:
     run(engine, _prompts(6, seed=5), GREEDY)
     kv = engine.spec.proposer.kv
     assert kv.num_free_blocks == 64 and not engine.spec.proposer._shadows
+
+
+def test_every_configurable_method_has_a_registered_builder() -> None:
+    """config.SPEC_METHODS (what a speculative_config may name) and the registry agree; only
+    prompt lookup drafts over parallel workers."""
+    from brisk.config import SPEC_METHODS
+    from brisk.speculative.registry import METHODS, method
+
+    assert sorted(METHODS) == sorted(SPEC_METHODS)
+    assert [name for name, m in METHODS.items() if m.parallel] == ["ngram"]
+    with pytest.raises(ValueError, match="not available; available: draft, early_exit, medusa, ngram"):
+        method("lookahead")
