@@ -152,6 +152,9 @@ def test_usage_error_exits_2(capsys) -> None:
     (["generate", "--prompt", "hi", "--speculative-config", '{"method": "lookahead"}'], "unknown speculative method"),
     (["bench", "spec", "--methods", "medusa"], "--medusa-heads"),
     (["bench", "spec", "--methods", "ngram", "--workloads", "poetry"], "unknown workload"),
+    (["bench", "spec", "--methods", "ngram", "--draft", "d1={model: x}"], "after NAME= comes a JSON object"),
+    (["bench", "spec", "--methods", "ngram", "--draft", "ngram={}"], "a new name"),
+    (["bench", "spec", "--methods", "ngram", "--draft", 'v={"model": "m", "draft_vocab": 0}'], "draft_vocab"),
     (["train-heads", "--kind", "medusa", "--out", "x.safetensors", "--num-heads", "0"], "--num-heads >= 1"),
 ])
 def test_speculative_options_are_checked_before_loading(argv: list[str], match: str, capsys) -> None:
