@@ -24,6 +24,7 @@ from brisk.cli_common import (
     quant_kwargs,
 )
 from brisk.config import PRUNE_METHODS, PruneConfig
+from brisk.errors import UserError
 from brisk.loader.resolve import DEFAULT_MODEL
 from brisk.server.tools import FORMATS as TOOL_FORMATS
 
@@ -147,23 +148,23 @@ def _read_prompts(path: Path, chat: bool, system: str | None) -> list[dict[str, 
     try:
         lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
     except OSError as exc:
-        raise ValueError(f"cannot read --prompts-file {path}: {exc.strerror}") from None
+        raise UserError(f"cannot read --prompts-file {path}: {exc.strerror}") from None
     items: list[dict[str, object]] = []
     for i, line in enumerate(lines, 1):
         if line.lstrip().startswith("{"):
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
+                raise UserError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
             if not isinstance(obj, dict) or not ({"prompt", "messages"} & obj.keys()):
-                raise ValueError(f"{path}:{i}: a JSON line needs a 'prompt' or 'messages' field")
+                raise UserError(f"{path}:{i}: a JSON line needs a 'prompt' or 'messages' field")
             if "messages" not in obj and not isinstance(obj["prompt"], str):
-                raise ValueError(f"{path}:{i}: 'prompt' must be a string")
+                raise UserError(f"{path}:{i}: 'prompt' must be a string")
             items.append(obj)
         else:
             items.append({"prompt": line})
     if not items:
-        raise ValueError(f"--prompts-file {path} has no prompts")
+        raise UserError(f"--prompts-file {path} has no prompts")
     for item in items:
         if "prompt" in item and chat:
             item["messages"] = ([{"role": "system", "content": system}] if system else []) + [
@@ -201,7 +202,7 @@ def _structured(args: argparse.Namespace) -> dict[str, object] | None:
         try:
             return {"json": json.loads(text)}
         except json.JSONDecodeError as e:
-            raise ValueError(f"--json-schema: neither a file nor valid JSON ({e})") from None
+            raise UserError(f"--json-schema: neither a file nor valid JSON ({e})") from None
     if args.json_object:
         return {"json_object": True}
     if args.regex is not None:
@@ -216,9 +217,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop, structured=_structured(args))
     if args.prompt is not None and not args.prompt.strip():
-        raise ValueError("the prompt is empty; pass some text with --prompt")
+        raise UserError("the prompt is empty; pass some text with --prompt")
     if args.system is not None and not args.chat:
-        raise ValueError("--system needs --chat (a system message only exists in a chat template)")
+        raise UserError("--system needs --chat (a system message only exists in a chat template)")
     # a bad prompts file is reported before the model loads
     items = _read_prompts(args.prompts_file, args.chat, args.system) if args.prompts_file is not None else None
     llm = LLM(args.model, dtype=args.dtype, **engine_kwargs(args))  # type: ignore[arg-type]
@@ -268,7 +269,7 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     from brisk.config import QuantConfig
 
     if args.ratio is None and args.method != "2:4":
-        raise ValueError(f"--method {args.method} needs --ratio (e.g. 0.25)")
+        raise UserError(f"--method {args.method} needs --ratio (e.g. 0.25)")
     pcfg = PruneConfig(args.method, 0.5 if args.ratio is None else args.ratio, str(args.calibration),
                        args.calibration_tokens, args.multiple, not args.no_bias_compensation)
     quant = None if args.quantization is None else QuantConfig(args.quantization)
@@ -286,9 +287,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from brisk.server.edge import EdgeLimits
 
     if not 0 < args.port < 65536 or args.max_waiting < 1:
-        raise ValueError("--port must be in 1..65535 and --max-waiting >= 1")
+        raise UserError("--port must be in 1..65535 and --max-waiting >= 1")
     if args.max_connections < 1 or not args.request_timeout > 0:
-        raise ValueError("--max-connections must be >= 1 and --request-timeout > 0")
+        raise UserError("--max-connections must be >= 1 and --request-timeout > 0")
     limits = EdgeLimits(body_timeout_s=args.request_timeout, head_timeout_s=args.request_timeout,
                         max_connections=args.max_connections)
     llm = LLM(args.model, dtype=args.dtype, **engine_kwargs(args))  # type: ignore[arg-type]
@@ -323,7 +324,7 @@ def _cmd_train_heads(args: argparse.Namespace) -> int:
     from brisk.engine.train_heads import run_train_heads
 
     if args.num_heads < 1 or args.num_prompts < 10 or args.max_tokens < 8 or args.epochs < 1:
-        raise ValueError("need --num-heads >= 1, --num-prompts >= 10, --max-tokens >= 8, --epochs >= 1")
+        raise UserError("need --num-heads >= 1, --num-prompts >= 10, --max-tokens >= 8, --epochs >= 1")
     report = run_train_heads(args.model, args.kind, args.out, args.num_heads, args.exit_layer, args.num_prompts,
                              args.max_tokens, args.epochs, args.prompts_file, args.draft_vocab, args.sequences,
                              not args.parallel, log=lambda d: print(json.dumps(d), file=sys.stderr, flush=True))
@@ -335,7 +336,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from brisk.bench.eval_ppl import eval_ppl
 
     if args.max_tokens is not None and args.max_tokens < 2:
-        raise ValueError("--max-tokens must be >= 2")
+        raise UserError("--max-tokens must be >= 2")
     result = eval_ppl(args.model, args.dtype, args.text, args.window, args.max_tokens, quant_kwargs(args),
                       device=args.device, score_from=args.score_from)
     if not args.json:

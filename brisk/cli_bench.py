@@ -17,6 +17,7 @@ from brisk.cli_common import (
     quant_kwargs,
     spec_kwargs,
 )
+from brisk.errors import UserError
 
 
 def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -157,9 +158,9 @@ def _bench_parallel(args: argparse.Namespace) -> int:
     try:
         grid = [(int(t), int(p)) for t, p in (g.lower().split("x") for g in args.grid.split(",") if g)]
     except ValueError:
-        raise ValueError(f"--grid takes TxP pairs like 1x1,2x1,1x2, got {args.grid!r}") from None
+        raise UserError(f"--grid takes TxP pairs like 1x1,2x1,1x2, got {args.grid!r}") from None
     if args.batch < 1 or args.max_tokens < 2 or not grid:
-        raise ValueError("--batch must be >= 1, --max-tokens >= 2 and --grid non-empty")
+        raise UserError("--batch must be >= 1, --max-tokens >= 2 and --grid non-empty")
     engine = {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
               "num_kv_blocks": args.num_kv_blocks}
     print(json.dumps(bench_parallel(args.model, grid, args.batch, args.max_tokens, engine)), flush=True)
@@ -171,7 +172,7 @@ def run_bench(args: argparse.Namespace) -> int:
     peers = {"hf", "vllm", "llamacpp"} if args.bench == "throughput" else {"hf", "plain", "llamacpp"}
     unknown = set(compare) - peers
     if unknown:
-        raise ValueError(f"unknown --compare peer(s): {', '.join(sorted(unknown))}; available: {', '.join(sorted(peers))}")
+        raise UserError(f"unknown --compare peer(s): {', '.join(sorted(unknown))}; available: {', '.join(sorted(peers))}")
     if args.bench == "throughput":
         return _bench_throughput(args, compare)
     if args.bench == "serve":
@@ -191,7 +192,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from brisk.bench.latency import DEFAULT_PROMPT, bench_latency
 
     if args.new_tokens < 2 or args.repeats < 1:
-        raise ValueError("--new-tokens must be >= 2 and --repeats >= 1")
+        raise UserError("--new-tokens must be >= 2 and --repeats >= 1")
     dtypes = args.dtype_list.split(",") if args.dtype_list else [args.dtype]
     for dtype in dtypes:
         result = bench_latency(args.model, dtype, args.prompt or DEFAULT_PROMPT, not args.no_chat,
@@ -209,7 +210,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
     counts = ("decoders", "long_len", "every", "steps") if args.bench == "mixed" else ("prefix_len", "repeats")
     for name in counts:
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     llm = LLM(args.model, dtype=args.dtype, **engine_kwargs(args))  # type: ignore[arg-type]
     if args.bench == "prefix":
         result = bench_prefix(llm, args.prefix_len, args.suffix_len, args.repeats, args.seed)
@@ -229,14 +230,14 @@ def _bench_kv(args: argparse.Namespace) -> int:
         except ValueError:
             values = []
         if not values or min(values) < 1:
-            raise ValueError(f"--{name} takes comma-separated positive integers, got {getattr(args, name)!r}")
+            raise UserError(f"--{name} takes comma-separated positive integers, got {getattr(args, name)!r}")
         return values
 
     layouts = [v for v in args.layouts.split(",") if v]
     if not layouts or set(layouts) - set(LAYOUTS):
-        raise ValueError(f"--layouts takes {', '.join(LAYOUTS)}, got {args.layouts!r}")
+        raise UserError(f"--layouts takes {', '.join(LAYOUTS)}, got {args.layouts!r}")
     if args.decode_tokens < 2:
-        raise ValueError("--decode-tokens must be >= 2")
+        raise UserError("--decode-tokens must be >= 2")
     engine = {"dtype": args.dtype, "kv_cache_memory_gib": args.kv_cache_memory_gib, "block_size": args.block_size,
               "max_num_batched_tokens": args.max_num_batched_tokens, **quant_kwargs(args)}
     print(json.dumps(bench_kv(args.model, layouts, ints("batches"), ints("contexts"), args.decode_tokens, engine)),
@@ -248,12 +249,12 @@ def _bench_prune(args: argparse.Namespace) -> int:
     from brisk.bench.prune_bench import bench_prune
 
     if args.new_tokens < 2 or args.repeats < 1 or args.batch < 1:
-        raise ValueError("--new-tokens must be >= 2, --repeats and --batch >= 1")
+        raise UserError("--new-tokens must be >= 2, --repeats and --batch >= 1")
     if args.pruning is not None:
-        raise ValueError("--pruning would prune the dense reference too: give the pruned models as --variants")
+        raise UserError("--pruning would prune the dense reference too: give the pruned models as --variants")
     variants = [v for v in args.variants.split(",") if v]
     if not variants:
-        raise ValueError("--variants needs at least one pruned model")
+        raise UserError("--variants needs at least one pruned model")
     engine = {"dtype": args.dtype, "max_model_len": args.max_model_len or 1024, "num_kv_blocks": 1024,
               "quantization": args.quantization, "quantization_config": args.quant_config, "dequantize": args.dequantize}
     print(json.dumps(bench_prune([args.model, *variants], engine, args.new_tokens, args.repeats, args.batch,
@@ -268,7 +269,7 @@ def _bench_structured(args: argparse.Namespace) -> int:
 
     for name in ("batch", "max_tokens", "fields", "repeats"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     llm = LLM(args.model, dtype=args.dtype, **engine_kwargs(args))  # type: ignore[arg-type]
     print(json.dumps(bench_structured(llm, args.batch, args.max_tokens, args.repeats, args.fields)), flush=True)
     return 0
@@ -279,7 +280,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from brisk.bench.throughput import make_workload
 
     if args.num_prompts < 1 or not args.request_rate > 0:
-        raise ValueError("--num-prompts must be >= 1 and --request-rate > 0")
+        raise UserError("--num-prompts must be >= 1 and --request-rate > 0")
     work = make_workload(args.num_prompts, args.vocab_size, args.seed, args.input_len, args.output_len)
     result = bench_serve(args.url, args.model, work, args.request_rate, args.seed, args.api_key, args.plot)
     print(json.dumps(result), flush=True)
@@ -290,7 +291,7 @@ def _bench_throughput(args: argparse.Namespace, compare: list[str]) -> int:
     from brisk.bench.throughput import bench_throughput
 
     if args.num_prompts < 1:
-        raise ValueError("--num-prompts must be >= 1")
+        raise UserError("--num-prompts must be >= 1")
     result = bench_throughput(args.model, args.dtype, args.num_prompts, args.input_len, args.output_len,
                               args.seed, args.shared_prefix, compare, args.hf_batch_size, engine_kwargs(args),
                               args.vllm_python, args.llamacpp_python)
@@ -311,7 +312,7 @@ def spec_methods(args: argparse.Namespace, target: str) -> dict[str, dict[str, o
             cfg.update({"exit_layer": args.exit_layer} if args.exit_layer else {})
         elif method == "medusa":
             if not args.medusa_heads:
-                raise ValueError("--methods includes medusa: give --medusa-heads (from `brisk train-heads --kind medusa`)")
+                raise UserError("--methods includes medusa: give --medusa-heads (from `brisk train-heads --kind medusa`)")
             cfg["heads"] = args.medusa_heads
         configs[method] = cfg
     for entry in args.draft:
@@ -319,9 +320,9 @@ def spec_methods(args: argparse.Namespace, target: str) -> dict[str, dict[str, o
         try:
             extra = json.loads(options)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"--draft {entry!r}: after NAME= comes a JSON object of draft options ({exc})") from None
+            raise UserError(f"--draft {entry!r}: after NAME= comes a JSON object of draft options ({exc})") from None
         if not name or name in configs or not isinstance(extra, dict):
-            raise ValueError(f"--draft {entry!r}: give NAME=JSON with a new name and a JSON object, e.g. "
+            raise UserError(f"--draft {entry!r}: give NAME=JSON with a new name and a JSON object, e.g. "
                              "'d8={\"model\": \"DIR\"}'")
         configs[name] = {"method": "draft", "num_speculative_tokens": k, **extra}
     return configs
@@ -338,7 +339,7 @@ def _bench_spec(args: argparse.Namespace) -> int:
     names = [w for w in args.workloads.split(",") if w]
     unknown = set(names) - set(workloads())
     if unknown or args.max_tokens < 2:
-        raise ValueError(f"unknown workload(s) {sorted(unknown)} (known: {', '.join(workloads())}) or --max-tokens < 2")
+        raise UserError(f"unknown workload(s) {sorted(unknown)} (known: {', '.join(workloads())}) or --max-tokens < 2")
     base = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, **quant_kwargs(args))  # type: ignore[arg-type]
     print(json.dumps(bench_spec(base, methods, args.max_tokens, names)), flush=True)
     return 0

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from brisk.config import DISTILL_LOSSES, DistillConfig
+from brisk.errors import UserError
 
 _D = DistillConfig()
 # DistillSpec (Zhou et al., 2024): a draft's acceptance rate is 1 - TVD(target, draft) per token,
@@ -75,7 +76,7 @@ def layer_list(spec: str | None) -> list[int] | None:
             lo, _, hi = part.strip().partition("-")
             layers.extend(range(int(lo), int(hi) + 1) if hi else [int(lo)])
     except ValueError:
-        raise ValueError(f"--student-layers takes layer numbers like 0,2,4 or 0-9; got {spec!r}") from None
+        raise UserError(f"--student-layers takes layer numbers like 0,2,4 or 0-9; got {spec!r}") from None
     return layers
 
 

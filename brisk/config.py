@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from brisk.errors import UserError
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -45,21 +47,21 @@ class RopeScaling:
         for name in ("short_factor", "long_factor", "freq_factors"):
             object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
         if self.rope_type not in ROPE_TYPES:
-            raise ValueError(
+            raise UserError(
                 f"unsupported rope scaling type {self.rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
             )
         if self.factor <= 0:
-            raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
+            raise UserError(f"rope scaling factor must be > 0, got {self.factor}")
         if self.rope_type == "longrope" and not (self.short_factor and self.long_factor
                                                  and self.original_max_position_embeddings):
-            raise ValueError("longrope scaling needs short_factor, long_factor and original_max_position_embeddings")
+            raise UserError("longrope scaling needs short_factor, long_factor and original_max_position_embeddings")
 
     def check_dim(self, rotary_dim: int) -> None:
         """Per-frequency lists must give one value per rotated pair of dims."""
         for name in ("short_factor", "long_factor", "freq_factors"):
             got = len(getattr(self, name))
             if got and got != rotary_dim // 2:
-                raise ValueError(f"rope scaling {name} has {got} values; {rotary_dim} rotated dims need "
+                raise UserError(f"rope scaling {name} has {got} values; {rotary_dim} rotated dims need "
                                  f"{rotary_dim // 2}")
 
     @staticmethod
@@ -75,7 +77,7 @@ class RopeScaling:
 
     def to_hf(self) -> dict[str, Any] | None:
         if self.freq_factors:
-            raise ValueError("this model's rotary frequencies come as a GGUF file's precomputed factors "
+            raise UserError("this model's rotary frequencies come as a GGUF file's precomputed factors "
                              "(rope_freqs.weight), which an HF config cannot express; run the GGUF file itself")
         if self.rope_type == "default":
             return None
@@ -139,26 +141,26 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"model config: {name} must be > 0, got {getattr(self, name)}")
+                raise UserError(f"model config: {name} must be > 0, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise UserError(
                 f"model config: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
         if self.head_dim % 2:
-            raise ValueError(f"model config: head_dim must be even for rotary embeddings, got {self.head_dim}")
+            raise UserError(f"model config: head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.hidden_act not in HIDDEN_ACTS:
-            raise ValueError(f"model config: hidden_act {self.hidden_act!r} is not supported; supported: "
+            raise UserError(f"model config: hidden_act {self.hidden_act!r} is not supported; supported: "
                              f"{', '.join(HIDDEN_ACTS)}")
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if self.layer_types and (len(self.layer_types) != self.num_hidden_layers
                                  or not set(self.layer_types) <= set(LAYER_TYPES)):
-            raise ValueError(f"model config: layer_types must name {self.num_hidden_layers} layers, each one of "
+            raise UserError(f"model config: layer_types must name {self.num_hidden_layers} layers, each one of "
                              f"{', '.join(LAYER_TYPES)}; got {list(self.layer_types)}")
         if "sliding" in self.layer_types and self.sliding_window <= 0:
-            raise ValueError("model config: sliding layers need sliding_window > 0")
+            raise UserError("model config: sliding layers need sliding_window > 0")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
-            raise ValueError(f"model config: rotary_dim must be even and in 2..head_dim ({self.head_dim}), "
+            raise UserError(f"model config: rotary_dim must be even and in 2..head_dim ({self.head_dim}), "
                              f"got {self.rotary_dim}")
         self.rope_scaling.check_dim(self.rotary_dim)
         self._check_layer_widths()
@@ -169,12 +171,12 @@ class ModelConfig:
             values = tuple(int(v) for v in getattr(self, name))
             object.__setattr__(self, name, values)
             if values and (len(values) != self.num_hidden_layers or min(values) < 1):
-                raise ValueError(f"model config: {name} must give {self.num_hidden_layers} values >= 1, got {list(values)}")
+                raise UserError(f"model config: {name} must give {self.num_hidden_layers} values >= 1, got {list(values)}")
         if bool(self.layer_heads) != bool(self.layer_kv_heads):
-            raise ValueError("model config: layer_heads and layer_kv_heads come together")
+            raise UserError("model config: layer_heads and layer_kv_heads come together")
         for i, (q, kv) in enumerate(zip(self.layer_heads, self.layer_kv_heads)):
             if q != kv * group:
-                raise ValueError(f"model config: layer {i} has {q} query heads for {kv} KV heads; every layer keeps "
+                raise UserError(f"model config: layer {i} has {q} query heads for {kv} KV heads; every layer keeps "
                                  f"{group} query heads per KV head")
 
     @property
@@ -238,21 +240,21 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+            raise UserError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+            raise UserError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.kv_huge_pages and self.kv_layout != "virtual":
-            raise ValueError("kv_huge_pages applies to kv_layout='virtual' only")
+            raise UserError("kv_huge_pages applies to kv_layout='virtual' only")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+            raise UserError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
     def check_multi_process(self) -> None:
         """Tensor/pipeline parallel workers hold paged KV only."""
         if self.kv_layout != "paged":
-            raise ValueError("kv_layout='virtual' runs in a single process for now; use kv_layout='paged' "
+            raise UserError("kv_layout='virtual' runs in a single process for now; use kv_layout='paged' "
                              "with tensor/pipeline parallelism")
         if self.kv_cache_memory_gib <= 0:
-            raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+            raise UserError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
 
 
 @dataclass(frozen=True)
@@ -271,13 +273,13 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_decode_slowdown is not None and not self.max_decode_slowdown > 1.0:
-            raise ValueError(f"max_decode_slowdown must be > 1 (e.g. 1.5), got {self.max_decode_slowdown}")
+            raise UserError(f"max_decode_slowdown must be > 1 (e.g. 1.5), got {self.max_decode_slowdown}")
         if self.max_decode_slowdown is not None and not self.enable_chunked_prefill:
-            raise ValueError("max_decode_slowdown needs chunked prefill: prompts are cut into chunks to meet it")
+            raise UserError("max_decode_slowdown needs chunked prefill: prompts are cut into chunks to meet it")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
+            raise UserError(
                 f"without chunked prefill a whole prompt must fit one step: max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
             )
@@ -309,20 +311,20 @@ class QuantConfig:
 
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
-            raise ValueError(f"unknown quantization method {self.method!r}; available: {', '.join(QUANT_METHODS)}")
+            raise UserError(f"unknown quantization method {self.method!r}; available: {', '.join(QUANT_METHODS)}")
         if not isinstance(self.group_size, int) or self.group_size <= 0 or self.group_size % 32:
-            raise ValueError(f"quantization group_size must be a positive multiple of 32 (32, 64, 128), "
+            raise UserError(f"quantization group_size must be a positive multiple of 32 (32, 64, 128), "
                              f"got {self.group_size!r}")
         if not isinstance(self.calibration_tokens, int) or self.calibration_tokens < 16:
-            raise ValueError(f"calibration_tokens must be an integer >= 16, got {self.calibration_tokens!r}")
+            raise UserError(f"calibration_tokens must be an integer >= 16, got {self.calibration_tokens!r}")
         if self.calibration is not None and not isinstance(self.calibration, str):
-            raise ValueError(f"calibration must be the path of a text file, got {self.calibration!r}")
+            raise UserError(f"calibration must be the path of a text file, got {self.calibration!r}")
         if self.activations is not None and self.activations not in ACTIVATION_MODES:
-            raise ValueError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, got {self.activations!r}")
+            raise UserError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, got {self.activations!r}")
         if self.act_mode != "float" and self.method not in ("int4", "gguf"):
-            raise ValueError(f"activations {self.activations!r} applies to int4 and gguf weights, not {self.method}")
+            raise UserError(f"activations {self.activations!r} applies to int4 and gguf weights, not {self.method}")
         if self.calibration is not None and self.method not in CALIBRATED_METHODS:
-            raise ValueError(f"calibration applies to int4 (GPTQ), w8a8 (SmoothQuant) and sparse24 / sparse24_int8 "
+            raise UserError(f"calibration applies to int4 (GPTQ), w8a8 (SmoothQuant) and sparse24 / sparse24_int8 "
                              f"(SparseGPT's 2:4), not {self.method}")
 
     @classmethod
@@ -332,13 +334,13 @@ class QuantConfig:
             try:
                 options = json.loads(options)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"quantization config is not valid JSON ({exc}): {options!r}") from None
+                raise UserError(f"quantization config is not valid JSON ({exc}): {options!r}") from None
         if not isinstance(options, (dict, type(None))):  # a user's value: ValueError, as everywhere here
-            raise ValueError(f"quantization config must be a JSON object, got {options!r}")  # noqa: TRY004
+            raise UserError(f"quantization config must be a JSON object, got {options!r}")  # noqa: TRY004
         options = dict(options or {})
         unknown = sorted(set(options) - set(QUANT_OPTIONS))
         if unknown:
-            raise ValueError(f"unknown quantization option(s) {', '.join(unknown)}; known: {', '.join(QUANT_OPTIONS)}")
+            raise UserError(f"unknown quantization option(s) {', '.join(unknown)}; known: {', '.join(QUANT_OPTIONS)}")
         return cls(method=method, **options)
 
     @property
@@ -397,29 +399,29 @@ class PruneConfig:
 
     def __post_init__(self) -> None:
         if self.method not in PRUNE_METHODS:
-            raise ValueError(f"unknown pruning method {self.method!r}; available: {', '.join(PRUNE_METHODS)}")
+            raise UserError(f"unknown pruning method {self.method!r}; available: {', '.join(PRUNE_METHODS)}")
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or \
                 not (0 <= self.ratio < 1 if self.method == "probe" else 0 < self.ratio < 1):
             bounds = "from 0 (the dense model) up to but not including 1" if self.method == "probe" else \
                 "strictly between 0 and 1"
-            raise ValueError(f"pruning ratio must be a number {bounds} (0.25 removes a quarter), got {self.ratio!r}")
+            raise UserError(f"pruning ratio must be a number {bounds} (0.25 removes a quarter), got {self.ratio!r}")
         for name in ("probe_tokens", "probe_sequences"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise ValueError(f"pruning {name} is a share of the batch in (0, 1], got {value!r}")
+                raise UserError(f"pruning {name} is a share of the batch in (0, 1], got {value!r}")
         if isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) or self.dense_layers < 0:
-            raise ValueError(f"pruning dense_layers (first layers left whole) must be an integer >= 0, "
+            raise UserError(f"pruning dense_layers (first layers left whole) must be an integer >= 0, "
                              f"got {self.dense_layers!r}")
         if self.method == "2:4" and self.ratio != 0.5:
-            raise ValueError(f"2:4 sparsity keeps 2 of every 4 weights of a row: its ratio is 0.5, got {self.ratio!r}")
+            raise UserError(f"2:4 sparsity keeps 2 of every 4 weights of a row: its ratio is 0.5, got {self.ratio!r}")
         if not self.calibration or not isinstance(self.calibration, str):
-            raise ValueError(f"pruning method {self.method!r} scores heads, channels and layers on calibration text: "
+            raise UserError(f"pruning method {self.method!r} scores heads, channels and layers on calibration text: "
                              'give "calibration": the path of a text file (a few thousand tokens of the kind of '
                              "text the model will see)")
         if not isinstance(self.calibration_tokens, int) or self.calibration_tokens < 256:
-            raise ValueError(f"pruning calibration_tokens must be an integer >= 256, got {self.calibration_tokens!r}")
+            raise UserError(f"pruning calibration_tokens must be an integer >= 256, got {self.calibration_tokens!r}")
         if not isinstance(self.multiple, int) or self.multiple < 1 or self.multiple & (self.multiple - 1):
-            raise ValueError(f"pruning multiple must be a power of two (MLP widths are kept in multiples of it; "
+            raise UserError(f"pruning multiple must be a power of two (MLP widths are kept in multiples of it; "
                              f"64 suits int4 groups), got {self.multiple!r}")
 
     @classmethod
@@ -429,14 +431,14 @@ class PruneConfig:
             try:
                 options = json.loads(options)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"pruning config is not valid JSON ({exc}): {options!r}") from None
+                raise UserError(f"pruning config is not valid JSON ({exc}): {options!r}") from None
         if not isinstance(options, dict):
-            raise ValueError(f"pruning config must be a JSON object, got {options!r}")  # noqa: TRY004
+            raise UserError(f"pruning config must be a JSON object, got {options!r}")  # noqa: TRY004
         unknown = sorted(set(options) - set(PRUNE_OPTIONS))
         if unknown:
-            raise ValueError(f"unknown pruning option(s) {', '.join(unknown)}; known: {', '.join(PRUNE_OPTIONS)}")
+            raise UserError(f"unknown pruning option(s) {', '.join(unknown)}; known: {', '.join(PRUNE_OPTIONS)}")
         if "method" not in options or ("ratio" not in options and options["method"] != "2:4"):
-            raise ValueError(f'pruning config needs "method" (one of {", ".join(PRUNE_METHODS)}) and "ratio"')
+            raise UserError(f'pruning config needs "method" (one of {", ".join(PRUNE_METHODS)}) and "ratio"')
         return cls(**options)
 
     def describe(self) -> str:
@@ -445,7 +447,7 @@ class PruneConfig:
     def sparse_quant(self, quant: QuantConfig | None) -> QuantConfig:
         """2:4: the weight format that holds it (quant/sparse24.py), int8 values under "int8"."""
         if quant is not None and quant.method != "int8":
-            raise ValueError(f"2:4 sparsity stores its kept weights as float32, or as int8 with quantization int8; "
+            raise UserError(f"2:4 sparsity stores its kept weights as float32, or as int8 with quantization int8; "
                              f"it cannot combine with {quant.method}")
         return QuantConfig("sparse24_int8" if quant is not None else "sparse24", calibration=self.calibration,
                            calibration_tokens=self.calibration_tokens)
@@ -456,7 +458,7 @@ DISTILL_LOSSES = ("fkl", "rkl", "tvd")  # compress/distill.py
 
 def _positive_int(what: str, value: Any, least: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"distill {what} must be an integer >= {least}, got {value!r}")
+        raise UserError(f"distill {what} must be an integer >= {least}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -494,7 +496,7 @@ class DistillConfig:
 
     def __post_init__(self) -> None:
         if self.loss not in DISTILL_LOSSES:
-            raise ValueError(f"unknown distillation loss {self.loss!r}; choose one of: {', '.join(DISTILL_LOSSES)}")
+            raise UserError(f"unknown distillation loss {self.loss!r}; choose one of: {', '.join(DISTILL_LOSSES)}")
         for name in ("steps", "batch_size", "eval_every", "checkpoint_every", "prompt_tokens"):
             _positive_int(name, getattr(self, name))
         _positive_int("seq_len", self.seq_len, 8)
@@ -502,19 +504,19 @@ class DistillConfig:
         _positive_int("top_k", self.top_k, 0)
         _positive_int("warmup", self.warmup, 0)
         if self.top_k and self.loss != "fkl":
-            raise ValueError(f"top_k keeps the teacher's k most likely tokens, which only forward KL can use; "
+            raise UserError(f"top_k keeps the teacher's k most likely tokens, which only forward KL can use; "
                              f"drop top_k or use loss fkl (got loss {self.loss!r})")
         if not 0 <= self.on_policy <= 1:
-            raise ValueError(f"distill on_policy is the share of steps on student-written text, in [0, 1]; "
+            raise UserError(f"distill on_policy is the share of steps on student-written text, in [0, 1]; "
                              f"got {self.on_policy!r}")
         if self.on_policy and self.prompt_tokens >= self.seq_len:
-            raise ValueError(f"distill prompt_tokens ({self.prompt_tokens}) must be below seq_len ({self.seq_len}): "
+            raise UserError(f"distill prompt_tokens ({self.prompt_tokens}) must be below seq_len ({self.seq_len}): "
                              "the student writes the rest of each on-policy sequence")
         for name in ("lr", "temperature"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"distill {name} must be > 0, got {getattr(self, name)!r}")
+                raise UserError(f"distill {name} must be > 0, got {getattr(self, name)!r}")
         if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError("distill weight_decay and grad_clip must be >= 0 (grad_clip 0: no clipping)")
+            raise UserError("distill weight_decay and grad_clip must be >= 0 (grad_clip 0: no clipping)")
 
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # `brisk distill`'s token ranking beside a student (FR-Spec drafts)
@@ -554,39 +556,39 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
-            raise ValueError(f"unknown speculative method {self.method!r}; available: {', '.join(SPEC_METHODS)}")
+            raise UserError(f"unknown speculative method {self.method!r}; available: {', '.join(SPEC_METHODS)}")
         k = self.num_speculative_tokens
         if k != "auto" and not (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 15):
-            raise ValueError(f"num_speculative_tokens must be an integer in 1..15 or \"auto\", got {k!r}")
+            raise UserError(f"num_speculative_tokens must be an integer in 1..15 or \"auto\", got {k!r}")
         if not (isinstance(self.max_speculative_tokens, int) and 1 <= self.max_speculative_tokens <= 15):
-            raise ValueError(f"max_speculative_tokens must be an integer in 1..15, got {self.max_speculative_tokens!r}")
+            raise UserError(f"max_speculative_tokens must be an integer in 1..15, got {self.max_speculative_tokens!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-            raise ValueError(f"prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, "
+            raise UserError(f"prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, "
                              f"got {lo!r} and {hi!r}")
         if self.method == "draft" and not self.model:
-            raise ValueError('speculative method "draft" needs "model": the draft model (a name, path or .gguf)')
+            raise UserError('speculative method "draft" needs "model": the draft model (a name, path or .gguf)')
         if self.method != "draft" and (self.model or self.quantization or self.quantization_config):
-            raise ValueError(f'"model" and "quantization" configure the draft model; method {self.method!r} has none')
+            raise UserError(f'"model" and "quantization" configure the draft model; method {self.method!r} has none')
         if self.method == "medusa" and not self.heads:
-            raise ValueError('speculative method "medusa" needs "heads": a file written by `brisk train-heads`')
+            raise UserError('speculative method "medusa" needs "heads": a file written by `brisk train-heads`')
         if self.method in ("ngram", "draft") and self.heads:
-            raise ValueError(f'"heads" applies to early_exit and medusa, not {self.method}')
+            raise UserError(f'"heads" applies to early_exit and medusa, not {self.method}')
         if self.exit_layer is not None and (self.method != "early_exit" or not isinstance(self.exit_layer, int)
                                             or self.exit_layer < 1):
-            raise ValueError(f'"exit_layer" must be an integer >= 1 for method early_exit, got {self.exit_layer!r}')
+            raise UserError(f'"exit_layer" must be an integer >= 1 for method early_exit, got {self.exit_layer!r}')
         if (self.draft_vocab is not None or self.draft_vocab_file is not None) and self.method != "draft":
-            raise ValueError(f'"draft_vocab" applies to method draft (medusa and early_exit heads carry their own), '
+            raise UserError(f'"draft_vocab" applies to method draft (medusa and early_exit heads carry their own), '
                              f'not {self.method}')
         if self.draft_vocab_file is not None and self.draft_vocab is None:
-            raise ValueError('"draft_vocab_file" needs "draft_vocab": how many of its most frequent tokens to draft among')
+            raise UserError('"draft_vocab_file" needs "draft_vocab": how many of its most frequent tokens to draft among')
         if self.draft_vocab is not None and (isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int)
                                              or self.draft_vocab < 1):
-            raise ValueError(f'"draft_vocab" must be a number of tokens >= 1, got {self.draft_vocab!r}')
+            raise UserError(f'"draft_vocab" must be a number of tokens >= 1, got {self.draft_vocab!r}')
         if self.quantization is not None:
             QuantConfig.parse(self.quantization, self.quantization_config)  # the same checks as the target's
         elif self.quantization_config is not None:
-            raise ValueError('"quantization_config" needs "quantization" (e.g. "int4")')
+            raise UserError('"quantization_config" needs "quantization" (e.g. "int4")')
 
     @property
     def auto(self) -> bool:
@@ -604,14 +606,14 @@ class SpecConfig:
             try:
                 options = json.loads(options)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative config is not valid JSON ({exc}): {options!r}") from None
+                raise UserError(f"speculative config is not valid JSON ({exc}): {options!r}") from None
         if not isinstance(options, dict):
-            raise ValueError(f"speculative config must be a JSON object, got {options!r}")  # noqa: TRY004
+            raise UserError(f"speculative config must be a JSON object, got {options!r}")  # noqa: TRY004
         unknown = sorted(set(options) - set(SPEC_OPTIONS))
         if unknown:
-            raise ValueError(f"unknown speculative option(s) {', '.join(unknown)}; known: {', '.join(SPEC_OPTIONS)}")
+            raise UserError(f"unknown speculative option(s) {', '.join(unknown)}; known: {', '.join(SPEC_OPTIONS)}")
         if "method" not in options:
-            raise ValueError(f'speculative config needs "method": one of {", ".join(SPEC_METHODS)}')
+            raise UserError(f'speculative config needs "method": one of {", ".join(SPEC_METHODS)}')
         return cls(**options)
 
 
@@ -631,11 +633,11 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+                raise UserError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not self.timeout_s > 0:
-            raise ValueError(f"parallel timeout_s must be > 0 seconds, got {self.timeout_s}")
+            raise UserError(f"parallel timeout_s must be > 0 seconds, got {self.timeout_s}")
         if self.micro_batches is not None and self.micro_batches < 1:
-            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
+            raise UserError(f"micro_batches must be >= 1, got {self.micro_batches}")
 
     @property
     def world_size(self) -> int:
@@ -649,16 +651,16 @@ def check_device(device: str) -> None:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"device {device!r} is not a device name: use cpu, cuda or cuda:N") from None
+        raise UserError(f"device {device!r} is not a device name: use cpu, cuda or cuda:N") from None
     if dev.type == "cpu":
         return
     if dev.type != "cuda":
-        raise ValueError(f"device {device!r}: brisk runs on cpu or cuda")
+        raise UserError(f"device {device!r}: brisk runs on cpu or cuda")
     if not torch.cuda.is_available():
-        raise ValueError(f"device {device!r}: this torch sees no CUDA GPU (a CPU-only build, or no driver); "
+        raise UserError(f"device {device!r}: this torch sees no CUDA GPU (a CPU-only build, or no driver); "
                          "use --device cpu, or install a CUDA build of torch on a machine with a GPU")
     if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+        raise UserError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
                          f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
 
 
@@ -674,7 +676,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
+            raise UserError(f"unsupported dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
         if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
+            raise UserError(f"max_model_len must be > 0, got {self.max_model_len}")
         check_device(self.device)

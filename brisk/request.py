@@ -6,15 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-
-class InvalidRequest(ValueError):
-    """Bad input from a user: the message says what was wrong and what to do; `param` names the
-    request field (a server answers 400 with it). A plain ValueError elsewhere is still a user
-    error to the offline API, but only this type carries the field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+from brisk.errors import InvalidRequest
 
 
 class FinishReason(str, enum.Enum):

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from brisk.engine.llm import LLM
+from brisk.errors import UserError
 from brisk.loader.load import load_model
 from brisk.model.base import CausalLM, forward_sequence
 from brisk.request import SamplingParams
@@ -86,11 +87,11 @@ def weight_bytes(model: CausalLM) -> int:
 def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: int | None,
              quant: dict[str, Any] | None = None, device: str = "cpu", score_from: int = 1) -> dict[str, Any]:
     if window < 2:
-        raise ValueError(f"--window must be >= 2 tokens, got {window}")
+        raise UserError(f"--window must be >= 2 tokens, got {window}")
     if not 1 <= score_from < window:
-        raise ValueError(f"--score-from must be a position inside the window (1 to {window - 1}), got {score_from}")
+        raise UserError(f"--score-from must be a position inside the window (1 to {window - 1}), got {score_from}")
     if not text.is_file():
-        raise ValueError(f"--text {text} is not a file")
+        raise UserError(f"--text {text} is not a file")
     started = time.perf_counter()
     llm = LLM(model_ref, dtype=dtype, max_model_len=max(window, 256), num_kv_blocks=96,  # KV only for the decode timing
               device=device, **(quant or {}))
@@ -99,11 +100,11 @@ def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: in
     from brisk.loader.quantized import quantization_of
 
     if quantization_of(Path(model_ref)) is not None:
-        raise ValueError(f"{model_ref} is a quantized checkpoint: evaluate the original model with -q METHOD "
+        raise UserError(f"{model_ref} is a quantized checkpoint: evaluate the original model with -q METHOD "
                          "so the float32 reference it is compared with is the unquantized one")
     ids = read_tokens(llm, text, max_tokens)
     if len(ids) < 2:
-        raise ValueError(f"{text} holds fewer than 2 tokens; nothing to score")
+        raise UserError(f"{text} holds fewer than 2 tokens; nothing to score")
     pruning = llm.pruning or pruning_of(Path(model_ref))  # pruned at load, or a `brisk prune` directory
     if pruning is not None and llm.pruning is None:
         pruning = {**pruning, "directory": True}

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from brisk.engine.llm import LLM
+from brisk.errors import UserError
 from brisk.loader.load import torch_dtype
 from brisk.request import SamplingParams
 
@@ -116,7 +117,7 @@ def bench_latency(model: str, dtype: str, prompt: str, chat: bool, new_tokens: i
     prompt ids; its runs interleaved with brisk's)."""
     device = str((options or {}).get("device", "cpu"))
     if compare and device != "cpu":
-        raise ValueError(f"--compare runs the peer on the CPU: drop it with --device {device}")
+        raise UserError(f"--compare runs the peer on the CPU: drop it with --device {device}")
     t0 = time.perf_counter()
     # no prefix caching: every repeat processes its prompt afresh (time to first token is prompt work)
     llm = LLM(model, dtype=dtype, enable_prefix_caching=False, **(options or {}))
@@ -132,13 +133,13 @@ def bench_latency(model: str, dtype: str, prompt: str, chat: bool, new_tokens: i
     }
     if "llamacpp" in compare:
         if not llamacpp_python:
-            raise ValueError("--compare llamacpp needs --llamacpp-python VENV/bin/python (a venv with "
+            raise UserError("--compare llamacpp needs --llamacpp-python VENV/bin/python (a venv with "
                              "llama-cpp-python; env BRISK_LLAMACPP_PYTHON)")
         from brisk.loader.resolve import resolve_model
 
         path = str(resolve_model(model).path)
         if not path.endswith(".gguf"):
-            raise ValueError(f"--compare llamacpp runs a .gguf file; {model} is not one")
+            raise UserError(f"--compare llamacpp runs a .gguf file; {model} is not one")
         peer = LlamaCppPeer(llamacpp_python, path, torch.get_num_threads(), max(2048, len(ids) + new_tokens + 8))
         try:
             (result["brisk"], brisk_tokens), (result["llamacpp"], cpp_tokens) = \

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from brisk.errors import UserError
 from brisk.loader.resolve import ModelSource
 
 
@@ -23,7 +24,7 @@ class HFPeer:
         try:
             from transformers import AutoModelForCausalLM
         except ImportError:
-            raise ValueError("--compare hf needs transformers and accelerate: pip install transformers accelerate") from None
+            raise UserError("--compare hf needs transformers and accelerate: pip install transformers accelerate") from None
         path = Path(source.path)
         if source.kind == "gguf":
             self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)

@@ -18,6 +18,7 @@ from brisk.bench.latency import DEFAULT_PROMPT, _brisk_run, _interleaved, _machi
 from brisk.bench.throughput import make_workload, run_brisk
 from brisk.compress.prune import model_params, pruning_of
 from brisk.engine.llm import LLM
+from brisk.errors import UserError
 from brisk.loader.quantized import quantization_of
 from brisk.request import SamplingParams
 
@@ -52,11 +53,11 @@ _DECISIONS: dict[int, list[tuple[float, float]]] = {}
 def _load(m: str, dense: str, engine: dict[str, Any], calibration: str | None) -> LLM:
     if m.startswith(PROBE_PREFIX):
         if calibration is None:
-            raise ValueError(f"variant {m!r} (Probe Pruning) needs --calibration: the text its history is scored on")
+            raise UserError(f"variant {m!r} (Probe Pruning) needs --calibration: the text its history is scored on")
         try:
             ratio = float(m.removeprefix(PROBE_PREFIX))
         except ValueError:
-            raise ValueError(f"variant {m!r}: write Probe Pruning as probe:RATIO, e.g. probe:0.4") from None
+            raise UserError(f"variant {m!r}: write Probe Pruning as probe:RATIO, e.g. probe:0.4") from None
         floats = {k: v for k, v in _as_saved(engine).items() if k != "dequantize"}  # probe always runs on floats
         return LLM(dense, **floats, pruning={"method": "probe", "ratio": ratio, "calibration": calibration})
     return LLM(m, **(engine if quantization_of(Path(m)) is None else _as_saved(engine)))
@@ -69,7 +70,7 @@ def bench_prune(models: list[str], engine: dict[str, Any], new_tokens: int, repe
     `models[0]` under Probe Pruning at ratio R (history from `calibration`), its decision per
     batch counted in its decode and time-to-first-token figures."""
     if any(m.startswith(PROBE_PREFIX) for m in models) and engine.get("quantization"):
-        raise ValueError("Probe Pruning runs on float weights: drop -q, or compare static pruned directories")
+        raise UserError("Probe Pruning runs on float weights: drop -q, or compare static pruned directories")
     llms = [_load(m, models[0], engine, calibration) for m in models]
     ids = llms[0].tokenizer.encode(DEFAULT_PROMPT, add_special_tokens=False)
     decode = _interleaved([(_run, llm) for llm in llms], ids, new_tokens, repeats)

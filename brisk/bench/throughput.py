@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from brisk.engine.llm import LLM
+from brisk.errors import UserError
 from brisk.loader.load import torch_dtype
 from brisk.request import SamplingParams
 
@@ -118,7 +119,7 @@ def run_vllm(model_ref: str, dtype: str, work: Workload, python: str, max_model_
     from brisk.loader.resolve import resolve_model
 
     if not Path(python).is_file():
-        raise ValueError(f"--vllm-python {python!r} is not a file; point it at the python of a venv with vllm installed")
+        raise UserError(f"--vllm-python {python!r} is not a file; point it at the python of a venv with vllm installed")
     source = resolve_model(model_ref)
     env = dict(os.environ)
     # vLLM-CPU's own guidance for using every core of a small machine
@@ -148,10 +149,10 @@ def run_llamacpp(model_ref: str, work: Workload, python: str | None) -> dict[str
     from brisk.loader.resolve import resolve_model
 
     if not python:
-        raise ValueError("--compare llamacpp needs --llamacpp-python VENV/bin/python (env BRISK_LLAMACPP_PYTHON)")
+        raise UserError("--compare llamacpp needs --llamacpp-python VENV/bin/python (env BRISK_LLAMACPP_PYTHON)")
     path = str(resolve_model(model_ref).path)
     if not path.endswith(".gguf"):
-        raise ValueError(f"--compare llamacpp runs a .gguf file; {model_ref} is not one")
+        raise UserError(f"--compare llamacpp runs a .gguf file; {model_ref} is not one")
     max_len = max(len(p) + n for p, n in zip(work.prompts, work.output_lens))
     peer = LlamaCppPeer(python, path, torch.get_num_threads(), max(2048, max_len + 8))
     try:
@@ -184,7 +185,7 @@ def bench_throughput(model: str, dtype: str, num_prompts: int, input_len: int | 
     result["brisk"] = run_brisk(llm, work)
     if "vllm" in compare:
         if vllm_python is None:
-            raise ValueError("--compare vllm needs --vllm-python (the python of a venv with vllm installed)")
+            raise UserError("--compare vllm needs --vllm-python (the python of a venv with vllm installed)")
         first_ids = [o.outputs[0].token_ids[:8] for o in llm.generate(
             [{"prompt_token_ids": p} for p in work.prompts[:4]], SamplingParams(max_tokens=8, temperature=0.0),
             use_tqdm=False)]

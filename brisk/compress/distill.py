@@ -44,6 +44,7 @@ from brisk.compress.distill_data import (
     step_generator,
 )
 from brisk.config import DRAFT_VOCAB_FILE, DistillConfig
+from brisk.errors import UserError
 from brisk.loader.load import LoadedModel
 from brisk.model.attention import WholeSequences
 from brisk.model.base import CausalLM
@@ -67,7 +68,7 @@ def distill_loss(kind: str, student: torch.Tensor, teacher: torch.Tensor, temper
         return (s.exp() * (s - t)).sum(-1).mean()
     if kind == "tvd":
         return 0.5 * (s.exp() - t.exp()).abs().sum(-1).mean()
-    raise ValueError(f"unknown distillation loss {kind!r}")
+    raise UserError(f"unknown distillation loss {kind!r}")
 
 
 def logits_of(model: CausalLM, seqs: list[list[int]]) -> torch.Tensor:
@@ -239,13 +240,13 @@ class Distiller:
         mine = self.run.fingerprint()
         for key, theirs in state.get("run", {}).items():
             if theirs != mine.get(key):
-                raise ValueError(f"--resume {path} is a checkpoint of another run: its {key} is {theirs!r}, this "
+                raise UserError(f"--resume {path} is a checkpoint of another run: its {key} is {theirs!r}, this "
                                  f"run's is {mine.get(key)!r}; resume with the options it was started with, or start "
                                  "afresh without --resume")
         weights = load_file(str(path / "student.safetensors"))
         missing, unexpected = self.student.model.load_state_dict(weights, strict=False)
         if unexpected or [m for m in missing if not m.startswith("rope_")]:
-            raise ValueError(f"--resume {path}: its student does not fit this student's shape")
+            raise UserError(f"--resume {path}: its student does not fit this student's shape")
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
         self.step, self.tokens_seen, self.history = state["step"], state["tokens_seen"], state["history"]
 
@@ -255,7 +256,7 @@ def latest_checkpoint(path: Path) -> Path:
         return path
     found = sorted((path / "checkpoints").glob("step-*")) if path.is_dir() else []
     if not found:
-        raise ValueError(f"--resume {path}: no checkpoint there (a checkpoints/step-N directory of a distill run, "
+        raise UserError(f"--resume {path}: no checkpoint there (a checkpoints/step-N directory of a distill run, "
                          "or a run's --out directory)")
     return found[-1]
 
@@ -304,15 +305,15 @@ def distill(job: DistillJob, cfg: DistillConfig, progress: bool = True) -> dict[
 
 def _check_job(job: DistillJob) -> None:
     if job.text is None and job.prompts_file is None:
-        raise ValueError("distill needs training text: --text FILE (windows of it) and/or --prompts-file F (the "
+        raise UserError("distill needs training text: --text FILE (windows of it) and/or --prompts-file F (the "
                          "teacher's continuations of its prompts)")
     if job.chat and job.prompts_file is None:
-        raise ValueError("--chat renders the lines of --prompts-file as chat turns: give --prompts-file too")
+        raise UserError("--chat renders the lines of --prompts-file as chat turns: give --prompts-file too")
     if job.student is not None and (job.student_layers is not None or job.student_mlp is not None):
-        raise ValueError("--student names a model to train; --student-layers / --student-mlp derive one from the "
+        raise UserError("--student names a model to train; --student-layers / --student-mlp derive one from the "
                          "teacher instead: give one or the other")
     if job.out.exists() and not job.out.is_dir():
-        raise ValueError(f"--out {job.out} exists and is not a directory")
+        raise UserError(f"--out {job.out} exists and is not a directory")
 
 
 def _train(trainer: Distiller, progress: bool) -> dict[str, Any]:
@@ -329,7 +330,7 @@ def _train(trainer: Distiller, progress: bool) -> dict[str, Any]:
         except FloatingPointError as e:
             bar.close()
             kept = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written yet"
-            raise ValueError(f"distillation stopped at step {trainer.step + 1}: the loss became {e.args[0]} "
+            raise UserError(f"distillation stopped at step {trainer.step + 1}: the loss became {e.args[0]} "
                              f"(diverged); {kept}; lower --lr or use another loss, and --resume from it") from None
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{(trainer.tokens_seen - first_tokens) / trainer.train_seconds:.0f}",
@@ -391,7 +392,7 @@ def _writing(what: str, tmps: list[Path], kept: str) -> Iterator[None]:
     except OSError as exc:
         for tmp in tmps:
             shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
-        raise ValueError(f"writing {what} failed ({exc.strerror or exc}); nothing half-written was left: {kept}") \
+        raise UserError(f"writing {what} failed ({exc.strerror or exc}); nothing half-written was left: {kept}") \
             from None
 
 

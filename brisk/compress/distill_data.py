@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from brisk.config import DistillConfig, ModelConfig
+from brisk.errors import UserError
 from brisk.loader.load import LoadedModel, read_checkpoint
 from brisk.loader.tokenizer import Tokenizer
 from brisk.model.attention import ContiguousAttention, SeqSpan
@@ -65,7 +66,7 @@ def check_tokenizers(teacher: LoadedModel, student: LoadedModel) -> None:
     elif t.encode(_PROBE_TEXT, add_special_tokens=False) != s.encode(_PROBE_TEXT, add_special_tokens=False):
         problems.append("another tokenization of the same text")
     if problems:
-        raise ValueError(f"the student's tokenizer differs from the teacher's ({'; '.join(problems)}): distillation "
+        raise UserError(f"the student's tokenizer differs from the teacher's ({'; '.join(problems)}): distillation "
                          "compares their distributions token by token, so the student must use the teacher's "
                          "tokenizer (derive one from the teacher with --student-layers / --student-mlp)")
 
@@ -73,12 +74,12 @@ def check_tokenizers(teacher: LoadedModel, student: LoadedModel) -> None:
 def text_corpus(tokenizer: Tokenizer, path: Path, cfg: DistillConfig) -> Corpus:
     """Windows of `seq_len` tokens; the first `eval_tokens` tokens held out in windows of the same size."""
     if not path.is_file():
-        raise ValueError(f"distill text {path} is not a file")
+        raise UserError(f"distill text {path} is not a file")
     ids = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
     held, rest = ids[:cfg.eval_tokens], ids[cfg.eval_tokens:]
     train = _windows(rest, cfg.seq_len)
     if len(train) < cfg.batch_size:
-        raise ValueError(f"distill text {path} has {len(ids)} tokens: after the {len(held)} held out for evaluation "
+        raise UserError(f"distill text {path} has {len(ids)} tokens: after the {len(held)} held out for evaluation "
                          f"(eval_tokens) it gives {len(train)} windows of {cfg.seq_len} tokens, fewer than one step's "
                          f"{cfg.batch_size}; give a longer text, or lower seq_len, batch_size or eval_tokens")
     return Corpus(train, _windows(held, cfg.seq_len), f"{path} ({len(ids)} tokens, first {len(held)} held out)")
@@ -95,11 +96,11 @@ def prompts_corpus(teacher_ref: str, tokenizer: Tokenizer, path: Path, cfg: Dist
     5% of the sequences). `cache`: a JSON file keeping the continuations, reused when the teacher,
     prompts, template use, `seq_len` and seed are the same (a resumed run does not generate again)."""
     if not path.is_file():
-        raise ValueError(f"distill prompts file {path} is not a file")
+        raise UserError(f"distill prompts file {path} is not a file")
     prompts = [line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
     if chat:
         if tokenizer.chat_template is None:
-            raise ValueError(f"--chat renders the prompts of {path} with the teacher's chat template, and the teacher "
+            raise UserError(f"--chat renders the prompts of {path} with the teacher's chat template, and the teacher "
                              "has none: drop --chat (each line is then raw text to continue)")
         ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]),
                                 add_special_tokens=False) for p in prompts]
@@ -107,7 +108,7 @@ def prompts_corpus(teacher_ref: str, tokenizer: Tokenizer, path: Path, cfg: Dist
         ids = [tokenizer.encode(p) for p in prompts]
     long = [i for i, p in enumerate(ids) if len(p) >= cfg.seq_len]
     if not prompts or long:
-        raise ValueError(f"distill prompts file {path}: " + (f"prompt {long[0] + 1} has {len(ids[long[0]])} tokens, "
+        raise UserError(f"distill prompts file {path}: " + (f"prompt {long[0] + 1} has {len(ids[long[0]])} tokens, "
                          f"not fewer than seq_len {cfg.seq_len}" if long else "no prompt in it (one a line)"))
     key = {"teacher": teacher_ref, "prompts": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
            "seq_len": cfg.seq_len, "seed": cfg.seed}
@@ -125,7 +126,7 @@ def prompts_corpus(teacher_ref: str, tokenizer: Tokenizer, path: Path, cfg: Dist
     if held_out is None:
         cut = max(1, len(seqs) // 20)
         if len(seqs) - cut < 1:
-            raise ValueError(f"distill prompts file {path} has {len(seqs)} prompt(s): give at least 2 (one is held "
+            raise UserError(f"distill prompts file {path} has {len(seqs)} prompt(s): give at least 2 (one is held "
                              "out for evaluation), or --text for the held-out text")
         seqs, held_out, lens = seqs[:-cut], seqs[-cut:], lens[:-cut]
     kind = "chat prompts" if chat else "prompts"
@@ -177,13 +178,13 @@ def derived_student(teacher: LoadedModel, layers: list[int] | None, mlp: int | N
     n = cfg.num_hidden_layers
     keep = list(range(n)) if layers is None else layers
     if not keep or sorted(set(keep)) != keep or keep[0] < 0 or keep[-1] >= n:
-        raise ValueError(f"--student-layers must be teacher layers in increasing order, each from 0 to {n - 1}; "
+        raise UserError(f"--student-layers must be teacher layers in increasing order, each from 0 to {n - 1}; "
                          f"got {layers}")
     plan = Plan(keep, {}, {})
     if mlp is not None:
         widest = min(cfg.intermediate(i) for i in keep)
         if not 1 <= mlp <= widest:
-            raise ValueError(f"--student-mlp must be from 1 to the teacher's MLP width {widest}; got {mlp}")
+            raise UserError(f"--student-mlp must be from 1 to the teacher's MLP width {widest}; got {mlp}")
         plan = Plan(keep, {i: list(range(cfg.kv_heads(i))) for i in keep},
                     {i: _strongest_channels(teacher.model, i, mlp) for i in keep})
     _, _, weights = read_checkpoint(teacher.source)

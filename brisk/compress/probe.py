@@ -60,6 +60,7 @@ from brisk.compress.prune import (
     stacked_rows,
 )
 from brisk.config import ModelConfig, PruneConfig
+from brisk.errors import UserError
 from brisk.loader.load import LoadedModel
 from brisk.model.attention import SeqSpan
 from brisk.model.base import CausalLM, contiguous_batch
@@ -86,20 +87,20 @@ def check_probe(cfg: ModelConfig, pcfg: PruneConfig) -> None:
     """The ValueError a ratio or model shape would hit, before anything is scored."""
     n = cfg.num_hidden_layers
     if pcfg.dense_layers >= n and pcfg.ratio > 0:
-        raise ValueError(f"dense_layers {pcfg.dense_layers} leaves none of the {n} layers to prune: lower it")
+        raise UserError(f"dense_layers {pcfg.dense_layers} leaves none of the {n} layers to prune: lower it")
     rho = layer_ratio(cfg, pcfg)
     if rho >= 1:
-        raise ValueError(f"pruning ratio {pcfg.ratio:g} of all layer weights, taken from the {n - pcfg.dense_layers} "
+        raise UserError(f"pruning ratio {pcfg.ratio:g} of all layer weights, taken from the {n - pcfg.dense_layers} "
                          f"layers after the first {pcfg.dense_layers}, removes {rho:.2f} of each: lower the ratio "
                          "or dense_layers")
     for i in range(pcfg.dense_layers, n):
         if rho > 0 and cfg.intermediate(i) < pcfg.multiple:
-            raise ValueError(f"layer {i}'s MLP is {cfg.intermediate(i)} channels, fewer than the multiple "
+            raise UserError(f"layer {i}'s MLP is {cfg.intermediate(i)} channels, fewer than the multiple "
                              f"{pcfg.multiple} widths are kept in: lower \"multiple\"")
         groups, width = keep_counts(cfg, i, rho, pcfg.multiple)
         removed = 1 - (groups * _group_cost(cfg, i) + width * 3 * cfg.hidden_size) / cfg.layer_params(i)
         if rho > 0 and removed > rho + 0.25:
-            raise ValueError(f"pruning ratio {pcfg.ratio:g} cannot be met in layer {i} with at least one KV group "
+            raise UserError(f"pruning ratio {pcfg.ratio:g} cannot be met in layer {i} with at least one KV group "
                              f"and {pcfg.multiple} MLP channels (it would remove {removed:.2f} of it): lower the "
                              "ratio")
 
@@ -365,8 +366,8 @@ def load_probe(ref: str, pcfg: PruneConfig, *, dtype: str = "float32", device: s
 
     check_probe(model_config_of(ref), pcfg)
     if not Path(pcfg.calibration or "").is_file():
-        raise ValueError(f"pruning calibration text {pcfg.calibration} is not a file")
+        raise UserError(f"pruning calibration text {pcfg.calibration} is not a file")
     loaded = load_model(ref, dtype=dtype, device=device, max_model_len=max_model_len, dequantize=True)
     if loaded.source.kind == "hf" and quantization_of(loaded.source.path) is not None:
-        raise ValueError(f"{ref} is a quantized checkpoint: Probe Pruning cuts float weights; give the original model")
+        raise UserError(f"{ref} is a quantized checkpoint: Probe Pruning cuts float weights; give the original model")
     return loaded, ProbePruner.from_loaded(loaded, pcfg)

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from brisk.config import ModelConfig, PruneConfig, QuantConfig
+from brisk.errors import UserError
 from brisk.loader.load import (
     LoadedModel,
     load_model,
@@ -113,22 +114,22 @@ def check_prunable(cfg: ModelConfig, pcfg: PruneConfig) -> None:
         widths = {cfg.hidden_size, cfg.head_dim} | {cfg.intermediate(i) for i in range(n)}
         bad = sorted(w for w in widths if w % 4)
         if bad:
-            raise ValueError(f"2:4 sparsity needs every Linear's input width divisible by 4; this model has {bad[0]}")
+            raise UserError(f"2:4 sparsity needs every Linear's input width divisible by 4; this model has {bad[0]}")
         return
     if pcfg.method == "layers":
         drop = round(pcfg.ratio * n)
         if drop < 1 or drop >= n:
-            raise ValueError(f"pruning ratio {pcfg.ratio:g} of {n} layers removes {drop}: choose a ratio that removes "
+            raise UserError(f"pruning ratio {pcfg.ratio:g} of {n} layers removes {drop}: choose a ratio that removes "
                              f"1 to {n - 1} layers ({1 / n:.3f} to {(n - 1) / n:.3f})")
         return
     narrow = [i for i in range(n) if cfg.intermediate(i) < pcfg.multiple]
     if narrow:
-        raise ValueError(f"layer {narrow[0]}'s MLP is {cfg.intermediate(narrow[0])} channels, fewer than the multiple "
+        raise UserError(f"layer {narrow[0]}'s MLP is {cfg.intermediate(narrow[0])} channels, fewer than the multiple "
                          f"{pcfg.multiple} widths are kept in: lower \"multiple\"")
     floor = sum(_group_cost(cfg) + pcfg.multiple * _channel_cost(cfg) for _ in range(n))
     total = sum(cfg.layer_params(i) for i in range(n))
     if (1 - pcfg.ratio) * total < floor:
-        raise ValueError(f"pruning ratio {pcfg.ratio:g} would leave some layer no attention head or no MLP channel "
+        raise UserError(f"pruning ratio {pcfg.ratio:g} would leave some layer no attention head or no MLP channel "
                          f"(each keeps at least one KV group and {pcfg.multiple} channels, "
                          f"{1 - floor / total:.2f} of the weights at most can go): lower the ratio or use method "
                          "\"layers\"")
@@ -138,17 +139,17 @@ def check_before_load(ref: str, pcfg: PruneConfig) -> None:
     """What can be refused from the model's config and the calibration path alone."""
     check_prunable(model_config_of(ref), pcfg)
     if not Path(pcfg.calibration or "").is_file():
-        raise ValueError(f"pruning calibration text {pcfg.calibration} is not a file")
+        raise UserError(f"pruning calibration text {pcfg.calibration} is not a file")
 
 
 def calibration_ids(tokenizer: Tokenizer, pcfg: PruneConfig) -> list[int]:
     assert pcfg.calibration is not None
     path = Path(pcfg.calibration)
     if not path.is_file():
-        raise ValueError(f"pruning calibration text {path} is not a file")
+        raise UserError(f"pruning calibration text {path} is not a file")
     ids = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
     if len(ids) < 256:
-        raise ValueError(f"pruning calibration text {path} gives {len(ids)} tokens; at least 256 are needed "
+        raise UserError(f"pruning calibration text {path} gives {len(ids)} tokens; at least 256 are needed "
                          f"(a few thousand are better; {pcfg.calibration_tokens} are used)")
     return ids[:pcfg.calibration_tokens]
 
@@ -391,7 +392,7 @@ def _dense_float(ref: str, device: str, max_model_len: int | None = None) -> Loa
 
     loaded = load_model(ref, dtype="float32", device=device, max_model_len=max_model_len, dequantize=True)
     if loaded.source.kind == "hf" and quantization_of(loaded.source.path) is not None:
-        raise ValueError(f"{ref} is a quantized checkpoint: prune the original model, then quantize the pruned "
+        raise UserError(f"{ref} is a quantized checkpoint: prune the original model, then quantize the pruned "
                          "one (-q METHOD or `brisk quantize`)")
     return loaded
 
@@ -406,18 +407,18 @@ def prune_to_dir(ref: str, pcfg: PruneConfig, out: Path, dtype: str = "float32",
     from brisk.loader.hf_loader import hf_config_dict
 
     if pcfg.method == "probe":
-        raise ValueError("Probe Pruning decides per batch at run time, so there is no pruned model to write: give "
+        raise UserError("Probe Pruning decides per batch at run time, so there is no pruned model to write: give "
                          "--pruning '{\"method\": \"probe\", ...}' to generate / eval ppl")
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a directory")
+        raise UserError(f"--out {out} exists and is not a directory")
     check_before_load(ref, pcfg)
     if pcfg.method == "2:4":
         return _sparse_to_dir(ref, pcfg, out, dtype, quant)
     if quant is not None:
-        raise ValueError("quantize a pruned directory when loading it (-q METHOD), or with `brisk quantize DIR`")
+        raise UserError("quantize a pruned directory when loading it (-q METHOD), or with `brisk quantize DIR`")
     loaded = _dense_float(ref, device, None)
     if loaded.source.kind == "hf" and out.resolve() == loaded.source.path.resolve():
-        raise ValueError("--out must differ from the source directory")
+        raise UserError("--out must differ from the source directory")
     pruned = prune_loaded(loaded, pcfg, ref)
     tdtype = torch_dtype(dtype)
     out.mkdir(parents=True, exist_ok=True)
@@ -468,7 +469,7 @@ def load_pruned(ref: str, pcfg: PruneConfig, *, dtype: str = "float32", device: 
     check_before_load(ref, pcfg)
     window = model_config_of(ref).max_position_embeddings
     if max_model_len is not None and max_model_len > window:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context window ({window} tokens)")
+        raise UserError(f"max_model_len {max_model_len} exceeds the model's context window ({window} tokens)")
     # Scoring runs at the model's own positions (calibration windows of WINDOW tokens), whatever
     # `max_model_len` is: the same model as `brisk prune` writes.
     if pcfg.method == "2:4":

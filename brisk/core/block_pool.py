@@ -20,6 +20,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from brisk.errors import UserError
+
 BlockHash = bytes  # SHA-256 digest of (parent hash, token ids); see kv_cache_manager.hash_block
 
 
@@ -50,7 +52,7 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
         if num_blocks < 1:
-            raise ValueError(f"a KV cache needs at least one block, got num_blocks={num_blocks}")
+            raise UserError(f"a KV cache needs at least one block, got num_blocks={num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks: list[KVBlock] = [KVBlock(i) for i in range(num_blocks)]

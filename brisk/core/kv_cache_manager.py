@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 
 from brisk.core.block_pool import BlockHash, BlockPool, KVBlock
 from brisk.core.kv_manager import MemoryOp
+from brisk.errors import UserError
 from brisk.request import Request
 
 
@@ -79,9 +80,9 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
                  windows: Sequence[int] = (0,)) -> None:
         if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+            raise UserError(f"block_size must be >= 1, got {block_size}")
         if not windows or any(w < 0 for w in windows):
-            raise ValueError(f"KV groups need windows >= 0 (0: full attention), got {list(windows)}")
+            raise UserError(f"KV groups need windows >= 0 (0: full attention), got {list(windows)}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = tuple(windows)  # per KV group: 0 full, else its sliding window

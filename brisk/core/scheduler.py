@@ -23,6 +23,7 @@ from brisk.core.kv_cache_manager import request_tokens
 from brisk.core.kv_manager import KVManager
 from brisk.core.outputs import ScheduledRequest, SchedulerOutput
 from brisk.core.step_cost import StepCostModel
+from brisk.errors import UserError
 from brisk.request import FinishReason, Request, RequestStatus
 
 _STATUS_OF = {FinishReason.STOP: RequestStatus.FINISHED_STOPPED, FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
@@ -62,15 +63,15 @@ class Scheduler:
         """Queue a request; a prompt that could never be served is a ValueError."""
         n, max_len = request.num_prompt_tokens, self.config.max_model_len
         if n == 0:
-            raise ValueError(f"request {request.request_id!r}: the prompt is empty; give at least one token")
+            raise UserError(f"request {request.request_id!r}: the prompt is empty; give at least one token")
         if request.request_id in self._requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise UserError(f"request id {request.request_id!r} is already in use")
         if n + 1 > max_len:
-            raise ValueError(
+            raise UserError(
                 f"prompt has {n} tokens; max_model_len is {max_len}, which leaves no room to generate a "
                 f"token; shorten the prompt to at most {max_len - 1} tokens or raise max_model_len")
         if not self.kv.fits_alone(n, self.config.max_num_batched_tokens):
-            raise ValueError(self.kv.capacity_error(n, self.config.max_num_batched_tokens))
+            raise UserError(self.kv.capacity_error(n, self.config.max_num_batched_tokens))
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self.waiting.append(request)

@@ -43,6 +43,7 @@ from collections.abc import Iterable, Sequence
 from brisk.core.block_pool import BlockHash
 from brisk.core.kv_cache_manager import cdiv, extend_block_hashes, request_tokens
 from brisk.core.kv_manager import MemoryOp
+from brisk.errors import UserError
 from brisk.request import Request
 
 
@@ -53,10 +54,10 @@ class VirtualKVManager:
                  enable_prefix_caching: bool = False, commit_ahead: bool = True,
                  deferred_reclaim: bool = True) -> None:
         if num_rows < 1 or row_tiles < 1 or tile < 1:
-            raise ValueError(f"a virtual KV layout needs rows, tiles and tokens per tile >= 1, got "
+            raise UserError(f"a virtual KV layout needs rows, tiles and tokens per tile >= 1, got "
                              f"{num_rows}, {row_tiles}, {tile}")
         if budget_tiles < 1:
-            raise ValueError("the KV memory budget holds no tile of the virtual layout; raise kv_cache_memory_gib")
+            raise UserError("the KV memory budget holds no tile of the virtual layout; raise kv_cache_memory_gib")
         self.block_size = tile
         self.num_rows = num_rows
         self.row_tiles = row_tiles

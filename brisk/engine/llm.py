@@ -29,6 +29,7 @@ from brisk.config import (
 from brisk.engine.llm_engine import LLMEngine, num_kv_blocks
 from brisk.engine.outputs import RequestOutput
 from brisk.engine.workers import Cluster, WorkerArgs, start_cluster
+from brisk.errors import UserError
 from brisk.loader.load import load_model
 from brisk.loader.resolve import DEFAULT_MODEL
 from brisk.model.base import CausalLM
@@ -102,7 +103,7 @@ class LLM:
                             kv_cache_memory_gib=kv_cache_memory_gib, enable_prefix_caching=enable_prefix_caching,
                             kv_layout=kv_layout, kv_huge_pages=kv_huge_pages)
         if quantization is None and quantization_config is not None:
-            raise ValueError("quantization_config needs a quantization method (e.g. quantization='int4')")
+            raise UserError("quantization_config needs a quantization method (e.g. quantization='int4')")
         # checked before spending seconds on loading
         quant = None if quantization is None else QuantConfig.parse(quantization, quantization_config)
         prune = None if pruning is None else PruneConfig.parse(pruning)
@@ -111,7 +112,7 @@ class LLM:
                                   pipeline_micro_batches)
         self._cluster: Cluster | None = None
         if parallel.world_size > 1 and prune is not None:
-            raise ValueError("pruning at load runs in a single process: write the pruned model once with `brisk "
+            raise UserError("pruning at load runs in a single process: write the pruned model once with `brisk "
                              "prune ... --out DIR`, then run DIR with tensor/pipeline parallelism")
         self.pruning: dict[str, Any] | None = None  # what pruning at load did (compress/prune.py's report)
         self._probe: ProbePruner | None = None  # Probe Pruning: decides per batch (compress/probe.py)
@@ -119,7 +120,7 @@ class LLM:
         if parallel.world_size > 1:
             cache.check_multi_process()  # before any worker starts
             if spec is not None and spec.method != "ngram":
-                raise ValueError(f"speculative method {spec.method!r} runs in a single process for now (its drafts "
+                raise UserError(f"speculative method {spec.method!r} runs in a single process for now (its drafts "
                                  "need hidden states or KV of their own); with tensor/pipeline parallelism use "
                                  '{"method": "ngram"}')
             self._cluster = start_cluster(WorkerArgs(
@@ -134,7 +135,7 @@ class LLM:
             from brisk.compress.probe import load_probe
 
             if dequantize or quant is not None:
-                raise ValueError("Probe Pruning cuts float weights per batch of prompts: it cannot combine with "
+                raise UserError("Probe Pruning cuts float weights per batch of prompts: it cannot combine with "
                                  "quantization or --dequantize yet (static pruning, method \"structured\", can)")
             loaded, self._probe = load_probe(model, prune, dtype=dtype, device=device, max_model_len=max_model_len)
             self.pruning = self._probe.report()
@@ -142,7 +143,7 @@ class LLM:
             from brisk.compress.prune import load_pruned
 
             if dequantize:
-                raise ValueError("pruning scores and cuts float weights (a .gguf file is dequantized for it): drop "
+                raise UserError("pruning scores and cuts float weights (a .gguf file is dequantized for it): drop "
                                  "--dequantize")
             loaded, self.pruning = load_pruned(model, prune, dtype=dtype, device=device, max_model_len=max_model_len,
                                                quant=quant)
@@ -191,7 +192,7 @@ class LLM:
         decoding settings (None: plain decoding): side-by-side runs without a reload."""
         spec = None if speculative_config is None else SpecConfig.parse(speculative_config)
         if self._cluster is not None:
-            raise ValueError("with_speculation needs a single-process LLM: speculative decoding does not run "
+            raise UserError("with_speculation needs a single-process LLM: speculative decoding does not run "
                              "tensor/pipeline parallel yet")
         other = object.__new__(LLM)
         other.__dict__.update(self.__dict__)
@@ -226,7 +227,7 @@ class LLM:
         draft = load_model(spec.model, dtype=dtype, device=device, max_model_len=self.max_model_len, quant=quant)
         if draft.tokenizer.vocab_size != self.tokenizer.vocab_size or \
                 draft.config.vocab_size != self.model_config.vocab_size:
-            raise ValueError(f"draft model {spec.model!r} has a vocabulary of {draft.config.vocab_size} tokens, the "
+            raise UserError(f"draft model {spec.model!r} has a vocabulary of {draft.config.vocab_size} tokens, the "
                              f"target {self.model_config.vocab_size}: a draft must share the target's tokenizer")
         return draft.model
 
@@ -261,14 +262,14 @@ class LLM:
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-                raise ValueError("prompt_token_ids must be a list of integers")
+                raise UserError("prompt_token_ids must be a list of integers")
             text = prompt.get("prompt")
         else:
-            raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+            raise UserError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
         if not ids:
-            raise ValueError("the prompt is empty; give at least one token of text")
+            raise UserError("the prompt is empty; give at least one token of text")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens but the context window is {self.max_model_len} "
+            raise UserError(f"the prompt has {len(ids)} tokens but the context window is {self.max_model_len} "
                              "tokens (leaving room for at least one new token); shorten the prompt")
         return text, list(ids)
 
@@ -279,7 +280,7 @@ class LLM:
         if isinstance(params, SamplingParams):
             return [params] * n
         if len(params) != n:
-            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; pass one, or one per prompt")
+            raise UserError(f"got {len(params)} SamplingParams for {n} prompts; pass one, or one per prompt")
         return list(params)
 
     def _add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
@@ -306,7 +307,7 @@ class LLM:
         engine over the compact model they make (KV sized for this batch; the last batch's goes)."""
         assert self._probe is not None
         if self.engine.unfinished_request_ids():
-            raise ValueError("Probe Pruning decides the kept heads and channels per batch of prompts, and requests "
+            raise UserError("Probe Pruning decides the kept heads and channels per batch of prompts, and requests "
                              "of an earlier batch are still running: finish or abort them first (or pass all "
                              "prompts to one generate call)")
         started = time.perf_counter()

@@ -33,6 +33,7 @@ from brisk.core.virtual_kv import VirtualKVManager
 from brisk.engine.detokenizer import IncrementalDetokenizer
 from brisk.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from brisk.engine.speculative import Speculator, build_speculator
+from brisk.errors import UserError
 from brisk.loader.tokenizer import Tokenizer
 from brisk.model.base import CausalLM
 from brisk.request import FinishReason, Request, RequestStatus, SamplingParams
@@ -168,12 +169,12 @@ class LLMEngine:
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         taken = [sid for sid in [request_id, *seq_ids] if sid in self._groups or sid in self._seqs]
         if taken:
-            raise ValueError(f"request id {request_id!r} collides with a request in flight ({taken[0]!r}); use a new id")
+            raise UserError(f"request id {request_id!r} collides with a request in flight ({taken[0]!r}); use a new id")
         params.check_vocab(self.model.config.vocab_size)
         vocab = self.model.config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+            raise UserError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         # compiled before anything is queued: a bad schema or regex is this request's ValueError
         constraints = [self.grammars().constraint(params.structured) if params.structured else None

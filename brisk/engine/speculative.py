@@ -21,6 +21,7 @@ import torch
 from brisk.config import CacheConfig, SpecConfig
 from brisk.core.kv_cache_manager import KVCacheManager
 from brisk.core.outputs import ScheduledRequest, SchedulerOutput
+from brisk.errors import UserError
 from brisk.model.base import CausalLM
 from brisk.request import Request
 from brisk.runtime.paged_runner import PagedModelRunner, StepLogits
@@ -254,7 +255,7 @@ def build_speculator(config: SpecConfig, runner: PagedModelRunner | ParallelRunn
     engine. Over parallel workers only methods that need nothing from other ranks draft."""
     method = proposer_method(config.method)
     if not method.parallel and not isinstance(runner, PagedModelRunner):
-        raise ValueError(f"speculative method {config.method!r} needs a single-process engine; use ngram")
+        raise UserError(f"speculative method {config.method!r} needs a single-process engine; use ngram")
     ctx = _Context(config, runner.model, runner, draft_model, cache, num_blocks, pack_weights)
     return Speculator(config, method.build(ctx), measure_verify_costs(runner, config.max_tokens), seed=seed)
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from brisk.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig
+from brisk.errors import UserError
 from brisk.loader.load import LoadedModel, load_model, model_config_of
 from brisk.loader.quantized import quantization_of
 from brisk.loader.resolve import resolve_model
@@ -83,27 +84,27 @@ def check_parallel(args: WorkerArgs) -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        raise ValueError("this process already runs a parallel engine (one process group per process): close() "
+        raise UserError("this process already runs a parallel engine (one process group per process): close() "
                          "that LLM first")
     cfg, quant, tp = model_config_of(args.model), args.quant, args.tensor_parallel_size
     check_tensor_parallel(cfg, tp)
     stage_layers(cfg, args.pipeline_parallel_size)
     world = args.parallel.world_size
     if args.device.startswith("cuda") and not launched_by_torchrun() and torch.cuda.device_count() < world:
-        raise ValueError(f"{world} ranks need {world} CUDA devices here (one each); {torch.cuda.device_count()} found")
+        raise UserError(f"{world} ranks need {world} CUDA devices here (one each); {torch.cuda.device_count()} found")
     if tp > 1 and quant is not None:
         _check_shard_widths(cfg, tp, quant)
     source = resolve_model(args.model)
     saved = quantization_of(source.path) if source.kind == "hf" else None
     if tp > 1 and saved is not None:
-        raise ValueError(f"{args.model} is a quantized checkpoint ({saved.describe()}); tensor parallelism slices "
+        raise UserError(f"{args.model} is a quantized checkpoint ({saved.describe()}); tensor parallelism slices "
                          "float weights and quantizes each slice: load the original model with "
                          f"--quantization {saved.method}, or use pipeline parallelism alone")
     if tp > 1 and quant is not None and quant.method == "gguf":
-        raise ValueError("-q gguf keeps a GGUF file's whole blocks, which tensor parallelism cannot slice: use int8, "
+        raise UserError("-q gguf keeps a GGUF file's whole blocks, which tensor parallelism cannot slice: use int8, "
                          "int4, w8a8 or ternary (each shard is quantized), or pipeline parallelism alone")
     if tp > 1 and quant is not None and quant.calibration is not None:
-        raise ValueError("calibrated quantization (GPTQ, SmoothQuant) runs on the whole model: quantize once with "
+        raise UserError("calibrated quantization (GPTQ, SmoothQuant) runs on the whole model: quantize once with "
                          "`brisk quantize`, then run that checkpoint with pipeline parallelism, or drop calibration")
 
 
@@ -115,7 +116,7 @@ def _check_shard_widths(cfg: ModelConfig, tp: int, quant: QuantConfig) -> None:
     need = quant.group_size if quant.method == "int4" else 16 if quant.method == "ternary" else 1
     bad = sorted(w for w in widths if w % need)
     if bad:
-        raise ValueError(f"-q {quant.method} needs input widths divisible by {need}, but tensor_parallel_size {tp} "
+        raise UserError(f"-q {quant.method} needs input widths divisible by {need}, but tensor_parallel_size {tp} "
                          f"leaves row-parallel layers {bad[0]} columns: choose another size or group_size")
 
 
@@ -257,7 +258,7 @@ def start_cluster(args: WorkerArgs, cache: CacheConfig) -> Cluster:
     init: str | torch.distributed.Store
     if launched_by_torchrun():
         if int(os.environ["WORLD_SIZE"]) != pcfg.world_size or int(os.environ["RANK"]) != 0:
-            raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes; tensor x pipeline parallel "
+            raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes; tensor x pipeline parallel "
                              f"size is {pcfg.world_size}: they must match (and only rank 0 builds the LLM)")
         init = "env://"
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", pcfg.world_size))

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from brisk.errors import UserError
 from brisk.kernels.capability import KernelCaps, detect, warn_missing
 
 try:
@@ -118,7 +119,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """
     assert _C is not None
     if x.numel() != weight.shape[1] or x.dtype != weight.dtype:
-        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype}")
+        raise UserError(f"gemv: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype}")
     return _C.gemv(x, weight, bias)
 
 
@@ -126,7 +127,7 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """x [M, in] @ weight[out, in]^T (+ bias) -> [M, out] for M <= SMALL_GEMM_MAX_ROWS."""
     assert _C is not None
     if x.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype != weight.dtype:
-        raise ValueError(f"small_gemm: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype}")
+        raise UserError(f"small_gemm: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype}")
     return _C.small_gemm(x, weight, bias)
 
 
@@ -140,7 +141,7 @@ def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     """(x [M, in] @ qweight[out, in]^T) * scale[out] (+ bias) -> float32 [M, out]."""
     assert _C is not None
     if x.dim() != 2 or x.shape[1] != qweight.shape[1]:
-        raise ValueError(f"int8_gemm: x {tuple(x.shape)} does not fit weight {tuple(qweight.shape)}")
+        raise UserError(f"int8_gemm: x {tuple(x.shape)} does not fit weight {tuple(qweight.shape)}")
     return _C.int8_gemm(x, qweight, scale, bias)
 
 
@@ -155,7 +156,7 @@ def sparse24_gemm(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, sca
     """x [M, in] @ W^T (* scale) (+ bias) -> float32 [M, out], W 2:4 sparse (quant/sparse24.py's layout)."""
     assert _C is not None
     if x.dim() != 2 or x.shape[1] != in_features:
-        raise ValueError(f"sparse24_gemm: x {tuple(x.shape)} does not fit {in_features} input columns")
+        raise UserError(f"sparse24_gemm: x {tuple(x.shape)} does not fit {in_features} input columns")
     return _C.sparse24_gemm(x, values, meta, scale, bias, in_features)
 
 
@@ -170,7 +171,7 @@ def int8_gemm_tiled(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     """`int8_gemm` on a weight in quant/int8.py's tiled layout; the same numbers, bit for bit."""
     assert _C is not None
     if x.dim() != 2 or x.shape[1] != qweight.shape[1]:
-        raise ValueError(f"int8_gemm_tiled: x {tuple(x.shape)} does not fit weight {tuple(qweight.shape)}")
+        raise UserError(f"int8_gemm_tiled: x {tuple(x.shape)} does not fit weight {tuple(qweight.shape)}")
     return _C.int8_gemm_tiled(x, qweight, scale, bias)
 
 
@@ -230,7 +231,7 @@ def group_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
     assert _C is not None
     in_features = qweight.shape[1] * (2 if bits == 4 else 1)
     if x.dim() != 2 or x.shape[1] != in_features:
-        raise ValueError(f"group_gemm: x {tuple(x.shape)} does not fit a weight of {in_features} input features")
+        raise UserError(f"group_gemm: x {tuple(x.shape)} does not fit a weight of {in_features} input features")
     return _C.group_gemm(x, qweight, scale, zero, group, bits, bias, tiled) if tiled else \
         _C.group_gemm(x, qweight, scale, zero, group, bits, bias)
 
@@ -253,7 +254,7 @@ def group_gemm_qact(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     assert _C is not None
     in_features = qweight.shape[1] * (2 if bits == 4 else 1)
     if x.dim() != 2 or x.shape[1] != in_features:
-        raise ValueError(f"group_gemm_qact: x {tuple(x.shape)} does not fit a weight of {in_features} input features")
+        raise UserError(f"group_gemm_qact: x {tuple(x.shape)} does not fit a weight of {in_features} input features")
     return getattr(_C, ACT_KERNELS[mode])(x, qweight, scale, zero, group, bits, bias, tiled)
 
 
@@ -360,7 +361,7 @@ def int8_dot_u8s8(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
     """int32 [M, N] = xq (uint8 [M, K]) . qweight (int8 [N, K]), K a multiple of 64 (VNNI)."""
     assert _C is not None
     if xq.dim() != 2 or qweight.dim() != 2 or xq.shape[1] != qweight.shape[1] or qweight.shape[1] % 64:
-        raise ValueError(f"int8_dot_u8s8: x {tuple(xq.shape)} does not fit weight {tuple(qweight.shape)} "
+        raise UserError(f"int8_dot_u8s8: x {tuple(xq.shape)} does not fit weight {tuple(qweight.shape)} "
                          "(K must match and be a multiple of 64)")
     return _C.int8_dot_u8s8(xq, qweight)
 
@@ -370,7 +371,7 @@ def ternary_gemm(x: torch.Tensor, plus: torch.Tensor, minus: torch.Tensor, scale
     """x [M, in] @ T^T * scale (+ bias) -> float32 [M, out], T in two bit planes (quant/ternary.py)."""
     assert _C is not None
     if x.dim() != 2 or x.shape[1] != plus.shape[1] * 8:
-        raise ValueError(f"ternary_gemm: x {tuple(x.shape)} does not fit {plus.shape[1] * 8} input features")
+        raise UserError(f"ternary_gemm: x {tuple(x.shape)} does not fit {plus.shape[1] * 8} input features")
     return _C.ternary_gemm(x, plus, minus, scale, bias)
 
 

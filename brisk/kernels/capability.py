@@ -18,6 +18,8 @@ from types import ModuleType
 
 import torch
 
+from brisk.errors import UserError
+
 ISA_ENV = "BRISK_CPU_ISA"
 LEVELS = ("scalar", "avx2", "avx512")  # ascending
 BUILD_HINT = "pip install torch==2.13.0 ninja && pip install --no-build-isolation -e .  (with a C++ compiler)"
@@ -60,10 +62,10 @@ def requested_isa(cpu_isa: str, env: dict[str, str] | None = None) -> str:
     if value in ("", "native", "auto"):
         return cpu_isa
     if value not in LEVELS:
-        raise ValueError(f"{ISA_ENV}={value!r} is not an instruction set brisk has: use one of {', '.join(LEVELS)} "
+        raise UserError(f"{ISA_ENV}={value!r} is not an instruction set brisk has: use one of {', '.join(LEVELS)} "
                          "(or unset it for this CPU's best)")
     if LEVELS.index(value) > LEVELS.index(cpu_isa):
-        raise ValueError(f"{ISA_ENV}={value} asks for more than this CPU offers ({cpu_isa}); use "
+        raise UserError(f"{ISA_ENV}={value} asks for more than this CPU offers ({cpu_isa}); use "
                          f"{' or '.join(LEVELS[:LEVELS.index(cpu_isa) + 1])}, or unset it")
     return value
 
@@ -78,7 +80,7 @@ def detect(ext: ModuleType | None, load_error: str | None) -> KernelCaps:
     if hasattr(ext, "set_isa"):
         ext.set_isa(isa)
     elif isa != cpu:  # a build from before the switch: say so rather than run another ISA than asked
-        raise ValueError(f"{ISA_ENV}={isa}: this build of brisk._C cannot lower its instruction set; rebuild it "
+        raise UserError(f"{ISA_ENV}={isa}: this build of brisk._C cannot lower its instruction set; rebuild it "
                          f"({BUILD_HINT})")
     names = frozenset(n for n in dir(ext) if not n.startswith("_"))
     return KernelCaps(True, None, cpu, str(ext.isa()), bool(ext.have_vnni()) if "have_vnni" in names else False, names)

@@ -20,6 +20,8 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from brisk.errors import UserError
+
 # Roles the templates we know of understand. "ipython" is Llama 3's tool role, "developer"
 # OpenAI's newer name for "system", "function" the legacy OpenAI tool role.
 KNOWN_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "ipython", "function"})
@@ -96,7 +98,7 @@ def _flatten_content(content: Any, index: int) -> Any:
     for part in content:
         if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
             expected = "{'type': 'text', 'text': str}"
-            raise ValueError(f"messages[{index}]['content'] parts must be {expected}, got {part!r}")
+            raise UserError(f"messages[{index}]['content'] parts must be {expected}, got {part!r}")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -109,27 +111,27 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         kind = type(messages).__name__
-        raise ValueError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {kind}")
+        raise UserError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {kind}")
     if not messages:
-        raise ValueError("messages must contain at least one message")
+        raise UserError("messages must contain at least one message")
     checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}")
+            raise UserError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}")
         if "role" not in message:
-            raise ValueError(f"messages[{i}] has no 'role'")
+            raise UserError(f"messages[{i}] has no 'role'")
         role = message["role"]
         if not isinstance(role, str):
-            raise ValueError(f"messages[{i}]['role'] must be a string, got {role!r}")
+            raise UserError(f"messages[{i}]['role'] must be a string, got {role!r}")
         if role not in KNOWN_ROLES:
-            raise ValueError(f"messages[{i}] has unknown role {role!r}; expected one of {sorted(KNOWN_ROLES)}")
+            raise UserError(f"messages[{i}] has unknown role {role!r}; expected one of {sorted(KNOWN_ROLES)}")
         if "content" not in message:
-            raise ValueError(f"messages[{i}] has no 'content'")
+            raise UserError(f"messages[{i}] has no 'content'")
         content = _flatten_content(message["content"], i)
         if content is None and role == "assistant" and message.get("tool_calls"):
             pass
         elif not isinstance(content, str):
-            raise ValueError(f"messages[{i}]['content'] must be a string, got {type(content).__name__}")
+            raise UserError(f"messages[{i}]['content'] must be a string, got {type(content).__name__}")
         checked.append({**message, "content": content})
     return checked
 
@@ -142,7 +144,7 @@ class ChatTemplate:
         try:
             self._template = _environment().from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as e:
-            raise ValueError(f"the model's chat template does not compile: {e} (line {e.lineno})") from e
+            raise UserError(f"the model's chat template does not compile: {e} (line {e.lineno})") from e
 
     def render(
         self,
@@ -167,7 +169,7 @@ class ChatTemplate:
                 **extra,
             )
         except jinja2.exceptions.TemplateError as e:
-            raise ValueError(f"the chat template rejected the messages: {e}") from e
+            raise UserError(f"the chat template rejected the messages: {e}") from e
 
 
 def render_chat_template(
@@ -181,7 +183,7 @@ def render_chat_template(
 ) -> str:
     """Render `messages` with `template`; a model without one is a user-facing ValueError."""
     if template is None:
-        raise ValueError(
+        raise UserError(
             "this model has no chat template; send a plain text prompt (completion) instead of chat messages"
         )
     compiled = template if isinstance(template, ChatTemplate) else ChatTemplate(template)

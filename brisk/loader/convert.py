@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from brisk.config import ModelConfig, QuantConfig
+from brisk.errors import UserError
 from brisk.loader.hf_loader import hf_config_dict
 from brisk.loader.load import read_checkpoint, torch_dtype
 from brisk.loader.resolve import resolve_model
@@ -20,9 +21,9 @@ def convert(ref: str, out: Path, dtype: str = "float32") -> Path:
     source = resolve_model(ref)
     tdtype = torch_dtype(dtype)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a directory")
+        raise UserError(f"--out {out} exists and is not a directory")
     if source.kind == "hf" and out.resolve() == source.path.resolve():
-        raise ValueError("--out must differ from the source directory")
+        raise UserError("--out must differ from the source directory")
     cfg, tokenizer, weights = read_checkpoint(source)
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
@@ -49,15 +50,15 @@ def quantize_to_dir(ref: str, quant: QuantConfig, out: Path, dtype: str = "float
     from brisk.loader.quantized import quantization_of, save_quantized
 
     if quant.method == "gguf":
-        raise ValueError("a .gguf file already is its gguf checkpoint: load it with -q gguf instead")
+        raise UserError("a .gguf file already is its gguf checkpoint: load it with -q gguf instead")
     source = resolve_model(ref)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a directory")
+        raise UserError(f"--out {out} exists and is not a directory")
     if source.kind == "hf" and out.resolve() == source.path.resolve():
-        raise ValueError("--out must differ from the source directory")
+        raise UserError("--out must differ from the source directory")
     saved = quantization_of(source.path) if source.kind == "hf" else None
     if saved is not None:
-        raise ValueError(f"{ref} is already quantized ({saved.describe()}); quantize the original model")
+        raise UserError(f"{ref} is already quantized ({saved.describe()}); quantize the original model")
     loaded = load_model(ref, dtype=dtype, quant=quant)
     save_quantized(loaded.model, quant, out, dtype)
     write_tokenizer_files(loaded.tokenizer, loaded.config, out)

@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from brisk.errors import UserError
+
 __all__ = ["SUPPORTED", "dequantize"]
 
 _T = GGMLQuantizationType
@@ -240,14 +242,14 @@ def _check_size(qtype: GGMLQuantizationType, shape: tuple[int, ...], got: int) -
     """Validate the byte count for ``shape`` in ``qtype``; returns the number of blocks."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if len(shape) == 0 or shape[-1] % block_size != 0:
-        raise ValueError(
+        raise UserError(
             f"tensor shape {tuple(shape)} does not fit {qtype.name}: the last dimension "
             f"must be a multiple of the block size {block_size}"
         )
     n_blocks = prod(shape) // block_size
     expected = n_blocks * type_size
     if got != expected:
-        raise ValueError(
+        raise UserError(
             f"tensor data is truncated or corrupt: expected {expected} bytes for shape "
             f"{tuple(shape)} in {qtype.name}, got {got}"
         )
@@ -267,7 +269,7 @@ def dequantize(
     decoder = _DECODERS.get(qtype) or (_by_gguf(qtype) if qtype in _BY_GGUF else None)
     if decoder is None:
         names = ", ".join(t.name for t in sorted(SUPPORTED))
-        raise ValueError(
+        raise UserError(
             f"GGUF tensor type {qtype.name} is not supported; supported: {names}; "
             f"re-quantize the model to one of them"
         )

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from brisk.errors import UserError
+
 __all__ = ["GGUFHeader", "TensorInfo", "read_header"]
 
 # metadata value type -> struct format
@@ -78,7 +80,7 @@ class _Cursor:
         n = self.take("Q")
         end = self.pos + n
         if end > len(self.buf):
-            raise ValueError(f"a string of {n} bytes runs past the end of the file")
+            raise UserError(f"a string of {n} bytes runs past the end of the file")
         text = self.buf[self.pos:end].decode("utf-8", errors="replace")
         self.pos = end
         return text
@@ -96,7 +98,7 @@ class _Cursor:
                 self.pos += n * dtype.itemsize
                 return out
             return [self.value(item) for _ in range(n)]
-        raise ValueError(f"unknown metadata value type {kind}")
+        raise UserError(f"unknown metadata value type {kind}")
 
 
 def read_header(path: Path) -> GGUFHeader:
@@ -105,15 +107,15 @@ def read_header(path: Path) -> GGUFHeader:
         try:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except ValueError:
-            raise ValueError("the file is empty") from None
+            raise UserError("the file is empty") from None
     cur = _Cursor(buf)
     try:
         if buf[:4] != b"GGUF":
-            raise ValueError(f"it does not start with the GGUF magic (got {bytes(buf[:4])!r})")
+            raise UserError(f"it does not start with the GGUF magic (got {bytes(buf[:4])!r})")
         cur.pos = 4
         version = cur.take("I")
         if version not in (2, 3):
-            raise ValueError(f"GGUF version {version} is not supported (2 and 3 are)")
+            raise UserError(f"GGUF version {version} is not supported (2 and 3 are)")
         n_tensors, n_fields = cur.take("Q"), cur.take("Q")
         fields: dict[str, Any] = {}
         for _ in range(n_fields):
@@ -126,7 +128,7 @@ def read_header(path: Path) -> GGUFHeader:
             type_id, offset = cur.take("I"), cur.take("Q")
             infos.append((name, dims, type_id, offset))
     except struct.error:
-        raise ValueError("the header is truncated") from None
+        raise UserError("the header is truncated") from None
     alignment = int(fields.get("general.alignment", 32))
     start = -(-cur.pos // alignment) * alignment
     whole = np.frombuffer(buf, dtype=np.uint8)
@@ -135,11 +137,11 @@ def read_header(path: Path) -> GGUFHeader:
         try:
             qtype = GGMLQuantizationType(type_id)
         except ValueError:
-            raise ValueError(f"tensor {name!r} has unknown GGML type id {type_id}") from None
+            raise UserError(f"tensor {name!r} has unknown GGML type id {type_id}") from None
         block, size = GGML_QUANT_SIZES[qtype]
         elements = int(np.prod(dims)) if dims else 1
         if not dims or dims[0] % block:
-            raise ValueError(f"tensor {name!r} of shape {dims} does not fit {qtype.name}: its rows must be "
+            raise UserError(f"tensor {name!r} of shape {dims} does not fit {qtype.name}: its rows must be "
                              f"multiples of {block} values")
         tensors.append(TensorInfo(name, np.array(dims, dtype=np.int64), qtype, start + offset,
                                   elements // block * size, whole))

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from brisk.config import ModelConfig, RopeScaling
+from brisk.errors import UserError
 from brisk.loader.dequant import SUPPORTED, dequantize
 from brisk.loader.gguf_file import GGUFHeader, TensorInfo, read_header
 from brisk.model.base import rotary_layout
@@ -82,7 +83,7 @@ def open_gguf(path: Path) -> GGUFFile:
         reader = read_header(path)
         metadata = reader.fields
     except (ValueError, OSError, UnicodeDecodeError) as exc:
-        raise ValueError(
+        raise UserError(
             f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
             "it may be truncated or corrupt: download or convert it again"
         ) from None
@@ -91,7 +92,7 @@ def open_gguf(path: Path) -> GGUFFile:
     _check_tensor_types(file)
     expected_end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
     if expected_end > path.stat().st_size:
-        raise ValueError(f"{path} is truncated: tensors need {expected_end} bytes, the file has "
+        raise UserError(f"{path} is truncated: tensors need {expected_end} bytes, the file has "
                          f"{path.stat().st_size}; download or convert it again")
     return file
 
@@ -102,7 +103,7 @@ def _check_tensor_types(file: GGUFFile) -> None:
                           if t.tensor_type not in SUPPORTED})
     if unsupported:
         names = ", ".join(sorted(t.name for t in SUPPORTED))
-        raise ValueError(f"{file.path} uses GGUF tensor type(s) {', '.join(unsupported)}, which brisk cannot "
+        raise UserError(f"{file.path} uses GGUF tensor type(s) {', '.join(unsupported)}, which brisk cannot "
                          f"load; supported: {names}. Use a file quantized to one of those")
 
 
@@ -125,13 +126,13 @@ def _rope_scaling(meta: dict[str, Any], arch: str, reader: GGUFHeader) -> RopeSc
                            attention_factor=float(attn) if attn is not None else None)
     if "rope_freqs.weight" in factors:  # Llama 3.1's scaling, precomputed per frequency
         if kind not in ("none", None) and factor != 1.0:
-            raise ValueError(f"this GGUF has both rope_freqs.weight and rope scaling {kind!r}; brisk applies "
+            raise UserError(f"this GGUF has both rope_freqs.weight and rope scaling {kind!r}; brisk applies "
                              "one or the other, not both")
         return RopeScaling(freq_factors=factors["rope_freqs.weight"])
     if kind in ("none", None) or factor == 1.0:
         return RopeScaling()
     if kind not in ("linear", "yarn"):
-        raise ValueError(f"GGUF rope scaling type {kind!r} is not supported; supported: linear, yarn")
+        raise UserError(f"GGUF rope scaling type {kind!r} is not supported; supported: linear, yarn")
     return RopeScaling(rope_type=kind, factor=factor,
                        original_max_position_embeddings=int(orig) if orig else None)
 
@@ -142,7 +143,7 @@ def gguf_model_config(file: GGUFFile) -> ModelConfig:
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
         if value is None:
-            raise ValueError(f"{file.path}: GGUF metadata lacks '{arch}.{key}'; the file is incomplete")
+            raise UserError(f"{file.path}: GGUF metadata lacks '{arch}.{key}'; the file is incomplete")
         return value
 
     heads = int(get("attention.head_count"))
@@ -199,7 +200,7 @@ def _hf_name(name: str, arch: str) -> str:
     names = _NAMES_BY_ARCH.get(arch, _LAYER_NAMES)
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
-    raise ValueError(f"GGUF tensor {name!r} has no place in a {arch} model")
+    raise UserError(f"GGUF tensor {name!r} has no place in a {arch} model")
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from brisk.config import ModelConfig, RopeScaling
+from brisk.errors import UserError
 from brisk.model.registry import canonical_architecture
 
 REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
@@ -21,7 +22,7 @@ def check_hf_dir(path: Path) -> None:
     if not list(path.glob("*.safetensors")):
         missing.append("*.safetensors")
     if missing:
-        raise ValueError(
+        raise UserError(
             f"{path} is not a complete Hugging Face model directory: missing {', '.join(missing)} "
             "(brisk needs config.json, *.safetensors, tokenizer.json and tokenizer_config.json; "
             "`brisk convert` writes such a directory)"
@@ -32,7 +33,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read {path}: {exc}") from None
+        raise UserError(f"cannot read {path}: {exc}") from None
 
 
 def hf_model_config(path: Path) -> ModelConfig:
@@ -65,7 +66,7 @@ def hf_model_config(path: Path) -> ModelConfig:
             **_layer_widths(raw),
         )
     except KeyError as exc:
-        raise ValueError(f"{path / 'config.json'} lacks the field {exc.args[0]!r}") from None
+        raise UserError(f"{path / 'config.json'} lacks the field {exc.args[0]!r}") from None
 
 
 def _rope_parameters(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
@@ -79,7 +80,7 @@ def _rope_parameters(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
         # Phi-3 keeps the pretrained window beside the config; the default factor is their ratio (HF's rule)
         orig = rope.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
         if not orig:
-            raise ValueError("longrope scaling needs original_max_position_embeddings in config.json")
+            raise UserError("longrope scaling needs original_max_position_embeddings in config.json")
         rope = {**rope, "original_max_position_embeddings": orig,
                 "factor": rope.get("factor") or raw.get("max_position_embeddings", orig) / orig}
     return rope
@@ -99,7 +100,7 @@ def _family_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     """Config fields beyond Llama's: activation, per-layer attention kinds, QK norm, Gemma's scales."""
     act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
     if act not in _HF_ACTS:
-        raise ValueError(f"activation {act!r} is not supported; supported: {', '.join(sorted(_HF_ACTS))}")
+        raise UserError(f"activation {act!r} is not supported; supported: {', '.join(sorted(_HF_ACTS))}")
     out: dict[str, Any] = {"hidden_act": _HF_ACTS[act], "qk_norm": arch in ("qwen3", "gemma3")}
     layers, window = raw["num_hidden_layers"], raw.get("sliding_window") or 0
     types = raw.get("layer_types")
@@ -111,7 +112,7 @@ def _family_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
                    rope_local_theta=float(raw.get("rope_local_base_freq") or local or 10000.0),
                    final_logit_softcapping=float(raw.get("final_logit_softcapping") or 0.0))
         if raw.get("attn_logit_softcapping"):
-            raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
+            raise UserError("attention logit soft-capping (Gemma 2) is not supported")
     elif arch in ("mistral", "phi3") and window and not types:
         types = ["sliding_attention"] * layers  # Mistral, Phi-3: every layer slides when the config has a window
     elif arch in ("qwen2", "qwen3"):
@@ -138,7 +139,7 @@ def _layer_widths(raw: dict[str, Any]) -> dict[str, Any]:
     if block is None:
         return {}
     if not isinstance(block, dict):
-        raise ValueError(f"config.json: {LAYERS_KEY} must be an object, got {block!r}")  # noqa: TRY004
+        raise UserError(f"config.json: {LAYERS_KEY} must be an object, got {block!r}")  # noqa: TRY004
     return {"layer_heads": tuple(block.get("num_attention_heads", ())),
             "layer_kv_heads": tuple(block.get("num_key_value_heads", ())),
             "layer_intermediate": tuple(block.get("intermediate_size", ())),
@@ -153,7 +154,7 @@ def hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
         except Exception as exc:  # safetensors raises its own error type on corrupt headers
-            raise ValueError(f"cannot read {file}: {exc}; the file may be truncated or corrupt") from None
+            raise UserError(f"cannot read {file}: {exc}; the file may be truncated or corrupt") from None
 
 
 def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:

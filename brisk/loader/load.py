@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from brisk.config import ModelConfig, QuantConfig
+from brisk.errors import UserError
 from brisk.loader.gguf_loader import (
     GGUFFile,
     gguf_blocks,
@@ -40,7 +41,7 @@ class LoadedModel:
 
 def torch_dtype(name: str) -> torch.dtype:
     if name not in TORCH_DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; choose one of: {', '.join(TORCH_DTYPES)}")
+        raise UserError(f"unsupported dtype {name!r}; choose one of: {', '.join(TORCH_DTYPES)}")
     return TORCH_DTYPES[name]
 
 
@@ -57,7 +58,7 @@ def read_checkpoint(source: ModelSource) -> tuple[ModelConfig, Tokenizer, Iterat
 
 def _check_len(cfg: ModelConfig, max_model_len: int | None) -> None:
     if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context window "
+        raise UserError(f"max_model_len {max_model_len} exceeds the model's context window "
                          f"({cfg.max_position_embeddings} tokens)")
 
 
@@ -77,7 +78,7 @@ def keeps_blocks(source: ModelSource, file: GGUFFile | None, quant: QuantConfig 
     if source.kind != "gguf" or file is None:
         return False
     if quant is not None and quant.method == "gguf" and dequantize:
-        raise ValueError("-q gguf keeps the file's blocks and --dequantize turns them into floats: choose one")
+        raise UserError("-q gguf keeps the file's blocks and --dequantize turns them into floats: choose one")
     if quant is not None and quant.method != "gguf":
         return False  # int8 / int4 / ... quantize the dequantized weights
     return not dequantize and torch.device(device).type == "cpu" and is_quantized(file)
@@ -104,7 +105,7 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
     if saved is not None:
         if quant is not None and (quant.method != saved.method
                                   or (quant.method == "int4" and quant.group_size != saved.group_size)):
-            raise ValueError(f"{ref} is already quantized ({saved.describe()}); drop the quantization option "
+            raise UserError(f"{ref} is already quantized ({saved.describe()}); drop the quantization option "
                              f"({quant.describe()}) or quantize the original model")
         check_hf_dir(source.path)
         cfg, tokenizer = hf_model_config(source.path), Tokenizer.from_hf_dir(source.path)
@@ -119,14 +120,14 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
             before_quant(model)
         return LoadedModel(model.eval(), tokenizer, cfg, source, saved)
     if quant is not None and quant.method == "gguf" and source.kind != "gguf":
-        raise ValueError(f"quantization gguf keeps a GGUF file's own blocks, but {ref} is not a .gguf file; "
+        raise UserError(f"quantization gguf keeps a GGUF file's own blocks, but {ref} is not a .gguf file; "
                          "choose int8 or int4 for other models")
     file = open_gguf(source.path) if source.kind == "gguf" else None
     if keeps_blocks(source, file, quant, dequantize, device):
         assert file is not None
         return _load_blocks(file, source, tdtype, device, max_model_len, quant or QuantConfig("gguf"), before_quant)
     if quant is not None and quant.method == "gguf":
-        raise ValueError(f"{ref} holds no quantized blocks to keep (only float tensors) on {device}: load it "
+        raise UserError(f"{ref} holds no quantized blocks to keep (only float tensors) on {device}: load it "
                          "without -q gguf, or with int8 / int4")
     cfg, tokenizer, weights = read_checkpoint(source)
     _check_len(cfg, max_model_len)
@@ -173,10 +174,10 @@ def quantize_model(model: CausalLM, quant: QuantConfig, source: ModelSource, cfg
     if quant.calibration is not None:
         path = Path(quant.calibration)
         if not path.is_file():
-            raise ValueError(f"calibration text {path} is not a file")
+            raise UserError(f"calibration text {path} is not a file")
         text = path.read_text(encoding="utf-8", errors="replace")
         calibration = tokenizer.encode(text, add_special_tokens=False)[:quant.calibration_tokens]
         if len(calibration) < 16:
-            raise ValueError(f"calibration text {path} gives {len(calibration)} tokens; at least 16 are needed "
+            raise UserError(f"calibration text {path} gives {len(calibration)} tokens; at least 16 are needed "
                              f"(a few hundred are better)")
     apply(model, quant, calibration)

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from brisk.config import CALIBRATED_METHODS, QuantConfig
+from brisk.errors import UserError
 from brisk.loader.hf_loader import hf_config_dict
 from brisk.model.base import CausalLM
 from brisk.quant import apply
@@ -32,11 +33,11 @@ def quantization_of(path: Path) -> QuantConfig | None:
         method = saved.pop("method")
         saved.pop("format", None)
     except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{marker} is unreadable ({exc}); re-run `brisk quantize`") from None
+        raise UserError(f"{marker} is unreadable ({exc}); re-run `brisk quantize`") from None
     try:
         return QuantConfig.parse(method, saved)
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"{path} was quantized with {method!r}, which this brisk cannot load: {exc}") from None
+        raise UserError(f"{path} was quantized with {method!r}, which this brisk cannot load: {exc}") from None
 
 
 def save_quantized(model: CausalLM, quant: QuantConfig, out: Path, dtype: str) -> None:
@@ -70,12 +71,12 @@ def load_quantized_state(model: CausalLM, path: Path, quant: QuantConfig) -> Non
                 model.get_submodule(name.rpartition(".")[0]).set_input_scale(state[name])
         missing, unexpected = model.load_state_dict(state, strict=False)
     except (AttributeError, RuntimeError) as exc:
-        raise ValueError(f"{path} does not match a {quant.method} model of its config ({exc}); "
+        raise UserError(f"{path} does not match a {quant.method} model of its config ({exc}); "
                          "re-run `brisk quantize`") from None
     if missing or unexpected:
-        raise ValueError(f"{path} does not match a {quant.method} model of its config (missing {missing[:3]}, "
+        raise UserError(f"{path} does not match a {quant.method} model of its config (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}); re-run `brisk quantize`")
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if name in state and buf.dtype != state[name].dtype:
-                raise ValueError(f"{path}: {name} is {state[name].dtype}, expected {buf.dtype}")
+                raise UserError(f"{path}: {name} is {state[name].dtype}, expected {buf.dtype}")

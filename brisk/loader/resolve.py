@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from brisk.errors import UserError
+
 # Built-in names -> (PyPI distribution holding the file, path inside it, or "assemble()": the
 # package writes the file (from parts too large for one wheel) and returns its path).
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
@@ -34,12 +36,12 @@ def _builtin(name: str) -> Path:
     try:
         dist = importlib.metadata.distribution(dist_name)
     except importlib.metadata.PackageNotFoundError:
-        raise ValueError(f"built-in model {name!r} needs the package {dist_name}: run `{install}`") from None
+        raise UserError(f"built-in model {name!r} needs the package {dist_name}: run `{install}`") from None
     if rel == "assemble()":
         return _assembled(name, dist, install)
     path = Path(str(dist.locate_file(rel)))
     if not path.is_file():
-        raise ValueError(f"the installed {dist_name} has no {rel}; reinstall it: `{install}`")
+        raise UserError(f"the installed {dist_name} has no {rel}; reinstall it: `{install}`")
     return path
 
 
@@ -49,14 +51,14 @@ def _assembled(name: str, dist: importlib.metadata.Distribution, install: str) -
     try:
         return Path(importlib.import_module(module).assemble())
     except (ImportError, OSError, ValueError) as exc:
-        raise ValueError(f"built-in model {name!r}: {dist.name} could not write its file ({exc}); "
+        raise UserError(f"built-in model {name!r}: {dist.name} could not write its file ({exc}); "
                          f"reinstall it: `{install}`") from None
 
 
 def resolve_model(ref: str) -> ModelSource:
     """Turn a user's model reference into a source; ValueError with what to do when it can't."""
     if not ref or not ref.strip():
-        raise ValueError("no model given; pass a built-in name (e.g. smollm2-135m), a .gguf file or an HF directory")
+        raise UserError("no model given; pass a built-in name (e.g. smollm2-135m), a .gguf file or an HF directory")
     if ref in BUILTIN_MODELS:
         return ModelSource("gguf", _builtin(ref), ref)
     path = Path(ref).expanduser()
@@ -64,13 +66,13 @@ def resolve_model(ref: str) -> ModelSource:
         return ModelSource("hf", path, ref)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise ValueError(f"{path} is a file but not a .gguf; pass a .gguf file or an HF model directory")
+            raise UserError(f"{path} is a file but not a .gguf; pass a .gguf file or an HF model directory")
         try:
             with open(path, "rb"):
                 pass
         except OSError as exc:
-            raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+            raise UserError(f"cannot read {path}: {exc.strerror}") from None
         return ModelSource("gguf", path, ref)
     names = ", ".join(BUILTIN_MODELS)
-    raise ValueError(f"model {ref!r} not found: it is neither a built-in name ({names}), a .gguf file, "
+    raise UserError(f"model {ref!r} not found: it is neither a built-in name ({names}), a .gguf file, "
                      "nor a model directory")

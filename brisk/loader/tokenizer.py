@@ -25,6 +25,7 @@ from tokenizers import (
 )
 from tokenizers import Tokenizer as Backend
 
+from brisk.errors import UserError
 from brisk.loader.chat_template import (
     GEMMA_TEMPLATE,
     ChatTemplate,
@@ -263,7 +264,7 @@ class Tokenizer:
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
         kind = meta.get("tokenizer.ggml.model")
         if "tokenizer.ggml.tokens" not in meta:
-            raise ValueError("GGUF metadata has no tokenizer.ggml.tokens; this file carries no tokenizer")
+            raise UserError("GGUF metadata has no tokenizer.ggml.tokens; this file carries no tokenizer")
         tokens = [str(t) for t in meta["tokenizer.ggml.tokens"]]
         if kind == "gpt2":
             backend = _byte_level_backend(meta, tokens)
@@ -272,7 +273,7 @@ class Tokenizer:
         elif kind == "llama":
             backend = _sentencepiece_backend(meta, tokens)
         else:
-            raise ValueError(
+            raise UserError(
                 f"unsupported GGUF tokenizer type tokenizer.ggml.model={kind!r}; supported: 'gpt2' (byte-level BPE), "
                 "'llama' (SentencePiece BPE)"
             )
@@ -294,7 +295,7 @@ class Tokenizer:
         d = Path(path)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if not (d / name).is_file():
-                raise ValueError(f"{name} not found in {d}; expected a HF tokenizer directory")
+                raise UserError(f"{name} not found in {d}; expected a HF tokenizer directory")
         backend = Backend.from_file(str(d / "tokenizer.json"))
         config = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
         bos_id, eos_id = (_token_id(backend, config.get(k)) for k in ("bos_token", "eos_token"))

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from brisk.config import ModelConfig
+from brisk.errors import UserError
 from brisk.kernels import pack_supported, pack_weight
 from brisk.model.attention import AttentionMetadata, ContiguousAttention, SeqSpan
 from brisk.model.decode_plan import build_decode_plan, plan_applies, run_plan
@@ -132,7 +133,7 @@ class DecoderLM(nn.Module):
         out: dict[str, torch.Tensor] = {}
         for name, param in self.named_parameters():
             if not param.dtype.is_floating_point:
-                raise ValueError(f"{name} is {param.dtype}: only a float model's weights are written as a checkpoint")
+                raise UserError(f"{name} is {param.dtype}: only a float model's weights are written as a checkpoint")
             module_name, _, leaf = name.rpartition(".")
             parent, _, kind = module_name.rpartition(".")
             module = self.get_submodule(module_name)
@@ -304,9 +305,9 @@ class DecoderLM(nn.Module):
                 loaded.add(self._load_stacked(m, tensor))
                 continue
             if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in a {self.config.architecture} model")
+                raise UserError(f"checkpoint tensor {name!r} has no place in a {self.config.architecture} model")
             if tuple(params[name].shape) != tuple(tensor.shape):
-                raise ValueError(
+                raise UserError(
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the config expects "
                     f"{tuple(params[name].shape)}"
                 )
@@ -314,7 +315,7 @@ class DecoderLM(nn.Module):
             loaded.add(name)
         missing = _missing(set(params), loaded, self)
         if missing:
-            raise ValueError(f"checkpoint is missing tensors: {', '.join(sorted(missing)[:8])}"
+            raise UserError(f"checkpoint is missing tensors: {', '.join(sorted(missing)[:8])}"
                              f"{' …' if len(missing) > 8 else ''}")
 
     def _load_stacked(self, m: re.Match[str], tensor: torch.Tensor) -> str:

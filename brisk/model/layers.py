@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from brisk.errors import UserError
 from brisk.kernels import (
     SMALL_GEMM_ROWS_BY_DTYPE,
     gelu_tanh_mul,
@@ -65,7 +66,7 @@ class Linear(nn.Module):
         """Copy one logical projection's weight into its rows."""
         rows = self._rows(index)
         if tuple(weight.shape) != (rows.stop - rows.start, self.in_features):
-            raise ValueError(
+            raise UserError(
                 f"weight shape {tuple(weight.shape)} does not fit part {index} of a linear layer "
                 f"expecting {(rows.stop - rows.start, self.in_features)}; the checkpoint does not match its config"
             )
@@ -73,10 +74,10 @@ class Linear(nn.Module):
 
     def load_part_bias(self, index: int, bias: torch.Tensor) -> None:
         if self.bias is None:
-            raise ValueError("checkpoint has a projection bias but the config says attention_bias=false")
+            raise UserError("checkpoint has a projection bias but the config says attention_bias=false")
         rows = self._rows(index)
         if tuple(bias.shape) != (rows.stop - rows.start,):
-            raise ValueError(f"bias shape {tuple(bias.shape)} does not fit part {index} of a linear layer")
+            raise UserError(f"bias shape {tuple(bias.shape)} does not fit part {index} of a linear layer")
         self.bias[rows].copy_(bias)
 
     def extra_repr(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from brisk.config import ModelConfig
+from brisk.errors import UserError
 from brisk.model.base import CausalLM, DecoderLM
 from brisk.model.gemma3 import Gemma3ForCausalLM
 from brisk.model.llama import LlamaForCausalLM
@@ -27,7 +28,7 @@ def canonical_architecture(name: str) -> str:
     """The registry name of an HF model_type or GGUF architecture; a clear error when unknown."""
     name = ALIASES.get(name, name)
     if name not in ARCHITECTURES:
-        raise ValueError(
+        raise UserError(
             f"model architecture {name!r} is not supported; brisk runs: {', '.join(sorted(ARCHITECTURES))}"
         )
     return name

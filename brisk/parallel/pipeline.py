@@ -19,6 +19,7 @@ from typing import TypeVar
 from torch import nn
 
 from brisk.config import ModelConfig
+from brisk.errors import UserError
 from brisk.model.base import CausalLM
 
 T = TypeVar("T")
@@ -47,7 +48,7 @@ def stage_layers(cfg: ModelConfig, stages: int) -> list[range]:
     head weighs about 8 layers)."""
     n = cfg.num_hidden_layers
     if stages > n:
-        raise ValueError(f"pipeline_parallel_size {stages} exceeds the model's {n} layers: each stage needs one")
+        raise UserError(f"pipeline_parallel_size {stages} exceeds the model's {n} layers: each stage needs one")
     ideal = (n + head_cost_in_layers(cfg)) / stages
     sizes: list[int] = []
     for s in range(stages - 1, 0, -1):  # the last stages take their share; the first keeps the rest

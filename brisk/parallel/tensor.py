@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from brisk.config import ModelConfig
+from brisk.errors import UserError
 from brisk.model.layers import Linear
 from brisk.model.base import CausalLM
 from brisk.parallel.groups import ParallelState
@@ -52,7 +53,7 @@ def head_split(cfg: ModelConfig, tp: int, rank: int, layer: int = 0) -> HeadSpli
         kv_run = even_ranges(kv, tp)[rank]
         return HeadSplit(range(kv_run.start * group, kv_run.stop * group), kv_run)
     if tp % kv or group % (tp // kv):
-        raise ValueError(
+        raise UserError(
             f"tensor_parallel_size {tp} cannot split {heads} attention heads in {kv} KV groups{_of_layer(cfg, layer)} "
             f"exactly: use a size "
             f"up to {kv} (each rank takes whole KV groups), or a multiple of {kv} that divides {group} query heads "
@@ -72,7 +73,7 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
     """Raise the ValueError a split would raise, before anything is spawned."""
     layers = range(cfg.num_hidden_layers)
     if tp > min(cfg.intermediate(i) for i in layers) or tp > cfg.vocab_size:
-        raise ValueError(f"tensor_parallel_size {tp} exceeds the model's MLP width or vocabulary")
+        raise UserError(f"tensor_parallel_size {tp} exceeds the model's MLP width or vocabulary")
     for layer in layers if not cfg.uniform else (0,):
         for rank in range(tp):
             head_split(cfg, tp, rank, layer)
@@ -145,7 +146,7 @@ def _rows_of_parts(linear: Linear, parts: list[range]) -> tuple[torch.Tensor, to
 
 def _check_float(module: nn.Module, name: str) -> Linear:
     if not isinstance(module, Linear):
-        raise ValueError(  # noqa: TRY004 - a user-facing checkpoint mismatch, reported like the others
+        raise UserError(  # noqa: TRY004 - a user-facing checkpoint mismatch, reported like the others
             f"{name} is {type(module).__name__}, not a float Linear: tensor parallelism slices float weights "
             "and quantizes each slice; load the original (unquantized) model with a quantization option "
             "instead of a quantized checkpoint")
@@ -201,7 +202,7 @@ def _shard_vocab(model: CausalLM, state: ParallelState) -> None:
 
     embed = getattr(model.embed_tokens, "weight", None)
     if embed is None:
-        raise ValueError("the token embedding is not a float table; load the unquantized model")
+        raise UserError("the token embedding is not a float table; load the unquantized model")
     local = rows(embed)
     head = model.lm_head
     model.embed_tokens = VocabParallelEmbedding(local, shard.start, state, head is None)  # type: ignore[assignment]

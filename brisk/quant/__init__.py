@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from brisk.config import QUANT_METHODS, QuantConfig
+from brisk.errors import UserError
 from brisk.model.layers import Linear
 from brisk.quant.base import FollowDtype
 from brisk.quant.grouped import GroupLinear
@@ -95,7 +96,7 @@ def apply(model: nn.Module, cfg: QuantConfig | str, calibration_ids: list[int] |
     the inputs at run time."""
     cfg = QuantConfig(cfg) if isinstance(cfg, str) else cfg
     if cfg.method not in METHODS:
-        raise ValueError(f"{cfg.method} keeps a GGUF file's own blocks: load a .gguf model with it")
+        raise UserError(f"{cfg.method} keeps a GGUF file's own blocks: load a .gguf model with it")
     make_linear, make_head = METHODS[cfg.method]
     drop_plan(model)
     device = next(model.parameters()).device

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from brisk.errors import UserError
 from brisk.model.layers import Linear
 from brisk.model.base import forward_sequence
 
@@ -64,7 +65,7 @@ def collect_stats(model: nn.Module, ids: list[int], keep_xtx: bool = False) -> d
 def gptq_calibrate(model: nn.Module, ids: list[int]) -> dict[Linear, tuple[None, torch.Tensor]]:
     """Per decoder Linear: (no column scale, GPTQ's Hessian X^T X / n of its calibration inputs)."""
     if len(ids) < 16:
-        raise ValueError(f"int4 calibration needs at least 16 tokens of text, got {len(ids)}")
+        raise UserError(f"int4 calibration needs at least 16 tokens of text, got {len(ids)}")
     out: dict[Linear, tuple[None, torch.Tensor]] = {}
     for linear, stats in collect_stats(model, ids, keep_xtx=True).items():
         assert stats.xtx is not None

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
+from brisk.errors import UserError
 from brisk.kernels import (
     block_dequantize,
     block_dequantize_supported,
@@ -114,7 +115,7 @@ def _check_shape(name: str, ggml_type: int, rows: torch.Tensor, out_features: in
     kind = GGMLQuantizationType(ggml_type).name
     if in_features % block or rows.shape != (out_features, in_features // block * size):
         cols = rows.shape[1] // size * block if rows.dim() == 2 else "?"
-        raise ValueError(f"GGUF tensor {name!r} ({kind}) holds {rows.shape[0]} x {cols} values, but the file's "
+        raise UserError(f"GGUF tensor {name!r} ({kind}) holds {rows.shape[0]} x {cols} values, but the file's "
                          f"metadata makes that layer {out_features} x {in_features}: the file is inconsistent; "
                          "convert or download it again")
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from brisk.errors import UserError
 from brisk.kernels import (
     group_dequantize,
     group_dequantize_rows,
@@ -56,7 +57,7 @@ def quantize_act_blocks(x: torch.Tensor, mode: str = "int8") -> torch.Tensor:
 
 def check_group(in_features: int, group: int) -> None:
     if group <= 0 or group % CHUNK or in_features % group:
-        raise ValueError(f"quantization group size {group} must be a multiple of {CHUNK} that divides the "
+        raise UserError(f"quantization group size {group} must be a multiple of {CHUNK} that divides the "
                          f"{in_features} input features of every layer; try group_size 32 or 64")
 
 

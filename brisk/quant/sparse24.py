@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from brisk import kernels
+from brisk.errors import UserError
 from brisk.model.layers import Linear
 from brisk.quant.base import QuantizedLinear
 
@@ -37,7 +38,7 @@ def select_24(weight: torch.Tensor, norms: torch.Tensor | None) -> torch.Tensor:
     """bool [out, in]: the 2 columns of every group of 4 with the largest |W| * ||x|| (|W| without norms)."""
     out, n = weight.shape
     if n % 4:
-        raise ValueError(f"2:4 sparsity needs input widths divisible by 4; this Linear has {n} columns")
+        raise UserError(f"2:4 sparsity needs input widths divisible by 4; this Linear has {n} columns")
     score = weight.detach().float().abs()
     if norms is not None:
         score = score * norms.float()[None, :]
@@ -87,7 +88,7 @@ def pack_24(weight: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, tor
     k[:, n:].view(out, -1, 4)[..., :2] = True  # padding groups: columns 0 and 1, zero values
     groups = k.view(out, -1, 4)
     if not bool((groups.sum(-1) == 2).all()):
-        raise ValueError("2:4 packing needs exactly 2 kept columns in every group of 4")
+        raise UserError("2:4 packing needs exactly 2 kept columns in every group of 4")
     pos = groups.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :2].sort(dim=-1).values
     values = w.view(out, -1, 4).gather(-1, pos).reshape(out, tiles * KEPT)
     shifts = 2 * torch.arange(KEPT, dtype=torch.int64, device=weight.device)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from brisk.errors import UserError
 from brisk.kernels import ternary_gemm, ternary_supported
 from brisk.model.layers import Linear
 from brisk.quant.base import QuantizedLinear
@@ -35,7 +36,7 @@ def quantize_absmean(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def pack_planes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ternary int8 [out, in] -> (plus, minus) uint8 [out, in / 8], bit b of byte j = column 8 j + b."""
     if t.shape[1] % 16:
-        raise ValueError(f"ternary weights need input features divisible by 16, got {t.shape[1]}")
+        raise UserError(f"ternary weights need input features divisible by 16, got {t.shape[1]}")
 
     def plane(mask: torch.Tensor) -> torch.Tensor:
         bits = mask.to(torch.uint8).reshape(t.shape[0], -1, 8) << _BITS.to(t.device)

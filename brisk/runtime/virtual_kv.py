@@ -28,6 +28,7 @@ import torch
 
 from brisk import kernels
 from brisk.core.kv_manager import MemoryOp
+from brisk.errors import UserError
 from brisk.model.attention import KVCache
 from brisk.model.base import CausalLM
 
@@ -38,7 +39,7 @@ def check_available() -> None:
     """A clear error where the virtual layout cannot run (no extension, not Linux)."""
     reason = kernels.vmem_unavailable()
     if reason is not None:
-        raise ValueError(f"kv_layout='virtual' needs brisk's C++ extension with its virtual-memory calls: "
+        raise UserError(f"kv_layout='virtual' needs brisk's C++ extension with its virtual-memory calls: "
                          f"{reason}; use kv_layout='paged' (--kv-layout paged)")
 
 
@@ -49,7 +50,7 @@ class VirtualKV:
         check_available()
         cfg = model.config
         if model.device.type != "cpu":
-            raise ValueError("kv_layout='virtual' runs on CPU (CUDA virtual memory is not built yet); "
+            raise UserError("kv_layout='virtual' runs on CPU (CUDA virtual memory is not built yet); "
                              "use kv_layout='paged'")
         self.num_rows, self.row_tiles, self.tile = num_rows, row_tiles, tile
         itemsize = torch.tensor([], dtype=model.dtype).element_size()
@@ -57,13 +58,13 @@ class VirtualKV:
         self.tile_bytes = [0 if h is None else h * cfg.head_dim * tile * itemsize for h in heads]  # per tensor
         total = 2 * sum(self.tile_bytes) * num_rows * row_tiles
         if total > MAX_RESERVATION:
-            raise ValueError(f"the virtual KV layout would reserve {total / 2**40:.1f} TiB of address space "
+            raise UserError(f"the virtual KV layout would reserve {total / 2**40:.1f} TiB of address space "
                              f"(max_num_seqs {num_rows} x max_model_len {row_tiles * tile}); lower max_num_seqs or "
                              "max_model_len, or use kv_layout='paged'")
         page = kernels.vmem_page_size()
         bad = sorted({b for b in self.tile_bytes if b % page})
         if bad:
-            raise ValueError(f"a KV tile of {tile} tokens is {bad[0]} bytes per layer, not whole {page}-byte pages; "
+            raise UserError(f"a KV tile of {tile} tokens is {bad[0]} bytes per layer, not whole {page}-byte pages; "
                              f"use a block_size that makes it whole pages (e.g. {self.tile_for(model, tile)})")
         self.buffers: list[torch.Tensor] = []  # uint8 reservations, two per layer (keys, values)
         self.kv_caches: list[KVCache | None] = [

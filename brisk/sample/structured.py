@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from brisk.errors import UserError
 from brisk.kernels import apply_token_bitmask
 from brisk.request import SamplingParams
 
@@ -36,7 +37,7 @@ def _grammar(spec_json: str) -> str:
     if kind in ("json", "json_object"):
         schema = {"type": "object"} if kind == "json_object" else json.loads(value) if isinstance(value, str) else value
         if not isinstance(schema, dict):
-            raise ValueError("structured json must be a JSON schema object")
+            raise UserError("structured json must be a JSON schema object")
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
     if kind == "regex":
         return llguidance.grammar_from("regex", value)
@@ -68,7 +69,7 @@ class GrammarCompiler:
         grammar = _grammar(spec_json)
         is_error, messages = self._ll.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
-            raise ValueError(f"structured output: the grammar does not compile: {messages[0]}")
+            raise UserError(f"structured output: the grammar does not compile: {messages[0]}")
         return grammar
 
     def constraint(self, spec: dict[str, Any]) -> Constraint:
@@ -77,14 +78,14 @@ class GrammarCompiler:
         try:
             spec_json = json.dumps(spec, sort_keys=True)
         except TypeError as e:
-            raise ValueError(f"structured output: the spec is not JSON ({e})") from None
+            raise UserError(f"structured output: the spec is not JSON ({e})") from None
         with self._lock:
             try:
                 grammar = self._compiled(spec_json)
-            except ValueError:
+            except UserError:
                 raise
-            except Exception as e:  # llguidance reports schema errors as its own exception types
-                raise ValueError(f"structured output: {e}") from None
+            except Exception as e:  # llguidance reports schema errors as its own exception types (or ValueError)
+                raise UserError(f"structured output: {e}") from None
         return Constraint(self._ll.LLMatcher(self.tokenizer, grammar), self.vocab_size)
 
 
@@ -126,7 +127,7 @@ class Constraint:
         for j in range(n + 1):
             fill_next_token_bitmask(self.matcher, rows, j)
             if j < n and not self.matcher.consume_token(drafts[j]):
-                raise ValueError(f"structured output: the grammar refused draft token {drafts[j]} it had validated")
+                raise UserError(f"structured output: the grammar refused draft token {drafts[j]} it had validated")
         if n:
             self.matcher.rollback(n)
         return rows, n
@@ -140,7 +141,7 @@ class Constraint:
         """The sequence took `token`; ValueError when the grammar forbids it (a bug upstream)."""
         if not self.matcher.consume_token(token):
             reason = (self.matcher.get_error() or "rejected").splitlines()[0]  # the rest is a state dump
-            raise ValueError(f"structured output: token {token} does not fit the grammar ({reason})")
+            raise UserError(f"structured output: token {token} does not fit the grammar ({reason})")
         self._moves += 1
         self._ahead = None
 

@@ -7,6 +7,8 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from brisk.errors import UserError
+
 if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
@@ -25,7 +27,7 @@ def build_app(llm: LLM, api_key: str | None = None, max_waiting: int = 256, limi
     from brisk.server.app import ServerState, create_app
 
     if llm._probe is not None and llm._probe.active:
-        raise ValueError("Probe Pruning decides heads and channels per batch of prompts (LLM.generate, `brisk "
+        raise UserError("Probe Pruning decides heads and channels per batch of prompts (LLM.generate, `brisk "
                          "generate`, `brisk eval ppl`); a server's requests come and go one at a time: serve a "
                          "statically pruned model instead (`brisk prune --method structured`)")
     engine = AsyncEngine(llm.engine, max_waiting=max_waiting)

@@ -26,8 +26,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from brisk.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded
 from brisk.engine.outputs import RequestOutput
+from brisk.errors import InvalidRequest, UserError
 from brisk.loader.tokenizer import Tokenizer
-from brisk.request import InvalidRequest, SamplingParams
+from brisk.request import SamplingParams
 from brisk.server import formatting as fmt
 from brisk.server import tools
 from brisk.server.edge import (
@@ -116,8 +117,9 @@ def _install_errors(app: FastAPI) -> None:
     async def _invalid_request(_: Request, e: InvalidRequest) -> JSONResponse:
         return error_response(400, str(e), e.param)
 
-    @app.exception_handler(ValueError)
-    async def _value(_: Request, e: ValueError) -> JSONResponse:
+    @app.exception_handler(UserError)
+    async def _user(_: Request, e: UserError) -> JSONResponse:
+        # only brisk's user-error type is the client's fault: any other ValueError is a bug here (500)
         return error_response(400, str(e))
 
     @app.exception_handler(EngineOverloaded)

@@ -32,6 +32,8 @@ from fastapi.routing import APIRoute
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from brisk.errors import UserError
+
 _AUTH_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 _DRAIN_FACTOR = 4  # an oversized body is read and dropped up to this many times the limit
 
@@ -48,7 +50,7 @@ class EdgeLimits:
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "body_timeout_s", "head_timeout_s", "max_connections"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+                raise UserError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
 
 def error_body(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict[str, Any]:

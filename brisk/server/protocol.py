@@ -22,7 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from brisk.request import InvalidRequest, SamplingParams
+from brisk.errors import InvalidRequest, UserError
+from brisk.request import SamplingParams
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
 MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 512, 1024
@@ -126,7 +127,7 @@ class _Sampling(_Strict):
     def _few_short_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
         stops = [stop] if isinstance(stop, str) else stop or []
         if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
-            raise ValueError(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each")
+            raise UserError(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each")
         return stop
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -218,9 +219,9 @@ class ChatMessage(_Strict):
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
         if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError(f"only assistant messages carry tool_calls, not {self.role!r} ones")
+            raise UserError(f"only assistant messages carry tool_calls, not {self.role!r} ones")
         if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs tool_call_id: the id of the call it answers")
+            raise UserError("a tool message needs tool_call_id: the id of the call it answers")
         return self
 
     def as_dict(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from brisk.errors import UserError
 from brisk.model.base import CausalLM
 from brisk.speculative.base import Draft, DraftRequest, DraftStep, pick_draft_token
 from brisk.speculative.heads import DraftVocab, ResidualHeads, load_heads
@@ -32,7 +33,7 @@ class EarlyExitProposer:
                  head: ResidualHeads | None = None, vocab: DraftVocab | None = None) -> None:
         layers = model.config.num_hidden_layers
         if not 1 <= exit_layer < layers:
-            raise ValueError(f"exit_layer must be between 1 and {layers - 1} for a {layers}-layer model, got {exit_layer}")
+            raise UserError(f"exit_layer must be between 1 and {layers - 1} for a {layers}-layer model, got {exit_layer}")
         self.model = model
         self.runner = runner
         self.exit_layer = exit_layer
@@ -77,6 +78,6 @@ def build(ctx: ProposerContext) -> EarlyExitProposer:
     trained_for = int(meta["exit_layer"]) if "exit_layer" in meta else None
     layer = config.exit_layer or trained_for or model.config.num_hidden_layers // 2
     if head is not None and trained_for is not None and layer != trained_for:
-        raise ValueError(f"the exit head in {config.heads!r} was trained at layer {trained_for}, not {layer}; "
+        raise UserError(f"the exit head in {config.heads!r} was trained at layer {trained_for}, not {layer}; "
                          "drop exit_layer or train a head for that layer")
     return EarlyExitProposer(model, ctx.runner, layer, head, vocab)

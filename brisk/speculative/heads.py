@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from brisk.config import DRAFT_VOCAB_FILE
+from brisk.errors import UserError
 from brisk.model.base import CausalLM
 
 KINDS = ("medusa", "early_exit")
@@ -101,17 +102,17 @@ def read_draft_vocab(path: str | Path, size: int, model: CausalLM) -> DraftVocab
     if path.is_dir():
         path = path / DRAFT_VOCAB_FILE
     if not path.is_file():
-        raise ValueError(f"draft vocabulary file {str(path)!r} not found: `brisk distill` writes one "
+        raise UserError(f"draft vocabulary file {str(path)!r} not found: `brisk distill` writes one "
                          f"({DRAFT_VOCAB_FILE}) beside the student it trains; give its path as \"draft_vocab_file\"")
     try:
         ranked = torch.tensor(json.loads(path.read_text(encoding="utf-8"))["ranked"], dtype=torch.long)
     except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{str(path)!r} is not a draft vocabulary file written by `brisk distill` ({exc})") from None
+        raise UserError(f"{str(path)!r} is not a draft vocabulary file written by `brisk distill` ({exc})") from None
     if ranked.dim() != 1 or len(ranked) != model.config.vocab_size or \
             not torch.equal(ranked.sort().values, torch.arange(len(ranked))):
-        raise ValueError(f"{str(path)!r} is not a ranking of this model's {model.config.vocab_size} tokens")
+        raise UserError(f"{str(path)!r} is not a ranking of this model's {model.config.vocab_size} tokens")
     if not 1 <= size <= len(ranked):
-        raise ValueError(f"draft_vocab must be 1..{len(ranked)} tokens, got {size}")
+        raise UserError(f"draft_vocab must be 1..{len(ranked)} tokens, got {size}")
     return DraftVocab(ranked[:size].long().sort().values, model)
 
 
@@ -134,21 +135,21 @@ def load_heads(path: str | Path, kind: str, model: CausalLM) -> tuple[ResidualHe
     from one read of the file; ValueError for a wrong file."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"heads file {str(path)!r} not found; write one with `brisk train-heads --kind {kind}`")
+        raise UserError(f"heads file {str(path)!r} not found; write one with `brisk train-heads --kind {kind}`")
     try:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix
-        raise ValueError(f"{str(path)!r} is not a heads file written by `brisk train-heads` ({exc})") from None
+        raise UserError(f"{str(path)!r} is not a heads file written by `brisk train-heads` ({exc})") from None
     if meta.get("kind") != kind:
-        raise ValueError(f"{str(path)!r} holds {meta.get('kind') or 'unknown'} heads, not {kind} heads")
+        raise UserError(f"{str(path)!r} holds {meta.get('kind') or 'unknown'} heads, not {kind} heads")
     hidden_size = model.config.hidden_size
     weight, bias = tensors.get("weight"), tensors.get("bias")
     sequential = meta.get("sequential") == "1"
     width = 2 * hidden_size if sequential else hidden_size
     if weight is None or bias is None or weight.dim() != 3 or weight.shape[1:] != (hidden_size, width):
-        raise ValueError(f"{str(path)!r}: heads for hidden size {meta.get('hidden_size')}, this model has {hidden_size}")
+        raise UserError(f"{str(path)!r}: heads for hidden size {meta.get('hidden_size')}, this model has {hidden_size}")
     heads = ResidualHeads(hidden_size, weight.shape[0], model.dtype, sequential)
     with torch.no_grad():
         heads.weight.copy_(weight)
@@ -161,5 +162,5 @@ def _draft_vocab(path: Path, ids: torch.Tensor | None, model: CausalLM) -> Draft
         return None
     vocab_size = model.config.vocab_size
     if ids.dim() != 1 or not len(ids) or int(ids.max()) >= vocab_size or int(ids.min()) < 0:
-        raise ValueError(f"{str(path)!r}: its draft vocabulary does not fit a {vocab_size}-token model")
+        raise UserError(f"{str(path)!r}: its draft vocabulary does not fit a {vocab_size}-token model")
     return DraftVocab(ids, model)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from brisk.config import SpecConfig
+from brisk.errors import UserError
 from brisk.model.base import CausalLM
 from brisk.speculative.base import Proposer
 
@@ -50,7 +51,7 @@ def register(name: str, parallel: bool = False) -> Callable[[Callable[[ProposerC
 
 def method(name: str) -> Method:
     if name not in METHODS:
-        raise ValueError(f"speculative method {name!r} is not available; available: {', '.join(sorted(METHODS))}")
+        raise UserError(f"speculative method {name!r} is not available; available: {', '.join(sorted(METHODS))}")
     return METHODS[name]
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from brisk import LLM, SamplingParams
-from brisk.request import InvalidRequest
+from brisk.errors import InvalidRequest
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=16, temperature=0.8, seed=7, ignore_eos=True)

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from brisk.request import InvalidRequest, SamplingParams
+from brisk.errors import InvalidRequest
+from brisk.request import SamplingParams
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from brisk import LLM, SamplingParams
-from brisk.request import InvalidRequest
+from brisk.errors import InvalidRequest
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")

@@ -170,6 +170,29 @@ def test_an_internal_error_is_json_and_says_the_connection_closes(srv: dict[str,
     assert httpx.post(srv["base"] + "/tokenize", json={"prompt": "hi"}, timeout=30).status_code == 200
 
 
+def test_only_brisk_user_errors_are_the_clients_fault(srv: dict[str, Any]) -> None:
+    """A ValueError that is not brisk's UserError (a library's, a bug's) is a 500, not a 400 that
+    would tell the client to fix a request that was fine; brisk's UserError stays a 400."""
+    from brisk.errors import UserError
+
+    tok = srv["state"].tokenizer
+    real = tok.encode
+    for error, status, kind in ((ValueError("a library's own check failed"), 500, "server_error"),
+                                (UserError("the prompt is not something this model reads"), 400,
+                                 "invalid_request_error")):
+        def broken(*args: Any, _e: Exception = error, **kwargs: Any) -> list[int]:
+            raise _e
+
+        tok.encode = broken
+        try:
+            r = httpx.post(srv["base"] + "/tokenize", json={"prompt": "hi"}, timeout=30)
+        finally:
+            tok.encode = real
+        assert r.status_code == status and _is_openai_error(r), r.text
+        assert r.json()["error"]["type"] == kind and str(error) in r.json()["error"]["message"]
+    assert httpx.post(srv["base"] + "/tokenize", json={"prompt": "hi"}, timeout=30).status_code == 200
+
+
 # ------------------------------------------------------------------ 3. body limits
 def test_chunked_and_declared_bodies_over_the_limit_get_413(srv: dict[str, Any]) -> None:
     from brisk.server.edge import EdgeLimits
