@@ -349,16 +349,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def _torchrun_worker(args: argparse.Namespace) -> bool:
     """Under torchrun every rank runs the same brisk command; ranks other than 0 serve steps
-    (engine/workers.py) and return True when rank 0 stops them."""
-    import os
+    (engine/workers.py) with the options rank 0's LLM gets, and return True when rank 0 stops them."""
+    from brisk.engine.workers import WorkerArgs, run_worker, torchrun_rank
 
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or int(os.environ.get("RANK", "0")) == 0:
+    rank = torchrun_rank()
+    if rank is None or rank == 0:
         return False
-    from brisk.engine.workers import WorkerArgs, run_worker
-
-    run_worker(WorkerArgs(args.model, args.dtype, args.device, args.max_model_len, args.quantization, args.quant_config,
-                          args.tensor_parallel_size, args.pipeline_parallel_size, args.parallel_timeout, None,
-                          args.block_size, not args.no_pack_weights), int(os.environ["RANK"]), "env://")
+    run_worker(WorkerArgs.of_llm(args.model, {"dtype": args.dtype, **engine_kwargs(args)}), rank, "env://")
     return True
 
 

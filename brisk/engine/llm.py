@@ -123,11 +123,12 @@ class LLM:
                 raise UserError(f"speculative method {spec.method!r} runs in a single process for now (its drafts "
                                  "need hidden states or KV of their own); with tensor/pipeline parallelism use "
                                  '{"method": "ngram"}')
-            self._cluster = start_cluster(WorkerArgs(
-                model, dtype, device, max_model_len, quantization, quantization_config,
-                tensor_parallel_size, pipeline_parallel_size, parallel_timeout_s, pipeline_micro_batches, block_size,
-                pack_weights, dequantize),
-                cache)
+            self._cluster = start_cluster(WorkerArgs.of_llm(model, {
+                "dtype": dtype, "device": device, "max_model_len": max_model_len, "quantization": quantization,
+                "quantization_config": quantization_config, "tensor_parallel_size": tensor_parallel_size,
+                "pipeline_parallel_size": pipeline_parallel_size, "parallel_timeout_s": parallel_timeout_s,
+                "pipeline_micro_batches": pipeline_micro_batches, "block_size": block_size,
+                "pack_weights": pack_weights, "dequantize": dequantize}), cache)
             # Until the engine holds the cluster (below), a failure here must not leave workers behind.
             self._finalizer = weakref.finalize(self, self._cluster.close)
             loaded = self._cluster.loaded

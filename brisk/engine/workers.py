@@ -69,6 +69,13 @@ class WorkerArgs:
     pack_weights: bool = True
     dequantize: bool = False  # a quantized .gguf as floats (tensor parallelism always: it slices floats)
 
+    @classmethod
+    def of_llm(cls, model: str, options: dict[str, Any]) -> WorkerArgs:
+        """A rank's arguments from `LLM(model, **options)`'s keywords (missing ones: LLM's
+        defaults): rank 0 (engine/llm.py) and torchrun's other ranks (cli.py) read the same names, so
+        no option reaches one rank and not the others."""
+        return cls(model, **{f: options[name] for f, name in _LLM_NAMES.items() if options.get(name) is not None})
+
     @property
     def parallel(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.timeout_s,
@@ -77,6 +84,22 @@ class WorkerArgs:
     @property
     def quant(self) -> QuantConfig | None:
         return None if self.quantization is None else QuantConfig.parse(self.quantization, self.quantization_config)
+
+
+# WorkerArgs field -> LLM(...) keyword
+_LLM_NAMES = {"dtype": "dtype", "device": "device", "max_model_len": "max_model_len", "quantization": "quantization",
+              "quantization_config": "quantization_config", "tensor_parallel_size": "tensor_parallel_size",
+              "pipeline_parallel_size": "pipeline_parallel_size", "timeout_s": "parallel_timeout_s",
+              "micro_batches": "pipeline_micro_batches", "block_size": "block_size", "pack_weights": "pack_weights",
+              "dequantize": "dequantize"}
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun started several (RANK and WORLD_SIZE > 1 in the
+    environment), else None: the one reading of torchrun's environment."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    return None
 
 
 def check_parallel(args: WorkerArgs) -> None:
@@ -90,7 +113,7 @@ def check_parallel(args: WorkerArgs) -> None:
     check_tensor_parallel(cfg, tp)
     stage_layers(cfg, args.pipeline_parallel_size)
     world = args.parallel.world_size
-    if args.device.startswith("cuda") and not launched_by_torchrun() and torch.cuda.device_count() < world:
+    if args.device.startswith("cuda") and torchrun_rank() is None and torch.cuda.device_count() < world:
         raise UserError(f"{world} ranks need {world} CUDA devices here (one each); {torch.cuda.device_count()} found")
     if tp > 1 and quant is not None:
         _check_shard_widths(cfg, tp, quant)
@@ -244,10 +267,6 @@ class Cluster:
                 torch.set_num_threads(self.threads)
 
 
-def launched_by_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
-
-
 def start_cluster(args: WorkerArgs, cache: CacheConfig) -> Cluster:
     """Rank 0: check, spawn the workers (or join torchrun's), build its share, size the KV cache."""
     from brisk.engine.llm_engine import num_kv_blocks
@@ -256,8 +275,9 @@ def start_cluster(args: WorkerArgs, cache: CacheConfig) -> Cluster:
     pcfg = args.parallel
     workers: WorkerSet | None = None
     init: str | torch.distributed.Store
-    if launched_by_torchrun():
-        if int(os.environ["WORLD_SIZE"]) != pcfg.world_size or int(os.environ["RANK"]) != 0:
+    rank = torchrun_rank()
+    if rank is not None:
+        if int(os.environ["WORLD_SIZE"]) != pcfg.world_size or rank != 0:
             raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes; tensor x pipeline parallel "
                              f"size is {pcfg.world_size}: they must match (and only rank 0 builds the LLM)")
         init = "env://"

@@ -58,3 +58,25 @@ def test_micro_batches_are_contiguous_and_balanced_by_tokens() -> None:
     assert split_micro_batches("ab", [1, 1], 4) == [["a"], ["b"]]
     assert split_micro_batches("a", [7], 2) == [["a"]]
     assert split_micro_batches("abc", [1, 1, 100], 2) == [["a", "b"], ["c"]]
+
+
+def test_torchrun_ranks_get_every_option_rank_0_gets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cli.py builds torchrun's other ranks from the same LLM keywords as rank 0's LLM: an option
+    like --dequantize or --parallel-timeout reaches every rank (it once reached only rank 0)."""
+    from brisk.cli import build_parser
+    from brisk.cli_common import engine_kwargs
+    from brisk.engine.workers import WorkerArgs, torchrun_rank
+
+    args = build_parser().parse_args(["generate", "--model", "m.gguf", "--prompt", "x", "--dequantize", "-tp", "2",
+                                      "--parallel-timeout", "7", "--block-size", "32", "--no-pack-weights",
+                                      "--dtype", "bfloat16"])
+    worker = WorkerArgs.of_llm(args.model, {"dtype": args.dtype, **engine_kwargs(args)})
+    assert worker == WorkerArgs("m.gguf", dtype="bfloat16", tensor_parallel_size=2, timeout_s=7.0, block_size=32,
+                                pack_weights=False, dequantize=True)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert torchrun_rank() is None  # no RANK: not started by torchrun
+    monkeypatch.setenv("RANK", "1")
+    assert torchrun_rank() == 1
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert torchrun_rank() is None  # a single process is not a cluster
