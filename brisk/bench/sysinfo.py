@@ -71,6 +71,10 @@ def collect(measure_bandwidth: bool = True) -> dict[str, Any]:
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "mkl": torch.backends.mkl.is_available(),
         "onednn": torch.backends.mkldnn.is_available(),
+        # which weights oneDNN packs here (bfloat16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT) and
+        # whether its int8 matmul is exact (it saturates without VNNI): both change which path runs
+        "onednn_packed_dtypes": sorted(str(d).removeprefix("torch.") for d in kernels.PACK_DTYPES),
+        "onednn_int8_matmul": kernels.HAVE_ONEDNN_QLINEAR,
         "kernels_built": caps.built,
         "kernels_error": caps.load_error,
         "isa_cpu": caps.cpu_isa,

@@ -54,8 +54,25 @@ HAVE_ONEDNN_PACKING = _have_onednn_packing()
 PACK_BATCH_HINT = 32  # the batch oneDNN tunes the packed layout for; any batch size still works
 
 
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs a weight of this dtype on this CPU. bfloat16 packing needs AVX512-BW/VL/DQ
+    or AVX-NE-CONVERT: on an AVX2-only CPU the reorder raises, so such weights stay plain and run
+    through `small_gemm` / F.linear. Asked once with a tiny weight rather than by reading CPU flags,
+    so that whatever oneDNN decides is what brisk follows."""
+    if not HAVE_ONEDNN_PACKING:
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), PACK_BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
+
+
+PACK_DTYPES: frozenset[torch.dtype] = frozenset(d for d in GEMV_DTYPES if _onednn_packs(d))
+
+
 def pack_supported(weight: torch.Tensor) -> bool:
-    return HAVE_ONEDNN_PACKING and weight.device.type == "cpu" and weight.dtype in GEMV_DTYPES and weight.dim() == 2
+    return weight.device.type == "cpu" and weight.dtype in PACK_DTYPES and weight.dim() == 2
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -80,10 +97,24 @@ def _have_onednn_qlinear() -> bool:
         torch.ops.onednn.qlinear_pointwise  # noqa: B018
     except (AttributeError, RuntimeError):
         return False
-    return torch.backends.mkldnn.is_available()
+    return torch.backends.mkldnn.is_available() and _onednn_qlinear_is_exact()
 
 
-HAVE_ONEDNN_QLINEAR = _have_onednn_qlinear()
+def _onednn_qlinear_is_exact() -> bool:
+    """Whether oneDNN's u8 x s8 matmul gives the exact integer sums on this CPU. Without VNNI (an
+    AVX2-only CPU) it multiplies with vpmaddubsw, whose pairwise int16 sums saturate: 255 * 127 * 2
+    does not fit, and rows came out wrong by up to 1.6 (in a W8A8 layer's float units) on such a
+    machine. Checked once on the worst case: every activation 255, every weight 127 or -128."""
+    k = 64
+    xq = torch.full((2, k), 255, dtype=torch.uint8)
+    w = torch.full((16, k), 127, dtype=torch.int8)
+    w[1::2] = -128
+    try:
+        got = int8_packed_linear(xq, pack_int8_weight(w), torch.ones(16), torch.zeros(16, dtype=torch.long))
+    except RuntimeError:
+        return False
+    want = ((xq.long() - 128) @ w.long().T).float()
+    return torch.equal(got, want)
 
 
 def pack_int8_weight(qweight: torch.Tensor) -> torch.Tensor:
@@ -103,6 +134,7 @@ def int8_packed_linear(xq_u8: torch.Tensor, packed: torch.Tensor, scale: torch.T
 
 _ONE = torch.tensor(1.0)
 _OFFSET = torch.tensor(128)
+HAVE_ONEDNN_QLINEAR = _have_onednn_qlinear()
 
 
 def gemv_supported(weight: torch.Tensor) -> bool:
