@@ -134,7 +134,7 @@ def int8_packed_linear(xq_u8: torch.Tensor, packed: torch.Tensor, scale: torch.T
 
 _ONE = torch.tensor(1.0)
 _OFFSET = torch.tensor(128)
-HAVE_ONEDNN_QLINEAR = _have_onednn_qlinear()
+HAVE_ONEDNN_QLINEAR = _have_onednn_qlinear()  # here, not beside its function: the probe runs int8_packed_linear
 
 
 def gemv_supported(weight: torch.Tensor) -> bool:
