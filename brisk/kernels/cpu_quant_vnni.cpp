@@ -477,6 +477,60 @@ void int16_tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, in
   finish<4, MB>(w, y, m0, r, nrows, acc, zacc);
 }
 
+// int16_tile for a tiled weight with one 32-column block a group (GGUF's Q4_0 / Q4_1, int4 g32):
+// the same operations in the same order, as one flat loop over the tile's consecutive 64-byte runs
+// and 4-row scale pairs. The general loop's group bookkeeping around a one-block inner loop made
+// GCC keep the accumulators on the stack (a store and reload on every group's chain); on a
+// Zen 3 without AVX-512 that loop ran at about half the speed of this one.
+template <int MB>
+void int16_tile_g32(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
+  const __m256i field = _mm256_set1_epi16(0x000F);
+  const __m256i lanes0 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), lanes1 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+  __m256 acc[MB][2];
+  __m128 zacc[MB];
+  for (int k = 0; k < MB; ++k) acc[k][0] = acc[k][1] = _mm256_setzero_ps(), zacc[k] = _mm_setzero_ps();
+  const uint8_t* p = w.run(r, 0);
+  const uint16_t* sp = w.scale + w.at(r, 0);
+  const uint16_t* zp = w.zero + w.at(r, 0);
+  const int16_t* xrow[MB];
+  const float* arow[MB];
+  const float* crow[MB];
+  for (int k = 0; k < MB; ++k) {
+    xrow[k] = x.q + (m0 + k) * x.in, arow[k] = x.a + (m0 + k) * x.blocks, crow[k] = x.c + (m0 + k) * x.groups;
+  }
+  const auto bcast8 = [](const int16_t* q) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  };
+  for (int64_t b = 0; b < w.groups; ++b, p += 64, sp += 4, zp += 4) {
+    _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
+    __m256i f[2][4];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+      f[h][0] = _mm256_and_si256(v, field);
+      f[h][1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), field);
+      f[h][2] = _mm256_and_si256(_mm256_srli_epi16(v, 8), field);
+      f[h][3] = _mm256_srli_epi16(v, 12);
+    }
+    const __m128 s4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp)));
+    const __m128 z4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zp)));
+    const __m256 svec[2] = {_mm256_permutevar8x32_ps(_mm256_castps128_ps256(s4), lanes0),
+                            _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s4), lanes1)};
+    for (int k = 0; k < MB; ++k) {
+      const int16_t* xq = xrow[k] + b * kBlock;
+      const __m256i x0 = bcast8(xq), x1 = bcast8(xq + 8), x2 = bcast8(xq + 16), x3 = bcast8(xq + 24);
+      const __m256 ab = _mm256_set1_ps(arow[k][b]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i d01 = _mm256_add_epi32(_mm256_madd_epi16(f[h][0], x0), _mm256_madd_epi16(f[h][1], x1));
+        const __m256i d23 = _mm256_add_epi32(_mm256_madd_epi16(f[h][2], x2), _mm256_madd_epi16(f[h][3], x3));
+        const __m256 g = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d01, d23)), ab, _mm256_setzero_ps());
+        acc[k][h] = _mm256_fmadd_ps(g, svec[h], acc[k][h]);
+      }
+      zacc[k] = _mm_fmadd_ps(z4, _mm_set1_ps(crow[k][b]), zacc[k]);
+    }
+  }
+  finish<4, MB>(w, y, m0, r, nrows, acc, zacc);
+}
+
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -491,6 +545,7 @@ struct Int8Kernel256 {
 struct Int16Kernel256 {
   template <int MB>
   static void tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
+    if (w.tiled && w.group == kBlock) return avx2::int16_tile_g32<MB>(w, x, y, m0, r, nrows);
     avx2::int16_tile<MB>(w, x, y, m0, r, nrows);
   }
 };

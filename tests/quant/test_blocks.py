@@ -118,15 +118,21 @@ def test_bad_row_bytes_are_a_clear_error() -> None:
         kernels.block_gemm(torch.randn(1, 512), [blocks], [int(T.IQ2_XS)])
 
 
+def _isa_cols(qtype: GGMLQuantizationType) -> int:
+    """Columns of the cross-ISA check: an odd count of 32-blocks (the AVX2 loop takes them in pairs)."""
+    return 544 if GGML_QUANT_SIZES[qtype][0] == 32 else 512
+
+
 _ISA_SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, {tests!r})
-from test_blocks import TYPES, random_blocks
+from test_blocks import TYPES, _isa_cols, random_blocks
 from brisk import kernels
 out = {{}}
 for t in TYPES:
-    b = random_blocks(t, 12, 512, int(t))
-    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(int(t)))
+    cols = _isa_cols(t)
+    b = random_blocks(t, 12, cols, int(t))
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(int(t)))
     out[t.name] = kernels.block_gemm(x, [b], [int(t)]).numpy().tobytes().hex()
 print(json.dumps({{"isa": kernels.CAPS.isa, "out": out}}))
 """
@@ -143,6 +149,7 @@ def test_every_isa_gives_the_same_bits(isa: str) -> None:
                                     check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
     assert got["isa"] == isa
     for t in TYPES:
-        b = random_blocks(t, 12, 512, int(t))
-        x = torch.randn(5, 512, generator=torch.Generator().manual_seed(int(t)))
+        cols = _isa_cols(t)
+        b = random_blocks(t, 12, cols, int(t))
+        x = torch.randn(5, cols, generator=torch.Generator().manual_seed(int(t)))
         assert kernels.block_gemm(x, [b], [int(t)]).numpy().tobytes().hex() == got["out"][t.name], t.name
