@@ -87,8 +87,11 @@ print(json.dumps([o.outputs[0].token_ids for o in outs]))
 """
 
 
-@pytest.mark.parametrize("quantization", ["float", "gguf"])
-@pytest.mark.parametrize("isa", LOWER)
+# The portable level's `-q gguf` run (~24 s on an AVX2-only CPU) is a slow check: its group and block
+# kernels are compared bit for bit with the native ones in-process (test_isa_paths.py, test_blocks.py).
+@pytest.mark.parametrize("isa,quantization", [
+    pytest.param(i, q, marks=pytest.mark.slow) if (i, q) == ("scalar", "gguf") else (i, q)
+    for i in LOWER for q in ("float", "gguf")])
 def test_lowered_paths_give_the_native_greedy_tokens(isa: str, quantization: str, gguf_path: Path) -> None:
     """The real model, batched, through the paths an AVX2 or a portable build takes (the file
     dequantized to float32: 8-lane GEMMs, a float sum order of their own; `-q gguf`: its 4-bit
