@@ -477,6 +477,62 @@ void int16_tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, in
   finish<4, MB>(w, y, m0, r, nrows, acc, zacc);
 }
 
+// int8_tile for a tiled weight with one 32-column block a group: the flat loop of int16_tile_g32
+// below (same operations, same order as int8_tile).
+template <int Bits, int MB>
+void int8_tile_g32(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64_t r, int nrows) {
+  constexpr int V = kVecs<Bits>;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
+  __m256 acc[MB][V];
+  __m128 zacc[MB];
+  for (int k = 0; k < MB; ++k) {
+    zacc[k] = _mm_setzero_ps();
+    for (int i = 0; i < V; ++i) acc[k][i] = _mm256_setzero_ps();
+  }
+  const uint8_t* p = w.run(r, 0);
+  for (int64_t b = 0; b < w.groups; ++b, p += 32 * V) {
+    _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
+    __m128 s4, z4;
+    group_params<Bits>(w, r, b, nrows, s4, z4);
+    __m256 svec[V];
+    spread<Bits>(s4, svec);
+    __m256i v[V], lo[V], hi[V];
+    for (int i = 0; i < V; ++i) {
+      v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
+      if constexpr (Bits == 4) {
+        lo[i] = _mm256_and_si256(v[i], nibble);
+        hi[i] = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), nibble);
+      } else {
+        lo[i] = _mm256_abs_epi8(v[i]);
+      }
+    }
+    for (int k = 0; k < MB; ++k) {
+      const int8_t* xq = x.q + (m0 + k) * x.in + b * kBlock;
+      const __m256 ab = _mm256_set1_ps(x.a[(m0 + k) * x.blocks + b]);
+      __m256i d[V];
+      if constexpr (Bits == 4) {
+        const __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
+        const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
+        for (int i = 0; i < V; ++i)
+          d[i] = _mm256_madd_epi16(
+              _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], xlo), _mm256_maddubs_epi16(hi[i], xhi)), ones16);
+      } else {
+        const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+        const __m256i x128 = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xb), ones16), 7);
+        for (int i = 0; i < V; ++i)
+          d[i] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo[i], _mm256_sign_epi8(xb, v[i])), ones16),
+                                  x128);
+      }
+      for (int i = 0; i < V; ++i) {
+        const __m256 g = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[i]), ab, _mm256_setzero_ps());
+        acc[k][i] = _mm256_fmadd_ps(g, svec[i], acc[k][i]);
+      }
+      zacc[k] = _mm_fmadd_ps(z4, _mm_set1_ps(x.c[(m0 + k) * x.groups + b]), zacc[k]);
+    }
+  }
+  finish<Bits, MB>(w, y, m0, r, nrows, acc, zacc);
+}
+
 // int16_tile for a tiled weight with one 32-column block a group (GGUF's Q4_0 / Q4_1, int4 g32):
 // the same operations in the same order, as one flat loop over the tile's consecutive 64-byte runs
 // and 4-row scale pairs. The general loop's group bookkeeping around a one-block inner loop made
@@ -538,6 +594,7 @@ template <int Bits>
 struct Int8Kernel256 {
   template <int MB>
   static void tile(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64_t r, int nrows) {
+    if (w.tiled && w.group == kBlock) return avx2::int8_tile_g32<Bits, MB>(w, x, y, m0, r, nrows);
     avx2::int8_tile<Bits, MB>(w, x, y, m0, r, nrows);
   }
 };
