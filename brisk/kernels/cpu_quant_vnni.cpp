@@ -477,10 +477,14 @@ void int16_tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, in
   finish<4, MB>(w, y, m0, r, nrows, acc, zacc);
 }
 
-// int8_tile for a tiled weight with one 32-column block a group: the flat loop of int16_tile_g32
-// below (same operations, same order as int8_tile).
-template <int Bits, int MB>
-void int8_tile_g32(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64_t r, int nrows) {
+// int8_tile and int16_tile for a tiled weight whose groups are PG 32-column blocks (PG = 1: GGUF's
+// Q4_0 / Q4_1 / Q8_0; 2 and 4: int4 g64 / g128): the same operations in the same order, as one flat
+// loop over the tile's consecutive runs and 4-row scale pairs with the block loop unrolled. The
+// general loops' group bookkeeping around a short run-time inner loop made GCC keep the
+// accumulators on the stack (a store and reload on every group's chain): on a Zen 3 without
+// AVX-512 a 32-column group ran at under half this speed.
+template <int Bits, int MB, int PG>
+void int8_tile_flat(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64_t r, int nrows) {
   constexpr int V = kVecs<Bits>;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
   __m256 acc[MB][V];
@@ -490,101 +494,109 @@ void int8_tile_g32(const GroupWeights& w, const Acts& x, float* y, int64_t m0, i
     for (int i = 0; i < V; ++i) acc[k][i] = _mm256_setzero_ps();
   }
   const uint8_t* p = w.run(r, 0);
-  for (int64_t b = 0; b < w.groups; ++b, p += 32 * V) {
-    _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
+  for (int64_t g = 0; g < w.groups; ++g) {
     __m128 s4, z4;
-    group_params<Bits>(w, r, b, nrows, s4, z4);
+    group_params<Bits>(w, r, g, nrows, s4, z4);
     __m256 svec[V];
     spread<Bits>(s4, svec);
-    __m256i v[V], lo[V], hi[V];
-    for (int i = 0; i < V; ++i) {
-      v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
-      if constexpr (Bits == 4) {
-        lo[i] = _mm256_and_si256(v[i], nibble);
-        hi[i] = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), nibble);
-      } else {
-        lo[i] = _mm256_abs_epi8(v[i]);
+    __m256 gacc[MB][V];
+    for (int k = 0; k < MB; ++k)
+      for (int i = 0; i < V; ++i) gacc[k][i] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int e = 0; e < PG; ++e, p += 32 * V) {
+      const int64_t b = g * PG + e;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
+      __m256i v[V], lo[V], hi[V];
+      for (int i = 0; i < V; ++i) {
+        v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
+        if constexpr (Bits == 4) {
+          lo[i] = _mm256_and_si256(v[i], nibble);
+          hi[i] = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), nibble);
+        } else {
+          lo[i] = _mm256_abs_epi8(v[i]);
+        }
+      }
+      for (int k = 0; k < MB; ++k) {
+        const int8_t* xq = x.q + (m0 + k) * x.in + b * kBlock;
+        const __m256 ab = _mm256_set1_ps(x.a[(m0 + k) * x.blocks + b]);
+        __m256i d[V];
+        if constexpr (Bits == 4) {
+          const __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
+          const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
+          for (int i = 0; i < V; ++i)
+            d[i] = _mm256_madd_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], xlo), _mm256_maddubs_epi16(hi[i], xhi)), ones16);
+        } else {
+          const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+          const __m256i x128 = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xb), ones16), 7);
+          for (int i = 0; i < V; ++i)
+            d[i] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo[i], _mm256_sign_epi8(xb, v[i])), ones16),
+                                    x128);
+        }
+        for (int i = 0; i < V; ++i) gacc[k][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[i]), ab, gacc[k][i]);
       }
     }
     for (int k = 0; k < MB; ++k) {
-      const int8_t* xq = x.q + (m0 + k) * x.in + b * kBlock;
-      const __m256 ab = _mm256_set1_ps(x.a[(m0 + k) * x.blocks + b]);
-      __m256i d[V];
-      if constexpr (Bits == 4) {
-        const __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
-        const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
-        for (int i = 0; i < V; ++i)
-          d[i] = _mm256_madd_epi16(
-              _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], xlo), _mm256_maddubs_epi16(hi[i], xhi)), ones16);
-      } else {
-        const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-        const __m256i x128 = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xb), ones16), 7);
-        for (int i = 0; i < V; ++i)
-          d[i] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo[i], _mm256_sign_epi8(xb, v[i])), ones16),
-                                  x128);
-      }
-      for (int i = 0; i < V; ++i) {
-        const __m256 g = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[i]), ab, _mm256_setzero_ps());
-        acc[k][i] = _mm256_fmadd_ps(g, svec[i], acc[k][i]);
-      }
-      zacc[k] = _mm_fmadd_ps(z4, _mm_set1_ps(x.c[(m0 + k) * x.groups + b]), zacc[k]);
+      for (int i = 0; i < V; ++i) acc[k][i] = _mm256_fmadd_ps(gacc[k][i], svec[i], acc[k][i]);
+      zacc[k] = _mm_fmadd_ps(z4, _mm_set1_ps(x.c[(m0 + k) * x.groups + g]), zacc[k]);
     }
   }
   finish<Bits, MB>(w, y, m0, r, nrows, acc, zacc);
 }
 
-// int16_tile for a tiled weight with one 32-column block a group (GGUF's Q4_0 / Q4_1, int4 g32):
-// the same operations in the same order, as one flat loop over the tile's consecutive 64-byte runs
-// and 4-row scale pairs. The general loop's group bookkeeping around a one-block inner loop made
-// GCC keep the accumulators on the stack (a store and reload on every group's chain); on a
-// Zen 3 without AVX-512 that loop ran at about half the speed of this one.
-template <int MB>
-void int16_tile_g32(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
+template <int MB, int PG>
+void int16_tile_flat(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
   const __m256i field = _mm256_set1_epi16(0x000F);
-  const __m256i lanes0 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), lanes1 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
   __m256 acc[MB][2];
   __m128 zacc[MB];
   for (int k = 0; k < MB; ++k) acc[k][0] = acc[k][1] = _mm256_setzero_ps(), zacc[k] = _mm_setzero_ps();
   const uint8_t* p = w.run(r, 0);
-  const uint16_t* sp = w.scale + w.at(r, 0);
-  const uint16_t* zp = w.zero + w.at(r, 0);
-  const int16_t* xrow[MB];
-  const float* arow[MB];
-  const float* crow[MB];
-  for (int k = 0; k < MB; ++k) {
-    xrow[k] = x.q + (m0 + k) * x.in, arow[k] = x.a + (m0 + k) * x.blocks, crow[k] = x.c + (m0 + k) * x.groups;
-  }
   const auto bcast8 = [](const int16_t* q) {
     return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
   };
-  for (int64_t b = 0; b < w.groups; ++b, p += 64, sp += 4, zp += 4) {
-    _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
-    __m256i f[2][4];
-    for (int h = 0; h < 2; ++h) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
-      f[h][0] = _mm256_and_si256(v, field);
-      f[h][1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), field);
-      f[h][2] = _mm256_and_si256(_mm256_srli_epi16(v, 8), field);
-      f[h][3] = _mm256_srli_epi16(v, 12);
-    }
-    const __m128 s4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp)));
-    const __m128 z4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zp)));
-    const __m256 svec[2] = {_mm256_permutevar8x32_ps(_mm256_castps128_ps256(s4), lanes0),
-                            _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s4), lanes1)};
-    for (int k = 0; k < MB; ++k) {
-      const int16_t* xq = xrow[k] + b * kBlock;
-      const __m256i x0 = bcast8(xq), x1 = bcast8(xq + 8), x2 = bcast8(xq + 16), x3 = bcast8(xq + 24);
-      const __m256 ab = _mm256_set1_ps(arow[k][b]);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m256 gacc[MB][2];
+    for (int k = 0; k < MB; ++k) gacc[k][0] = gacc[k][1] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int e = 0; e < PG; ++e, p += 64) {
+      const int64_t b = g * PG + e;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
+      __m256i f[2][4];
       for (int h = 0; h < 2; ++h) {
-        const __m256i d01 = _mm256_add_epi32(_mm256_madd_epi16(f[h][0], x0), _mm256_madd_epi16(f[h][1], x1));
-        const __m256i d23 = _mm256_add_epi32(_mm256_madd_epi16(f[h][2], x2), _mm256_madd_epi16(f[h][3], x3));
-        const __m256 g = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d01, d23)), ab, _mm256_setzero_ps());
-        acc[k][h] = _mm256_fmadd_ps(g, svec[h], acc[k][h]);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+        f[h][0] = _mm256_and_si256(v, field);
+        f[h][1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), field);
+        f[h][2] = _mm256_and_si256(_mm256_srli_epi16(v, 8), field);
+        f[h][3] = _mm256_srli_epi16(v, 12);
       }
-      zacc[k] = _mm_fmadd_ps(z4, _mm_set1_ps(crow[k][b]), zacc[k]);
+      for (int k = 0; k < MB; ++k) {
+        const int16_t* xq = x.q + (m0 + k) * x.in + b * kBlock;
+        const __m256i x0 = bcast8(xq), x1 = bcast8(xq + 8), x2 = bcast8(xq + 16), x3 = bcast8(xq + 24);
+        const __m256 ab = _mm256_set1_ps(x.a[(m0 + k) * x.blocks + b]);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i d01 = _mm256_add_epi32(_mm256_madd_epi16(f[h][0], x0), _mm256_madd_epi16(f[h][1], x1));
+          const __m256i d23 = _mm256_add_epi32(_mm256_madd_epi16(f[h][2], x2), _mm256_madd_epi16(f[h][3], x3));
+          gacc[k][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d01, d23)), ab, gacc[k][h]);
+        }
+      }
+    }
+    __m128 s4, z4;
+    group_params<4>(w, r, g, nrows, s4, z4);
+    __m256 svec[2];
+    spread<4>(s4, svec);
+    for (int k = 0; k < MB; ++k) {
+      for (int h = 0; h < 2; ++h) acc[k][h] = _mm256_fmadd_ps(gacc[k][h], svec[h], acc[k][h]);
+      zacc[k] = _mm_fmadd_ps(z4, _mm_set1_ps(x.c[(m0 + k) * x.groups + g]), zacc[k]);
     }
   }
   finish<4, MB>(w, y, m0, r, nrows, acc, zacc);
+}
+
+// Which flat loop serves a tiled weight of this group size (0: none, the general loop).
+inline int flat_blocks(const GroupWeights& w) {
+  if (!w.tiled) return 0;
+  const int64_t pg = w.group / kBlock;
+  return pg == 1 || pg == 2 || pg == 4 ? static_cast<int>(pg) : 0;
 }
 
 }  // namespace avx2
@@ -594,7 +606,12 @@ template <int Bits>
 struct Int8Kernel256 {
   template <int MB>
   static void tile(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64_t r, int nrows) {
-    if (w.tiled && w.group == kBlock) return avx2::int8_tile_g32<Bits, MB>(w, x, y, m0, r, nrows);
+    switch (avx2::flat_blocks(w)) {
+      case 1: return avx2::int8_tile_flat<Bits, MB, 1>(w, x, y, m0, r, nrows);
+      case 2: return avx2::int8_tile_flat<Bits, MB, 2>(w, x, y, m0, r, nrows);
+      case 4: return avx2::int8_tile_flat<Bits, MB, 4>(w, x, y, m0, r, nrows);
+      default: break;
+    }
     avx2::int8_tile<Bits, MB>(w, x, y, m0, r, nrows);
   }
 };
@@ -602,7 +619,12 @@ struct Int8Kernel256 {
 struct Int16Kernel256 {
   template <int MB>
   static void tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
-    if (w.tiled && w.group == kBlock) return avx2::int16_tile_g32<MB>(w, x, y, m0, r, nrows);
+    switch (avx2::flat_blocks(w)) {
+      case 1: return avx2::int16_tile_flat<MB, 1>(w, x, y, m0, r, nrows);
+      case 2: return avx2::int16_tile_flat<MB, 2>(w, x, y, m0, r, nrows);
+      case 4: return avx2::int16_tile_flat<MB, 4>(w, x, y, m0, r, nrows);
+      default: break;
+    }
     avx2::int16_tile<MB>(w, x, y, m0, r, nrows);
   }
 };
