@@ -366,125 +366,31 @@ inline void finish(const GroupWeights& w, float* y, int64_t m0, int64_t r, int n
   }
 }
 
-// vnni_tile on 256-bit vectors.
-template <int Bits, int MB>
-void int8_tile(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64_t r, int nrows) {
-  constexpr int V = kVecs<Bits>;
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
-  const int64_t per_group = w.group / kBlock;
-  const int64_t ahead = w.tiled ? 1024 : 0;
-  __m256 acc[MB][V];
-  __m128 zacc[MB];
-  for (int k = 0; k < MB; ++k) {
-    zacc[k] = _mm_setzero_ps();
-    for (int i = 0; i < V; ++i) acc[k][i] = _mm256_setzero_ps();
+// vnni_tile and a16_tile on 256-bit vectors. PG: the 32-column blocks of a group when the weight is
+// tiled and they are 1, 2 or 4 (GGUF's 32-blocks, int4 g64 / g128): the tile's runs are read in
+// order and the block loop is unrolled; 0: any weight, the count read from `w`. The run-time
+// one-iteration block loop of a 32-column group made GCC keep the accumulators on the stack (a
+// store and reload on every group's chain): on a Zen 3 without AVX-512 that ran at under half the
+// speed. Either way the same operations in the same order.
+
+// The run of block b for the 4 rows at r: with PG, the tiled run at `p` (the next one follows it);
+// otherwise load_rows. Returns where the next run starts (PG only).
+template <int Bits, int PG>
+inline const uint8_t* load_run(const GroupWeights& w, int64_t r, int64_t b, int nrows, const uint8_t* p,
+                               __m256i (&v)[kVecs<Bits>]) {
+  if constexpr (PG != 0) {
+    _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);  // the stream 1 KB on: from DRAM
+    for (int i = 0; i < kVecs<Bits>; ++i) v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
+    return p + 32 * kVecs<Bits>;
+  } else {
+    if (w.tiled) _mm_prefetch(reinterpret_cast<const char*>(w.run(r, b)) + 1024, _MM_HINT_T0);
+    load_rows<Bits>(w, r, b, nrows, v);
+    return p;
   }
-  for (int64_t g = 0; g < w.groups; ++g) {
-    __m128 s4, z4;
-    group_params<Bits>(w, r, g, nrows, s4, z4);
-    __m256 svec[V];
-    spread<Bits>(s4, svec);
-    __m256 gacc[MB][V];
-    for (int k = 0; k < MB; ++k)
-      for (int i = 0; i < V; ++i) gacc[k][i] = _mm256_setzero_ps();
-    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w.run(r, b)) + ahead, _MM_HINT_T0);
-      __m256i v[V];
-      load_rows<Bits>(w, r, b, nrows, v);
-      __m256i lo[V], hi[V];  // 4-bit: the columns 0..15 and 16..31 of both rows; 8-bit: |q|
-      for (int i = 0; i < V; ++i) {
-        if constexpr (Bits == 4) {
-          lo[i] = _mm256_and_si256(v[i], nibble);
-          hi[i] = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), nibble);
-        } else {
-          lo[i] = _mm256_abs_epi8(v[i]);  // |-128| reads as 128 unsigned
-        }
-      }
-      for (int k = 0; k < MB; ++k) {
-        const int8_t* xq = x.q + (m0 + k) * x.in + b * kBlock;
-        const __m256 ab = _mm256_set1_ps(x.a[(m0 + k) * x.blocks + b]);
-        __m256i d[V];
-        if constexpr (Bits == 4) {
-          const __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
-          const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
-          for (int i = 0; i < V; ++i)
-            d[i] = _mm256_madd_epi16(
-                _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], xlo), _mm256_maddubs_epi16(hi[i], xhi)), ones16);
-        } else {
-          const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-          const __m256i x128 = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xb), ones16), 7);
-          for (int i = 0; i < V; ++i)
-            d[i] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo[i], _mm256_sign_epi8(xb, v[i])), ones16),
-                                    x128);
-        }
-        for (int i = 0; i < V; ++i) gacc[k][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[i]), ab, gacc[k][i]);
-      }
-    }
-    for (int k = 0; k < MB; ++k) {
-      for (int i = 0; i < V; ++i) acc[k][i] = _mm256_fmadd_ps(gacc[k][i], svec[i], acc[k][i]);
-      zacc[k] = _mm_fmadd_ps(z4, _mm_set1_ps(x.c[(m0 + k) * x.groups + g]), zacc[k]);
-    }
-  }
-  finish<Bits, MB>(w, y, m0, r, nrows, acc, zacc);
 }
 
-// a16_tile on 256-bit vectors.
-template <int MB>
-void int16_tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
-  const __m256i field = _mm256_set1_epi16(0x000F);
-  const int64_t per_group = w.group / kBlock;
-  const int64_t ahead = w.tiled ? 1024 : 0;
-  __m256 acc[MB][2];
-  __m128 zacc[MB];
-  for (int k = 0; k < MB; ++k) acc[k][0] = acc[k][1] = _mm256_setzero_ps(), zacc[k] = _mm_setzero_ps();
-  const auto bcast8 = [](const int16_t* p) {
-    return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  };
-  for (int64_t g = 0; g < w.groups; ++g) {
-    __m256 gacc[MB][2];
-    for (int k = 0; k < MB; ++k) gacc[k][0] = gacc[k][1] = _mm256_setzero_ps();
-    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w.run(r, b)) + ahead, _MM_HINT_T0);
-      __m256i v[2];
-      load_rows<4>(w, r, b, nrows, v);
-      __m256i f[2][4];
-      for (int h = 0; h < 2; ++h) {
-        f[h][0] = _mm256_and_si256(v[h], field);
-        f[h][1] = _mm256_and_si256(_mm256_srli_epi16(v[h], 4), field);
-        f[h][2] = _mm256_and_si256(_mm256_srli_epi16(v[h], 8), field);
-        f[h][3] = _mm256_srli_epi16(v[h], 12);
-      }
-      for (int k = 0; k < MB; ++k) {
-        const int16_t* xq = x.q + (m0 + k) * x.in + b * kBlock;
-        const __m256i x0 = bcast8(xq), x1 = bcast8(xq + 8), x2 = bcast8(xq + 16), x3 = bcast8(xq + 24);
-        const __m256 ab = _mm256_set1_ps(x.a[(m0 + k) * x.blocks + b]);
-        for (int h = 0; h < 2; ++h) {
-          const __m256i d01 = _mm256_add_epi32(_mm256_madd_epi16(f[h][0], x0), _mm256_madd_epi16(f[h][1], x1));
-          const __m256i d23 = _mm256_add_epi32(_mm256_madd_epi16(f[h][2], x2), _mm256_madd_epi16(f[h][3], x3));
-          gacc[k][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d01, d23)), ab, gacc[k][h]);
-        }
-      }
-    }
-    __m128 s4, z4;
-    group_params<4>(w, r, g, nrows, s4, z4);
-    __m256 svec[2];
-    spread<4>(s4, svec);
-    for (int k = 0; k < MB; ++k) {
-      for (int h = 0; h < 2; ++h) acc[k][h] = _mm256_fmadd_ps(gacc[k][h], svec[h], acc[k][h]);
-      zacc[k] = _mm_fmadd_ps(z4, _mm_set1_ps(x.c[(m0 + k) * x.groups + g]), zacc[k]);
-    }
-  }
-  finish<4, MB>(w, y, m0, r, nrows, acc, zacc);
-}
-
-// int8_tile and int16_tile for a tiled weight whose groups are PG 32-column blocks (PG = 1: GGUF's
-// Q4_0 / Q4_1 / Q8_0; 2 and 4: int4 g64 / g128): the same operations in the same order, as one flat
-// loop over the tile's consecutive runs and 4-row scale pairs with the block loop unrolled. The
-// general loops' group bookkeeping around a short run-time inner loop made GCC keep the
-// accumulators on the stack (a store and reload on every group's chain): on a Zen 3 without
-// AVX-512 a 32-column group ran at under half this speed.
 template <int Bits, int MB, int PG>
-void int8_tile_flat(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64_t r, int nrows) {
+void int8_tile(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64_t r, int nrows) {
   constexpr int V = kVecs<Bits>;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
   __m256 acc[MB][V];
@@ -494,6 +400,7 @@ void int8_tile_flat(const GroupWeights& w, const Acts& x, float* y, int64_t m0, 
     for (int i = 0; i < V; ++i) acc[k][i] = _mm256_setzero_ps();
   }
   const uint8_t* p = w.run(r, 0);
+  const int64_t blocks = PG ? PG : w.group / kBlock;
   for (int64_t g = 0; g < w.groups; ++g) {
     __m128 s4, z4;
     group_params<Bits>(w, r, g, nrows, s4, z4);
@@ -503,12 +410,11 @@ void int8_tile_flat(const GroupWeights& w, const Acts& x, float* y, int64_t m0, 
     for (int k = 0; k < MB; ++k)
       for (int i = 0; i < V; ++i) gacc[k][i] = _mm256_setzero_ps();
 #pragma GCC unroll 4
-    for (int e = 0; e < PG; ++e, p += 32 * V) {
-      const int64_t b = g * PG + e;
-      _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
+    for (int64_t e = 0; e < blocks; ++e) {
+      const int64_t b = g * blocks + e;
       __m256i v[V], lo[V], hi[V];
+      p = load_run<Bits, PG>(w, r, b, nrows, p, v);
       for (int i = 0; i < V; ++i) {
-        v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
         if constexpr (Bits == 4) {
           lo[i] = _mm256_and_si256(v[i], nibble);
           hi[i] = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), nibble);
@@ -545,12 +451,13 @@ void int8_tile_flat(const GroupWeights& w, const Acts& x, float* y, int64_t m0, 
 }
 
 template <int MB, int PG>
-void int16_tile_flat(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
+void int16_tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
   const __m256i field = _mm256_set1_epi16(0x000F);
   __m256 acc[MB][2];
   __m128 zacc[MB];
   for (int k = 0; k < MB; ++k) acc[k][0] = acc[k][1] = _mm256_setzero_ps(), zacc[k] = _mm_setzero_ps();
   const uint8_t* p = w.run(r, 0);
+  const int64_t blocks = PG ? PG : w.group / kBlock;
   const auto bcast8 = [](const int16_t* q) {
     return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
   };
@@ -558,16 +465,15 @@ void int16_tile_flat(const GroupWeights& w, const Acts16& x, float* y, int64_t m
     __m256 gacc[MB][2];
     for (int k = 0; k < MB; ++k) gacc[k][0] = gacc[k][1] = _mm256_setzero_ps();
 #pragma GCC unroll 4
-    for (int e = 0; e < PG; ++e, p += 64) {
-      const int64_t b = g * PG + e;
-      _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
-      __m256i f[2][4];
+    for (int64_t e = 0; e < blocks; ++e) {
+      const int64_t b = g * blocks + e;
+      __m256i v[2], f[2][4];
+      p = load_run<4, PG>(w, r, b, nrows, p, v);
       for (int h = 0; h < 2; ++h) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
-        f[h][0] = _mm256_and_si256(v, field);
-        f[h][1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), field);
-        f[h][2] = _mm256_and_si256(_mm256_srli_epi16(v, 8), field);
-        f[h][3] = _mm256_srli_epi16(v, 12);
+        f[h][0] = _mm256_and_si256(v[h], field);
+        f[h][1] = _mm256_and_si256(_mm256_srli_epi16(v[h], 4), field);
+        f[h][2] = _mm256_and_si256(_mm256_srli_epi16(v[h], 8), field);
+        f[h][3] = _mm256_srli_epi16(v[h], 12);
       }
       for (int k = 0; k < MB; ++k) {
         const int16_t* xq = x.q + (m0 + k) * x.in + b * kBlock;
@@ -592,7 +498,7 @@ void int16_tile_flat(const GroupWeights& w, const Acts16& x, float* y, int64_t m
   finish<4, MB>(w, y, m0, r, nrows, acc, zacc);
 }
 
-// Which flat loop serves a tiled weight of this group size (0: none, the general loop).
+// The PG a weight runs with (0: not tiled, or a group of another size).
 inline int flat_blocks(const GroupWeights& w) {
   if (!w.tiled) return 0;
   const int64_t pg = w.group / kBlock;
@@ -607,12 +513,11 @@ struct Int8Kernel256 {
   template <int MB>
   static void tile(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64_t r, int nrows) {
     switch (avx2::flat_blocks(w)) {
-      case 1: return avx2::int8_tile_flat<Bits, MB, 1>(w, x, y, m0, r, nrows);
-      case 2: return avx2::int8_tile_flat<Bits, MB, 2>(w, x, y, m0, r, nrows);
-      case 4: return avx2::int8_tile_flat<Bits, MB, 4>(w, x, y, m0, r, nrows);
-      default: break;
+      case 1: return avx2::int8_tile<Bits, MB, 1>(w, x, y, m0, r, nrows);
+      case 2: return avx2::int8_tile<Bits, MB, 2>(w, x, y, m0, r, nrows);
+      case 4: return avx2::int8_tile<Bits, MB, 4>(w, x, y, m0, r, nrows);
+      default: return avx2::int8_tile<Bits, MB, 0>(w, x, y, m0, r, nrows);
     }
-    avx2::int8_tile<Bits, MB>(w, x, y, m0, r, nrows);
   }
 };
 
@@ -620,12 +525,11 @@ struct Int16Kernel256 {
   template <int MB>
   static void tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
     switch (avx2::flat_blocks(w)) {
-      case 1: return avx2::int16_tile_flat<MB, 1>(w, x, y, m0, r, nrows);
-      case 2: return avx2::int16_tile_flat<MB, 2>(w, x, y, m0, r, nrows);
-      case 4: return avx2::int16_tile_flat<MB, 4>(w, x, y, m0, r, nrows);
-      default: break;
+      case 1: return avx2::int16_tile<MB, 1>(w, x, y, m0, r, nrows);
+      case 2: return avx2::int16_tile<MB, 2>(w, x, y, m0, r, nrows);
+      case 4: return avx2::int16_tile<MB, 4>(w, x, y, m0, r, nrows);
+      default: return avx2::int16_tile<MB, 0>(w, x, y, m0, r, nrows);
     }
-    avx2::int16_tile<MB>(w, x, y, m0, r, nrows);
   }
 };
 #endif  // BRISK_X86
