@@ -412,14 +412,14 @@ void int8_tile(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64
 #pragma GCC unroll 4
     for (int64_t e = 0; e < blocks; ++e) {
       const int64_t b = g * blocks + e;
-      __m256i v[V], lo[V], hi[V];
+      __m256i v[V], lo[V], hi[V];  // lo, hi: 4-bit: the columns 0..15 and 16..31 of both rows; 8-bit: |q|
       p = load_run<Bits, PG>(w, r, b, nrows, p, v);
       for (int i = 0; i < V; ++i) {
         if constexpr (Bits == 4) {
           lo[i] = _mm256_and_si256(v[i], nibble);
           hi[i] = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), nibble);
         } else {
-          lo[i] = _mm256_abs_epi8(v[i]);
+          lo[i] = _mm256_abs_epi8(v[i]);  // |-128| reads as 128 unsigned
         }
       }
       for (int k = 0; k < MB; ++k) {
@@ -498,11 +498,16 @@ void int16_tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, in
   finish<4, MB>(w, y, m0, r, nrows, acc, zacc);
 }
 
-// The PG a weight runs with (0: not tiled, or a group of another size).
-inline int flat_blocks(const GroupWeights& w) {
-  if (!w.tiled) return 0;
-  const int64_t pg = w.group / kBlock;
-  return pg == 1 || pg == 2 || pg == 4 ? static_cast<int>(pg) : 0;
+// f(std::integral_constant<int, PG>{}) with the PG this weight runs with (0: not tiled, or a group
+// of another size).
+template <typename F>
+inline void with_blocks(const GroupWeights& w, F&& f) {
+  switch (w.tiled ? w.group / kBlock : 0) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    default: return f(std::integral_constant<int, 0>{});
+  }
 }
 
 }  // namespace avx2
@@ -512,24 +517,14 @@ template <int Bits>
 struct Int8Kernel256 {
   template <int MB>
   static void tile(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64_t r, int nrows) {
-    switch (avx2::flat_blocks(w)) {
-      case 1: return avx2::int8_tile<Bits, MB, 1>(w, x, y, m0, r, nrows);
-      case 2: return avx2::int8_tile<Bits, MB, 2>(w, x, y, m0, r, nrows);
-      case 4: return avx2::int8_tile<Bits, MB, 4>(w, x, y, m0, r, nrows);
-      default: return avx2::int8_tile<Bits, MB, 0>(w, x, y, m0, r, nrows);
-    }
+    avx2::with_blocks(w, [&](auto pg) { avx2::int8_tile<Bits, MB, decltype(pg)::value>(w, x, y, m0, r, nrows); });
   }
 };
 
 struct Int16Kernel256 {
   template <int MB>
   static void tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
-    switch (avx2::flat_blocks(w)) {
-      case 1: return avx2::int16_tile<MB, 1>(w, x, y, m0, r, nrows);
-      case 2: return avx2::int16_tile<MB, 2>(w, x, y, m0, r, nrows);
-      case 4: return avx2::int16_tile<MB, 4>(w, x, y, m0, r, nrows);
-      default: return avx2::int16_tile<MB, 0>(w, x, y, m0, r, nrows);
-    }
+    avx2::with_blocks(w, [&](auto pg) { avx2::int16_tile<MB, decltype(pg)::value>(w, x, y, m0, r, nrows); });
   }
 };
 #endif  // BRISK_X86
