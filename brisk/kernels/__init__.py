@@ -273,9 +273,9 @@ ACT_KERNELS = {"int8": "group_gemm_q8act", "int16": "group_gemm_q16act"}  # quan
 
 def group_qact_supported(mode: str, bits: int) -> bool:
     """True when `group_gemm_qact` runs here for activations `mode` ("int8", "int16") and weights of
-    `bits` (int16 activations meet 4-bit weights only): extension built (AVX512-VNNI, AVX2 and portable
-    paths, bit-identical)."""
-    return CAPS.has(ACT_KERNELS[mode]) and (mode == "int8" or bits == 4)
+    `bits` (4 or 8): extension built (AVX512-VNNI, AVX2 and portable paths, bit-identical; 8-bit x
+    int16 has no 512-bit form, the AVX2 kernel serves that level)."""
+    return CAPS.has(ACT_KERNELS[mode]) and bits in (4, 8)
 
 
 def group_gemm_qact(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,

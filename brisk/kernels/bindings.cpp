@@ -27,7 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("zero"), py::arg("group"), py::arg("bits"),
         py::arg("bias") = py::none(), py::arg("tiled") = false);
   m.def("group_gemm_q16act", &group_gemm_q16act,
-        "4-bit group_gemm with x quantized to int16 per 32-column block: VNNI int16 dot products (AVX512-VNNI)",
+        "group_gemm (4- or 8-bit) with x quantized to int16 per 32-column block: int16 dot products",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("zero"), py::arg("group"), py::arg("bits"),
         py::arg("bias") = py::none(), py::arg("tiled") = false);
   m.def("group_dequantize", &group_dequantize, "the float32 weight a group-quantized q stands for",

@@ -171,7 +171,6 @@ LinearOp parse_linear(const py::tuple& t) {
     case LinearOp::kGroupInt16Acts:
       op.group = brisk_group::check_group_weights(op.weight, op.scale, op.zero.defined() ? c10::optional<torch::Tensor>(op.zero)
                                                                                     : c10::nullopt, group, bits, tiled);
-      TORCH_CHECK(op.kind != LinearOp::kGroupInt16Acts || bits == 4, "brisk DecodePlan: int16 activations are for 4-bit weights");
       op.out = op.group.out, op.in = op.group.in;
       break;
     case LinearOp::kInt8:

@@ -379,7 +379,7 @@ template <int Bits, int PG>
 inline const uint8_t* load_run(const GroupWeights& w, int64_t r, int64_t b, int nrows, const uint8_t* p,
                                __m256i (&v)[kVecs<Bits>]) {
   if constexpr (PG != 0) {
-    _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);  // the stream 1 KB on: from DRAM
+    _mm_prefetch(reinterpret_cast<const char*>(p) + 256, _MM_HINT_T0);  // the stream 1 KB on: from DRAM
     for (int i = 0; i < kVecs<Bits>; ++i) v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
     return p + 32 * kVecs<Bits>;
   } else {
@@ -498,6 +498,58 @@ void int16_tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, in
   finish<4, MB>(w, y, m0, r, nrows, acc, zacc);
 }
 
+// 8-bit weights x int16 activations (Q8_0 heads: the float kernel's precision at about the int8
+// kernel's cost). The acts are a16_tile's permuted blocks: slots 0-15 hold the even columns 0..30,
+// slots 16-31 the odd ones, so a row's even bytes (sign-extended in place) meet the first half and its
+// odd bytes the second: int32 lane t sums columns 4t..4t+3 exactly, as the int8 kernel's lanes do
+// (|q| <= 128, |x| <= 32767: |lane| < 2^24, so its float is exact too). Signed weights need no zero
+// term: z' = 0.
+template <int MB, int PG>
+void int16_tile8(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
+  __m256 acc[MB][4];
+  __m128 zacc[MB];
+  for (int k = 0; k < MB; ++k) {
+    zacc[k] = _mm_setzero_ps();
+    for (int i = 0; i < 4; ++i) acc[k][i] = _mm256_setzero_ps();
+  }
+  const uint8_t* p = w.run(r, 0);
+  const int64_t blocks = PG ? PG : w.group / kBlock;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m256 gacc[MB][4];
+    for (int k = 0; k < MB; ++k)
+      for (int i = 0; i < 4; ++i) gacc[k][i] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int64_t e = 0; e < blocks; ++e) {
+      const int64_t b = g * blocks + e;
+      __m256i v[4], even[4], odd[4];
+      p = load_run<8, PG>(w, r, b, nrows, p, v);
+      for (int i = 0; i < 4; ++i) {
+        even[i] = _mm256_srai_epi16(_mm256_slli_epi16(v[i], 8), 8);
+        odd[i] = _mm256_srai_epi16(v[i], 8);
+      }
+      for (int k = 0; k < MB; ++k) {
+        const int16_t* xq = x.q + (m0 + k) * x.in + b * kBlock;
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
+        const __m256 ab = _mm256_set1_ps(x.a[(m0 + k) * x.blocks + b]);
+        for (int i = 0; i < 4; ++i) {
+          const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(even[i], x0), _mm256_madd_epi16(odd[i], x1));
+          gacc[k][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), ab, gacc[k][i]);
+        }
+      }
+    }
+    __m128 s4, z4;
+    group_params<8>(w, r, g, nrows, s4, z4);
+    __m256 svec[4];
+    spread<8>(s4, svec);
+    for (int k = 0; k < MB; ++k) {
+      for (int i = 0; i < 4; ++i) acc[k][i] = _mm256_fmadd_ps(gacc[k][i], svec[i], acc[k][i]);
+      zacc[k] = _mm_fmadd_ps(_mm_setzero_ps(), _mm_set1_ps(x.c[(m0 + k) * x.groups + g]), zacc[k]);
+    }
+  }
+  finish<8, MB>(w, y, m0, r, nrows, acc, zacc);
+}
+
 // f(std::integral_constant<int, PG>{}) with the PG this weight runs with (0: not tiled, or a group
 // of another size).
 template <typename F>
@@ -525,6 +577,13 @@ struct Int16Kernel256 {
   template <int MB>
   static void tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
     avx2::with_blocks(w, [&](auto pg) { avx2::int16_tile<MB, decltype(pg)::value>(w, x, y, m0, r, nrows); });
+  }
+};
+
+struct Int16Kernel256x8 {  // 8-bit weights; also the AVX-512 level's kernel for them (no 512-bit form)
+  template <int MB>
+  static void tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
+    avx2::with_blocks(w, [&](auto pg) { avx2::int16_tile8<MB, decltype(pg)::value>(w, x, y, m0, r, nrows); });
   }
 };
 #endif  // BRISK_X86
@@ -584,13 +643,14 @@ BRISK_QUANTIZE_ROW(quantize_act_row_avx2, __attribute__((target("avx2,fma"))))
 template <int Bits, typename T>
 void portable_rows(const GroupWeights& w, const ActsT<T>& x, float* y, int64_t m, int64_t r0, int64_t r1) {
   constexpr int L = Bits == 4 ? 4 : 8;
+  constexpr bool kA16 = sizeof(T) == 2;  // 8-bit x int16: signed products, no zero term (int16_tile8)
   const int64_t per_group = w.group / kBlock;
   for (int64_t r = r0; r < std::min(r1, w.out); ++r) {
     for (int64_t k = 0; k < m; ++k) {
       float acc[L] = {}, zacc = 0.0f;
       for (int64_t g = 0; g < w.groups; ++g) {
         const float s = c10::detail::fp16_ieee_to_fp32_value(w.scale[w.at(r, g)]);
-        const float z = Bits == 4 ? c10::detail::fp16_ieee_to_fp32_value(w.zero[w.at(r, g)]) : -128.0f * s;
+        const float z = Bits == 4 ? c10::detail::fp16_ieee_to_fp32_value(w.zero[w.at(r, g)]) : kA16 ? 0.0f : -128.0f * s;
         float gacc[L] = {};
         for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
           const uint8_t* p = w.run(r, b);
@@ -599,6 +659,8 @@ void portable_rows(const GroupWeights& w, const ActsT<T>& x, float* y, int64_t m
           if constexpr (Bits == 4) {
             for (int c = 0; c < 16; ++c)
               d[c / 4] += (p[c] & 15) * xq[act_slot<T>(c)] + (p[c] >> 4) * xq[act_slot<T>(c + 16)];
+          } else if constexpr (kA16) {
+            for (int c = 0; c < 32; ++c) d[c / 4] += static_cast<int8_t>(p[c]) * xq[act_slot<T>(c)];
           } else {
             for (int c = 0; c < 32; ++c) d[c / 4] += (static_cast<int8_t>(p[c]) + 128) * xq[c];
           }
@@ -677,12 +739,11 @@ torch::Tensor group_gemm_q8act(const torch::Tensor& x, const torch::Tensor& q, c
   return qact_gemm("group_gemm_q8act", 127, x, w, bias);
 }
 
-// y[M, out] = quantize_act_blocks(x, "int16") @ W^T (+ bias) up to float rounding: 4-bit W as
-// group_gemm's, x quantized to int16 per row and 32-column block.
+// y[M, out] = quantize_act_blocks(x, "int16") @ W^T (+ bias) up to float rounding: W as group_gemm's
+// (4-bit or 8-bit), x quantized to int16 per row and 32-column block.
 torch::Tensor group_gemm_q16act(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                                 const c10::optional<torch::Tensor>& zero, int64_t group, int64_t bits,
                                 const c10::optional<torch::Tensor>& bias, bool tiled) {
-  TORCH_CHECK(bits == 4, "brisk group_gemm_q16act: int16 activations are for 4-bit weights");
   const GroupWeights w = brisk_group::check_group_weights(q, scale, zero, group, bits, tiled);
   return qact_gemm("group_gemm_q16act", kAct16Levels, x, w, bias);
 }
@@ -701,6 +762,8 @@ void group_qact_rows(const GroupWeights& w, const QuantizedActs& x, float* y, in
   const bool a16 = x.levels == kAct16Levels;
 #ifdef BRISK_X86
   const int64_t t0 = r0 / 4, t1 = (std::min(r1, w.out) + 3) / 4;
+  if (a16 && w.run_bytes != 16 && brisk_isa::at_least_avx2())
+    return tile_range<Int16Kernel256x8>(w, acts_of<int16_t>(w, x), y, m, t0, t1);
   if (brisk_isa::vnni()) {
     if (a16) return tile_range<A16Kernel>(w, acts_of<int16_t>(w, x), y, m, t0, t1);
     if (w.run_bytes == 16) return tile_range<VnniKernel<4>>(w, acts_of<int8_t>(w, x), y, m, t0, t1);
@@ -712,7 +775,8 @@ void group_qact_rows(const GroupWeights& w, const QuantizedActs& x, float* y, in
     return tile_range<Int8Kernel256<8>>(w, acts_of<int8_t>(w, x), y, m, t0, t1);
   }
 #endif
-  if (a16) return portable_rows<4>(w, acts_of<int16_t>(w, x), y, m, r0, r1);
+  if (a16 && w.run_bytes == 16) return portable_rows<4>(w, acts_of<int16_t>(w, x), y, m, r0, r1);
+  if (a16) return portable_rows<8>(w, acts_of<int16_t>(w, x), y, m, r0, r1);
   if (w.run_bytes == 16) return portable_rows<4>(w, acts_of<int8_t>(w, x), y, m, r0, r1);
   portable_rows<8>(w, acts_of<int8_t>(w, x), y, m, r0, r1);
 }

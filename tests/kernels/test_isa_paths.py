@@ -55,7 +55,7 @@ def _group_weights(out: int, inp: int, group: int, bits: int, tiled: bool):
     return q, scale, zero
 
 
-@pytest.mark.parametrize("mode,bits", [("int8", 4), ("int16", 4), ("int8", 8)])
+@pytest.mark.parametrize("mode,bits", [("int8", 4), ("int16", 4), ("int8", 8), ("int16", 8)])
 @pytest.mark.parametrize("group", [32, 64, 128])  # 1, 2 and 4 blocks a group: each an AVX2 flat loop
 @pytest.mark.parametrize("tiled", [False, True])
 def test_integer_activation_kernels_are_bit_identical_on_every_path(mode: str, bits: int, group: int,

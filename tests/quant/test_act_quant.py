@@ -47,7 +47,8 @@ def _layer(bits: int, group: int, out: int, in_features: int, mode: str = "int8"
 
 @needs_vnni
 @pytest.mark.parametrize("mode,bits,group", [("int8", 4, 32), ("int8", 4, 64), ("int8", 4, 128), ("int8", 8, 32),
-                                             ("int8", 8, 64), ("int16", 4, 32), ("int16", 4, 64), ("int16", 4, 128)])
+                                             ("int8", 8, 64), ("int16", 4, 32), ("int16", 4, 64), ("int16", 4, 128),
+                                             ("int16", 8, 32), ("int16", 8, 64)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
 @pytest.mark.parametrize("tiled", [True, False])
 def test_vnni_kernel_equals_quantized_activations_times_the_weight(mode: str, bits: int, group: int, rows: int,
@@ -68,7 +69,7 @@ def test_vnni_kernel_equals_quantized_activations_times_the_weight(mode: str, bi
                                                                 q.bias, tiled)) for i in range(rows))
 
 
-@pytest.mark.parametrize("mode,bits", [("int8", 4), ("int8", 8), ("int16", 4)])
+@pytest.mark.parametrize("mode,bits", [("int8", 4), ("int8", 8), ("int16", 4), ("int16", 8)])
 def test_quantized_activations_through_the_module_on_every_path(mode: str, bits: int) -> None:
     q = _layer(bits, 64 if bits == 4 else 32, 48, 128, mode)
     x = torch.randn(KERNEL_MAX_ROWS + 7, 128)
@@ -79,13 +80,15 @@ def test_quantized_activations_through_the_module_on_every_path(mode: str, bits:
     assert not torch.equal(q(x[:5]), expected[:5])  # the option does change the input
 
 
-def test_int16_activations_leave_8_bit_weights_on_float_activations() -> None:
-    q = _layer(8, 32, 48, 128, "int16")
-    assert q.act_mode == "float"
-    x = torch.randn(3, 128)
-    y = q(x)
-    q.activations = "float"
-    assert torch.equal(y, q(x))
+def test_int16_activations_on_8_bit_weights_sum_exactly_at_the_extremes() -> None:
+    """8-bit x int16 lanes sum 4 products of |q| <= 127 and |x| <= 32767: below 2^24, so the int32 sum
+    and its float are exact. All-extreme weights and activations give the float64 product."""
+    q = _layer(8, 32, 8, 128, "int16")
+    q.qweight.copy_(torch.where(torch.arange(128) % 3 == 0, -127, 127).to(torch.int8).expand(8, 128))
+    q.scale.fill_(1.0)
+    x = torch.where(torch.arange(128) % 2 == 0, -1.0, 1.0).expand(2, 128).contiguous()
+    expected = F.linear(quantize_act_blocks(x, "int16").double(), q.dequantize().double(), q.bias.double()).float()
+    assert torch.equal(q(x), expected)
 
 
 def test_activation_option_is_checked() -> None:
