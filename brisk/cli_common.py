@@ -15,7 +15,7 @@ QUANT_HELP = ("int8: weight-only per output channel; int4: weight-only, groups o
               "(destroys a model not trained for it); gguf: a .gguf file's own blocks as stored, the default for quantized .gguf files")
 QUANT_CONFIG_HELP = ('options as JSON: \'{"group_size": 64}\' (int4), \'{"calibration": "text.txt", '
                      '"calibration_tokens": 4096}\' (int4: GPTQ, w8a8: SmoothQuant), \'{"activations": "int8"}\' '
-                     '(int4, gguf: what the 4-bit weights meet in integer dot products: int16 activations '
+                     '(int4, gguf: what the group-quantized weights meet in integer dot products: int16 activations '
                      '(the default, no measurable quality cost), int8 (a small quality cost) or float (slower))')
 
 

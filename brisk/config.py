@@ -297,7 +297,7 @@ class QuantConfig:
     `--quant-config '<json>'`). `group_size` applies to int4 (columns per scale and offset);
     `calibration` is a text file whose first `calibration_tokens` tokens drive GPTQ rounding (int4)
     or SmoothQuant's outlier migration (w8a8); None: round-to-nearest. `activations` (int4, gguf):
-    what the 4-bit weights multiply: "int16" rounds the activations to int16 per 32-column block
+    what the group-quantized weights multiply: "int16" rounds the activations to int16 per 32-column block
     (~1e-5 of the block's largest value; the same perplexity as float32 to 4 digits, measured in
     BENCHMARKS.md) and multiplies in integer dot products, "int8" does the same at 8 bits as
     llama.cpp does (as fast, a measured quality cost), "float" multiplies float32 activations (~15%
