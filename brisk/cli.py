@@ -349,7 +349,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def _torchrun_worker(args: argparse.Namespace) -> bool:
     """Under torchrun every rank runs the same brisk command; ranks other than 0 serve steps
-    (engine/workers.py) with the options rank 0's LLM gets, and return True when rank 0 stops them."""
+    (engine/workers/) with the options rank 0's LLM gets, and return True when rank 0 stops them."""
     from brisk.engine.workers import WorkerArgs, run_worker, torchrun_rank
 
     rank = torchrun_rank()

@@ -75,7 +75,7 @@ class LLM:
     `speculative_config` (lossless speculative decoding: {"method": "ngram" | "draft" | "early_exit" |
     "medusa", "num_speculative_tokens": k or "auto", ...}, see config.SpecConfig; a dict or JSON),
     `tensor_parallel_size` / `pipeline_parallel_size` (split the model over T x P processes on
-    torch.distributed, this one being rank 0; see parallel/ and engine/workers.py; `close()` or
+    torch.distributed, this one being rank 0; see parallel/ and engine/workers/; `close()` or
     `with LLM(...) as llm:` stops them), `parallel_timeout_s` (a worker silent that long in a step
     is reported hung), `pipeline_micro_batches` (pieces each step is cut into so pipeline stages
     overlap; default: up to one per stage, of at least 64 tokens each).

@@ -110,7 +110,7 @@ class LLMEngine:
                  runner: ParallelRunner | None = None) -> None:
         """`speculative`: speculative decoding (spec/); `draft_model` is the loaded draft for method
         "draft" (the caller loads it: the engine never reads files). `runner`: a parallel runner
-        over worker processes (engine/workers.py) instead of this process's own."""
+        over worker processes (engine/workers/) instead of this process's own."""
         self.model = model
         self.tokenizer = tokenizer
         self.cache_config = cache
