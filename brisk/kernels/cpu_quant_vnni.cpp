@@ -450,6 +450,23 @@ void int8_tile(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64
   finish<Bits, MB>(w, y, m0, r, nrows, acc, zacc);
 }
 
+// A group's end in the int16 kernels: acc += gacc x the 4 rows' scales, zacc += z' C_g (z' = 0
+// without a zero term: 8-bit weights against int16 activations).
+template <int Bits, int MB>
+inline void end_group(const GroupWeights& w, const Acts16& x, int64_t m0, int64_t r, int64_t g, int nrows,
+                      bool zero_term, const __m256 (&gacc)[MB][kVecs<Bits>], __m256 (&acc)[MB][kVecs<Bits>],
+                      __m128 (&zacc)[MB]) {
+  __m128 s4, z4;
+  group_params<Bits>(w, r, g, nrows, s4, z4);
+  if (!zero_term) z4 = _mm_setzero_ps();
+  __m256 svec[kVecs<Bits>];
+  spread<Bits>(s4, svec);
+  for (int k = 0; k < MB; ++k) {
+    for (int i = 0; i < kVecs<Bits>; ++i) acc[k][i] = _mm256_fmadd_ps(gacc[k][i], svec[i], acc[k][i]);
+    zacc[k] = _mm_fmadd_ps(z4, _mm_set1_ps(x.c[(m0 + k) * x.groups + g]), zacc[k]);
+  }
+}
+
 template <int MB, int PG>
 void int16_tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
   const __m256i field = _mm256_set1_epi16(0x000F);
@@ -486,14 +503,7 @@ void int16_tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, in
         }
       }
     }
-    __m128 s4, z4;
-    group_params<4>(w, r, g, nrows, s4, z4);
-    __m256 svec[2];
-    spread<4>(s4, svec);
-    for (int k = 0; k < MB; ++k) {
-      for (int h = 0; h < 2; ++h) acc[k][h] = _mm256_fmadd_ps(gacc[k][h], svec[h], acc[k][h]);
-      zacc[k] = _mm_fmadd_ps(z4, _mm_set1_ps(x.c[(m0 + k) * x.groups + g]), zacc[k]);
-    }
+    end_group<4, MB>(w, x, m0, r, g, nrows, true, gacc, acc, zacc);
   }
   finish<4, MB>(w, y, m0, r, nrows, acc, zacc);
 }
@@ -538,14 +548,7 @@ void int16_tile8(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, i
         }
       }
     }
-    __m128 s4, z4;
-    group_params<8>(w, r, g, nrows, s4, z4);
-    __m256 svec[4];
-    spread<8>(s4, svec);
-    for (int k = 0; k < MB; ++k) {
-      for (int i = 0; i < 4; ++i) acc[k][i] = _mm256_fmadd_ps(gacc[k][i], svec[i], acc[k][i]);
-      zacc[k] = _mm_fmadd_ps(_mm_setzero_ps(), _mm_set1_ps(x.c[(m0 + k) * x.groups + g]), zacc[k]);
-    }
+    end_group<8, MB>(w, x, m0, r, g, nrows, false, gacc, acc, zacc);
   }
   finish<8, MB>(w, y, m0, r, nrows, acc, zacc);
 }
