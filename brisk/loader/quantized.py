@@ -19,6 +19,7 @@ from brisk.errors import UserError
 from brisk.loader.hf_loader import hf_config_dict
 from brisk.model.base import CausalLM
 from brisk.quant import apply
+from brisk.quant.grouped import shapes_only
 
 MARKER = "quantization.json"
 
@@ -60,7 +61,8 @@ def _options(quant: QuantConfig) -> dict[str, object]:
 
 def load_quantized_state(model: CausalLM, path: Path, quant: QuantConfig) -> None:
     """Swap in the method's modules, then fill every parameter and buffer from the checkpoint."""
-    apply(model, quant)  # the modules' shapes; their contents are replaced just below
+    with shapes_only():
+        apply(model, quant)  # the modules' shapes; their contents are replaced just below
     state = load_file(str(path / "model.safetensors"))
     # written before tied heads were shared with the lookups: the float embedding is not needed now
     if model.config.tie_word_embeddings and "embed_tokens.weight" not in model.state_dict():

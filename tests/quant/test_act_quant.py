@@ -101,9 +101,14 @@ def test_activation_option_is_checked() -> None:
         QuantConfig.parse("int8", {"activations": "int8"})
 
 
-def test_a_saved_checkpoint_keeps_its_activations_and_a_load_may_change_them(gguf_path: Path,
-                                                                             tmp_path: Path) -> None:
+def test_a_saved_checkpoint_keeps_its_activations_and_a_load_may_change_them(gguf_path: Path, tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     folder = quantize_to_dir("smollm2-135m", QuantConfig.parse("int4", {"activations": "int8"}), tmp_path / "q4")
+
+    def no_search(*args: object) -> None:
+        raise AssertionError("a saved checkpoint's load re-ran the clipping search (its values are replaced)")
+
+    monkeypatch.setattr("brisk.quant.grouped._search", no_search)
     saved = LLM(str(folder), num_kv_blocks=64, max_model_len=256)
     assert saved.quantization.activations == "int8"
     assert {m.activations for m in saved.model.modules() if isinstance(m, GroupLinear)} == {"int8"}
