@@ -1,5 +1,5 @@
 // Group-quantized weights (cpu_quant.cpp's layout, row-major or tiled) times activations quantized
-// to int8 (or, for 4-bit weights, int16: a16_tile below) in blocks of 32 columns, as llama.cpp
+// to int8 (or int16: a16_tile below, and int16_tile8 for 8-bit weights) in blocks of 32 columns, as llama.cpp
 // multiplies its Q4_1 weights by Q8_1 activations:
 // the weight nibbles (or the int8 weights + 128) meet the int8 activations in AVX512-VNNI's
 // vpdpbusd, 64 multiply-adds an instruction with no per-weight conversion to float. The float

@@ -62,7 +62,7 @@ def linear_op(m: torch.nn.Module) -> LinearOp | None:
         if b["input_scale"] is not None or m.dtype != torch.float32 or not kernels.group_kernel_supported(b["qweight"]):
             return None
         tiled = m._tile(kernels.group_kernel_tiles())  # as the first kernel call would
-        mode = m.act_mode
+        mode = m.activations
         if mode != "float" and not kernels.group_qact_supported(mode, m.bits):
             return None  # the module's float twin of the integer kernels is a torch expression
         kind = GROUP_KINDS[mode]

@@ -201,7 +201,7 @@ class GroupLinear(TiledLinear):
         # "int8": x is quantized to int8 per block of 32 columns and meets the weights in integer
         # dot products (llama.cpp's Q4 x Q8): faster on VNNI CPUs, a measured quality cost.
         # "int16": the same with int16: as fast, a rounding ~1e-5 of each block's largest x (8-bit
-        # weights too: on an AVX2 CPU their float kernel read a Q8_0 head at 18 GB/s, int16 at 27).
+        # weights too: on an AVX2 CPU their float kernel read a Q8_0 head at ~18 GB/s, int16 at ~25).
         self.activations = "float"
 
     @classmethod
@@ -264,11 +264,6 @@ class GroupLinear(TiledLinear):
         sub.activations = self.activations
         return sub.to(self.qweight.device)
 
-    @property
-    def act_mode(self) -> str:
-        """What x is rounded to before it meets the weights (`activations`, see __init__)."""
-        return self.activations
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         # Buffers straight from the dict: nn.Module.__getattr__ costs ~0.7 us a buffer, and a decode
@@ -277,7 +272,7 @@ class GroupLinear(TiledLinear):
         if b["input_scale"] is not None:
             flat = flat.float() * b["input_scale"]
         # tiled: the weight is already on the CPU in the kernel's layout
-        mode = self.act_mode
+        mode = self.activations
         if flat.shape[0] <= KERNEL_MAX_ROWS and (flat.is_cpu if self.tiled else group_kernel_supported(b["qweight"], flat)):
             tiled = self.tiled or self._tile(group_kernel_tiles())  # may replace the buffers
             if mode != "float" and group_qact_supported(mode, self.bits):
