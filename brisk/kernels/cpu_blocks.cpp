@@ -136,7 +136,43 @@ void segment_rows(const Segment& s, const BlockActs& x, float* y, int64_t out_to
     for (int64_t k = 0; k < x.m; ++k) y[k * out_total + s.first_row + r] = row_dot<T>(s.q + r * s.row_bytes, nblocks, x, k);
 }
 
+// Rows 4t..4t+3 of a Q5_0x4 weight . x row xr (cpu_blocks_simd.inc q5x4_tile, one lane at a time):
+// per row, two int32 lanes (columns 0-7 and 16-23; 8-15 and 24-31) with their zero terms, then
+// d and a as every block type.
+void q5x4_tile(const uint8_t* p, int64_t nblocks, const BlockActs& x, int64_t xr, float* out) {
+  float acc[4][2] = {};
+  const int64_t in = x.in, in32 = in / 32;
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const uint8_t* b = p + blk * kTileBytesQ5_0;
+    const int8_t* xq = x.q.data() + xr * in + 32 * blk;
+    const float a = x.a[xr * in32 + blk];
+    for (int i = 0; i < 4; ++i) {
+      const float d = f16(b + 2 * i);
+      for (int h = 0; h < 2; ++h) {
+        int32_t isum = x.z16pair[(xr * in32 + blk) * 2 + h];
+        for (int u = 0; u < 2; ++u)
+          for (int c = 8 * h; c < 8 * h + 8; ++c) {
+            const int j = 16 * u + c, nib = b[tile_nibbles(i) + c];
+            isum += (((u ? nib >> 4 : nib) & 0x0F) | (((b[8 + c] >> tile_bit(i, j)) & 1) << 4)) * xq[j];
+          }
+        acc[i][h] = std::fma(static_cast<float>(isum) * d, a, acc[i][h]);
+      }
+    }
+  }
+  for (int i = 0; i < 4; ++i) out[i] = acc[i][0] + acc[i][1];
+}
+
+void tile_rows(const Segment& s, const BlockActs& x, float* y, int64_t out_total, int64_t r0, int64_t r1) {
+  float out[4];
+  for (int64_t t = r0 / 4; 4 * t < r1; ++t)
+    for (int64_t k = 0; k < x.m; ++k) {
+      q5x4_tile(s.q + 4 * t * s.row_bytes, s.in / 32, x, k, out);
+      for (int64_t r = std::max(r0, 4 * t); r < std::min(r1, 4 * t + 4); ++r) y[k * out_total + s.first_row + r] = out[r - 4 * t];
+    }
+}
+
 void dispatch(const Segment& s, const BlockActs& x, float* y, int64_t out_total, int64_t r0, int64_t r1) {
+  if (s.type == kQ5_0x4) return tile_rows(s, x, y, out_total, r0, r1);
   visit_type(s.type, [&](auto t) { segment_rows<decltype(t)::value>(s, x, y, out_total, r0, r1); });
 }
 
@@ -165,15 +201,51 @@ namespace vnni {
 }  // namespace
 
 bool supported(int type) {
+  if (is_tiled(type)) return type == kQ5_0x4;
   return visit_type(type, [](auto) { return true; }, false);
 }
 
 int64_t block_cols(int type) {
-  return visit_type(type, [](auto t) { return int64_t{portable::Format<decltype(t)::value>::kCols}; }, int64_t{0});
+  return visit_type(file_type(type), [](auto t) { return int64_t{portable::Format<decltype(t)::value>::kCols}; },
+                    int64_t{0});
 }
 
 int64_t block_bytes(int type) {
-  return visit_type(type, [](auto t) { return int64_t{portable::Format<decltype(t)::value>::kBytes}; }, int64_t{0});
+  return visit_type(file_type(type), [](auto t) { return int64_t{portable::Format<decltype(t)::value>::kBytes}; },
+                    int64_t{0});
+}
+
+void tile_q5_0(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t nblocks) {
+  const int64_t row_bytes = nblocks * 22;
+  at::parallel_for(0, rows / 4, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t blk = 0; blk < nblocks; ++blk) {
+        uint8_t* o = dst + 4 * t * row_bytes + blk * kTileBytesQ5_0;
+        std::memset(o + 8, 0, 16);
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t* b = src + (4 * t + i) * row_bytes + blk * 22;
+          uint32_t qh;
+          std::memcpy(&qh, b + 2, 4);
+          std::memcpy(o + 2 * i, b, 2);
+          std::memcpy(o + tile_nibbles(i), b + 6, 16);
+          for (int j = 0; j < 32; ++j) o[8 + j % 16] |= static_cast<uint8_t>(((qh >> j) & 1) << tile_bit(i, j));
+        }
+      }
+  });
+}
+
+void untile_row(const uint8_t* tiles, int64_t row, int64_t nblocks, uint8_t* out) {
+  const int64_t row_bytes = nblocks * 22;
+  const int i = static_cast<int>(row % 4);
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const uint8_t* p = tiles + (row / 4) * 4 * row_bytes + blk * kTileBytesQ5_0;
+    uint8_t* b = out + blk * 22;
+    uint32_t qh = 0;
+    for (int j = 0; j < 32; ++j) qh |= static_cast<uint32_t>((p[8 + j % 16] >> tile_bit(i, j)) & 1) << j;
+    std::memcpy(b, p + 2 * i, 2);
+    std::memcpy(b + 2, &qh, 4);
+    std::memcpy(b + 6, p + tile_nibbles(i), 16);
+  }
 }
 
 // Plain C++ on every ISA: the rounding (x / a, to nearest even) is quant/grouped.py's
@@ -227,6 +299,7 @@ void quantize_acts(const float* x, int64_t m, int64_t in, BlockActs& out) {
   out.q.resize(m * in), out.qu.resize(m * in), out.a.resize(m * in / 32), out.a8.resize(m * in / 4);
   out.c16.resize(m * in / 16), out.c32.resize(m * in / 32);
   for (auto& z : out.zsum) z.resize(m * in / 4);
+  out.z16pair.resize(m * in / 16);
   for (int64_t k = 0; k < m; ++k)
     for (int64_t b = 0; b < in / 32; ++b) {
       float a;
@@ -238,10 +311,14 @@ void quantize_acts(const float* x, int64_t m, int64_t in, BlockActs& out) {
       out.c16[k * (in / 16) + 2 * b + 1] = a * static_cast<float>(sums[1]);
       out.c32[k * (in / 32) + b] = a * static_cast<float>(sums[0] + sums[1]);
       const int8_t* q = out.q.data() + k * in + 32 * b;
+      int32_t pair[2] = {0, 0};
       for (int l = 0; l < 8; ++l) {
         const int32_t lane = q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3];
         for (int z = 0; z < 4; ++z) out.zsum[z][(k * in + 32 * b) / 4 + l] = -kZeroPoints[z] * lane;
+        pair[(l >> 1) & 1] += lane;  // lanes 0, 1, 4, 5: columns 0-7 and 16-23
       }
+      out.z16pair[(k * (in / 32) + b) * 2] = -16 * pair[0];
+      out.z16pair[(k * (in / 32) + b) * 2 + 1] = -16 * pair[1];
     }
 }
 
@@ -281,6 +358,8 @@ std::vector<brisk_blocks::Segment> check_segments(const std::vector<torch::Tenso
     TORCH_CHECK(b.dim() == 2 && b.scalar_type() == torch::kUInt8 && b.is_contiguous() && b.device().is_cpu(),
                 "brisk block_gemm: weight blocks must be contiguous uint8 CPU tensors [out, row bytes]");
     const int64_t cols = brisk_blocks::block_cols(type);
+    TORCH_CHECK(!brisk_blocks::is_tiled(type) || b.size(0) % 4 == 0,
+                "brisk block_gemm: a tiled weight (type ", type, ") has a multiple of 4 rows, got ", b.size(0));
     TORCH_CHECK(in % cols == 0 && b.size(1) == in / cols * brisk_blocks::block_bytes(type),
                 "brisk block_gemm: a row of ", in, " columns in type ", type, " takes ",
                 in % cols == 0 ? in / cols * brisk_blocks::block_bytes(type) : -1, " bytes, got ", b.size(1));
@@ -329,5 +408,34 @@ torch::Tensor block_dequantize(const torch::Tensor& blocks, int64_t type, int64_
 #else
   TORCH_CHECK(false, "brisk block_dequantize: needs an x86-64 CPU with AVX2");
 #endif
+  return out;
+}
+
+// Q5_0 blocks [rows, row bytes] (rows % 4 == 0) in brisk_blocks::kQ5_0x4's layout: the same bytes,
+// four rows interleaved block by block for the tile kernel.
+torch::Tensor block_tile(const torch::Tensor& blocks, int64_t type) {
+  TORCH_CHECK(type == brisk_blocks::kQ5_0, "brisk block_tile: only Q5_0 (type 6) has a tiled layout, got ", type);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.device().is_cpu() &&
+                  blocks.size(0) % 4 == 0 && blocks.size(1) % 22 == 0,
+              "brisk block_tile: Q5_0 blocks must be uint8 CPU [rows, row bytes] with rows % 4 == 0");
+  const auto src = blocks.contiguous();
+  auto out = torch::empty_like(src);
+  brisk_blocks::tile_q5_0(src.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), src.size(0), src.size(1) / 22);
+  return out;
+}
+
+// The file's Q5_0 rows of a tiled weight (block_tile's inverse).
+torch::Tensor block_untile(const torch::Tensor& tiles, int64_t type) {
+  TORCH_CHECK(type == brisk_blocks::kQ5_0x4, "brisk block_untile: type ", type, " is not a tiled type");
+  TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == torch::kUInt8 && tiles.device().is_cpu() &&
+                  tiles.size(0) % 4 == 0 && tiles.size(1) % 22 == 0,
+              "brisk block_untile: tiles must be uint8 CPU [rows, row bytes] with rows % 4 == 0");
+  const auto src = tiles.contiguous();
+  auto out = torch::empty_like(src);
+  const int64_t nblocks = src.size(1) / 22;
+  at::parallel_for(0, src.size(0), 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      brisk_blocks::untile_row(src.data_ptr<uint8_t>(), r, nblocks, out.data_ptr<uint8_t>() + r * src.size(1));
+  });
   return out;
 }

@@ -28,11 +28,15 @@ from torch import nn
 
 from brisk.errors import UserError
 from brisk.kernels import (
+    TILED,
     block_dequantize,
     block_dequantize_supported,
     block_gemm,
     block_kernel_supported,
+    block_tile,
+    block_tile_supported,
     block_types,
+    block_untile,
 )
 from brisk.loader.dequant import dequantize
 from brisk.model.layers import WHOLE
@@ -154,8 +158,8 @@ def attach_blocks(model: nn.Module, blocks: Blocks, bias_of: Callable[[str], tor
                                linear.weight.dtype)
         if module is not None:
             setattr(parent, attr, module)
-            if isinstance(module, GroupLinear):
-                for name in part_names:
+            for name, copied in zip(part_names, _copied_parts(module)):
+                if copied:
                     release(name)
             consumed.update(part_names)
             consumed.update(n.removesuffix(".weight") + ".bias" for n in part_names if bias is not None)
@@ -169,13 +173,21 @@ def attach_blocks(model: nn.Module, blocks: Blocks, bias_of: Callable[[str], tor
                                  dtype)
             if head is not None:
                 tie_head(model, head)
-                if isinstance(head, GroupLinear):
+                if _copied_parts(head)[0]:
                     release(embed_name)
                 consumed.add(embed_name)
         elif ggml_type in block_types() or is_native(ggml_type):
             model.embed_tokens = BlockEmbedding(ggml_type, rows, model.config.hidden_size, dtype)  # type: ignore[union-attr,assignment]
             consumed.add(embed_name)
     return consumed
+
+
+def _copied_parts(module: nn.Module) -> list[bool]:
+    """Per part: the module holds a copy of it (a GroupLinear, a tiled BlockLinear segment), so the
+    file's pages of that tensor can be let go."""
+    if isinstance(module, BlockLinear):
+        return module.tiled_parts
+    return [True] * len(getattr(module, "output_sizes", (0,)))
 
 
 class BlockLinear(QuantizedLinear):
@@ -185,20 +197,27 @@ class BlockLinear(QuantizedLinear):
     A stacked Linear (q|k|v, gate|up) holds one segment per part, each in its own GGML type
     (Q4_K_M files store v in Q6_K beside q and k in Q4_K). The blocks are the file's bytes: a view
     of its memory map where no row permutation was needed, so the weight costs no memory of its own
-    beyond the page cache. Without the kernels (another device, no extension) the forward is the
-    same arithmetic in torch: the activations rounded the kernels' way, the weight dequantized.
+    beyond the page cache. The exception is Q5_0 (with rows in fours): repacked once into the tile
+    layout (kernels.block_tile, the same bytes; type kernels.Q5_0X4), which the kernels run ~1.7x
+    faster; `tile=False` keeps the file's layout. Without the kernels (another device, no extension)
+    the forward is the same arithmetic in torch: the activations rounded the kernels' way, the
+    weight dequantized.
     """
 
     def __init__(self, segments: list[tuple[int, torch.Tensor]], in_features: int, bias: torch.Tensor | None,
-                 output_sizes: tuple[int, ...], dtype: torch.dtype) -> None:
+                 output_sizes: tuple[int, ...], dtype: torch.dtype, tile: bool = True) -> None:
         super().__init__()
         self.in_features = in_features
         self.output_sizes = output_sizes
         self.out_features = sum(rows.shape[0] for _, rows in segments)
         if self.out_features != sum(output_sizes):
             raise ValueError(f"BlockLinear: segments hold {self.out_features} rows, the layer has {sum(output_sizes)}")
-        self.types = [int(t) for t, _ in segments]
-        for i, (_, rows) in enumerate(segments):
+        self.types: list[int] = []
+        for i, (t, rows) in enumerate(segments):
+            t = int(t)
+            if tile and block_tile_supported(t, rows):
+                t, rows = block_tile(rows, t)
+            self.types.append(t)
             self.register_buffer(f"blocks{i}", rows, persistent=False)
         self.register_buffer("bias", bias)
         self.dtype = dtype
@@ -207,16 +226,31 @@ class BlockLinear(QuantizedLinear):
     def blocks(self) -> list[torch.Tensor]:
         return [self._buffers[f"blocks{i}"] for i in range(len(self.types))]  # type: ignore[misc]
 
+    @property
+    def tiled_parts(self) -> list[bool]:
+        return [t & TILED != 0 for t in self.types]
+
+    def file_blocks(self) -> list[tuple[int, torch.Tensor]]:
+        """(GGML type, rows as the file stores them) per segment: tiled ones untiled."""
+        return [block_untile(rows, t) if t & TILED else (t, rows) for t, rows in zip(self.types, self.blocks)]
+
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in]: the weight the blocks stand for (loader/dequant.py, bit-exact)."""
-        return torch.cat([dequantize(rows, t, (rows.shape[0], self.in_features)) for t, rows in zip(self.types, self.blocks)])
+        return torch.cat([dequantize(rows, t, (rows.shape[0], self.in_features)) for t, rows in self.file_blocks()])
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), in]: rows of the weight (token lookups of a tied head; one segment)."""
         if len(self.types) != 1:
             raise ValueError("BlockLinear.dequantize_rows: only a one-segment weight (an LM head) has token rows")
-        rows = self.blocks[0].index_select(0, ids.reshape(-1).to(self.blocks[0].device))
-        return dequantize(rows, self.types[0], (rows.shape[0], self.in_features)).to(ids.device)
+        t, blocks = self.types[0], self.blocks[0]
+        flat = ids.reshape(-1).to(blocks.device)
+        if t & TILED:  # the ids' tiles, untiled, then each id's row of its tile
+            width = blocks.shape[1]
+            t, four = block_untile(blocks.view(-1, 4 * width).index_select(0, flat // 4).reshape(-1, width), t)
+            rows = four.view(-1, 4, width)[torch.arange(len(flat), device=blocks.device), flat % 4]
+        else:
+            rows = blocks.index_select(0, flat)
+        return dequantize(rows, t, (rows.shape[0], self.in_features)).to(ids.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -244,7 +278,7 @@ class BlockLinear(QuantizedLinear):
         return y if bias is None else y.add_(bias)
 
     def extra_repr(self) -> str:
-        names = "+".join(GGMLQuantizationType(t).name for t in self.types)
+        names = "+".join(GGMLQuantizationType(t & ~TILED).name + ("x4" if t & TILED else "") for t in self.types)
         return f"in={self.in_features}, out={self.output_sizes}, gguf {names}"
 
 
