@@ -121,6 +121,9 @@ def test_q5_0_tiles_match_the_dequantized_reference(m: int) -> None:
     assert tiled_type == kernels.Q5_0X4 and tiles.shape == blocks.shape and not torch.equal(tiles, blocks)
     untiled_type, back = kernels.block_untile(tiles, tiled_type)
     assert untiled_type == int(T.Q5_0) and torch.equal(back, blocks)
+    if kernels.block_dequantize_supported() and m == 1:  # rows from mid-tile to mid-tile
+        w = dequantize(blocks, int(T.Q5_0), (36, 544))
+        assert torch.equal(kernels.block_dequantize(tiles, tiled_type, 544, 3, 33), w[3:33])
     x = torch.randn(m, 544, generator=torch.Generator().manual_seed(m))
     y = kernels.block_gemm(x, [tiles], [tiled_type])
     ref = reference(x, blocks, int(T.Q5_0), 544)
