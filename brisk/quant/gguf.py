@@ -10,8 +10,8 @@ Two module kinds, chosen per Linear by `attach_blocks`:
   used where they lie and float activations meet exactly the weights the dequantizing loader
   makes (q d is exact in float32, and the kernel's one fma rounds q d + m once, as ggml does).
 - `BlockLinear` for every other type with a block kernel (K-quants, Q4_0, Q5_0/Q5_1, IQ4_NL/IQ4_XS) and
-  for stacked Linears that mix types (Q4_K_M's q|k|v): the blocks as stored, int8 activations in
-  32-column blocks (kernels/cpu_blocks.cpp).
+  for stacked Linears that mix types (Q4_K_M's q|k|v): the blocks as stored (Q5_0 repacked into
+  four-row tiles of the same bytes), int8 activations in 32-column blocks (kernels/cpu_blocks.cpp).
 
 A Linear with a part in a float type, or in a type no kernel runs (the lattice i-quants), is left
 to the float loader (dequantized once).
@@ -128,7 +128,8 @@ def attach_blocks(model: nn.Module, blocks: Blocks, bias_of: Callable[[str], tor
                   release: Callable[[str], None] = lambda name: None) -> set[str]:
     """Swap in native modules for every Linear whose parts are all in `blocks` with a kernel, and
     for a quantized LM head and token embedding; `bias_of(HF weight name)` reads a part's bias,
-    `release(HF name)` lets go of a tensor's file pages once a GroupLinear copied them.
+    `release(HF name)` lets go of a tensor's file pages once a module copied them (a GroupLinear, a
+    tiled BlockLinear part).
     Returns the HF names now served (weights and their biases), which the float loader skips."""
     from brisk.quant import drop_plan, quantizable, tie_head
 
