@@ -235,21 +235,21 @@ def block_kernel_supported(types: list[int], x: torch.Tensor | None = None) -> b
 # brisk's tiled block layouts (blocks.h kTiled): a type id TILED | GGML type holds that type's blocks
 # four weight rows at a time, the same bytes in the same [out, row bytes] tensor.
 TILED = 1024
-Q5_0 = 6
-Q5_0X4 = TILED | Q5_0
+Q4_0, Q5_0 = 2, 6
+Q4_0X4, Q5_0X4 = TILED | Q4_0, TILED | Q5_0
 
 
 def block_tile_supported(ggml_type: int, rows: torch.Tensor) -> bool:
-    """`block_tile` can repack these blocks: Q5_0 on the CPU, a multiple of 4 rows."""
-    return (ggml_type == Q5_0 and rows.device.type == "cpu" and rows.dim() == 2 and rows.shape[0] % 4 == 0
+    """`block_tile` can repack these blocks: Q4_0 or Q5_0 on the CPU, a multiple of 4 rows."""
+    return (ggml_type in (Q4_0, Q5_0) and rows.device.type == "cpu" and rows.dim() == 2 and rows.shape[0] % 4 == 0
             and CAPS.has("block_tile"))
 
 
 def block_tile(rows: torch.Tensor, ggml_type: int) -> tuple[int, torch.Tensor]:
-    """(Q5_0X4, a copy of `rows` repacked four rows at a time for the tile kernel: ~1.7x a Q5_0 row's
-    speed, cpu_blocks_simd.inc q5x4_tile)."""
+    """(TILED | type, a copy of `rows` repacked four rows at a time for the tile kernel: ~1.7x a Q5_0
+    row's speed, cpu_blocks_simd.inc tile_x4)."""
     assert _C is not None
-    return Q5_0X4, _C.block_tile(rows, ggml_type)
+    return TILED | ggml_type, _C.block_tile(rows, ggml_type)
 
 
 def block_untile(tiles: torch.Tensor, tiled_type: int) -> tuple[int, torch.Tensor]:

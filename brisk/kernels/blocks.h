@@ -16,21 +16,25 @@ enum Type : int {
   kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23,
 };
 
-// brisk's own layout beside the file's: a type id with kTiled set holds its GGML type's blocks
-// repacked four weight rows at a time (cpu_blocks_simd.inc, `Q5_0x4`): the same bytes in the same
+// brisk's own layouts beside the file's: a type id with kTiled set holds its GGML type's blocks
+// repacked four weight rows at a time (cpu_blocks_simd.inc, "tiles"): the same bytes in the same
 // [out, row bytes] tensor, so shapes and sizes are the GGML type's; only the kernels read them.
 constexpr int kTiled = 1024;
-constexpr int kQ5_0x4 = kQ5_0 | kTiled;  // Q5_0, rows 4t..4t+3 interleaved block by block
-constexpr int kTileBytesQ5_0 = 4 * 22;
+constexpr int kQ4_0x4 = kQ4_0 | kTiled;  // Q4_0, rows 4t..4t+3 interleaved block by block
+constexpr int kQ5_0x4 = kQ5_0 | kTiled;  // Q5_0, the same
 inline bool is_tiled(int type) { return (type & kTiled) != 0; }
 inline int file_type(int type) { return type & ~kTiled; }
-// A Q5_0x4 tile is, per 32-column block, 88 bytes: the 4 rows' fp16 d ([0, 8)), their 128 fifth
-// bits ([8, 24)), their nibbles as the file stores them ([24, 88), rows in the order 0, 2, 1, 3, so
-// one 32-byte load holds rows 0 and 2 and another rows 1 and 3). Fifth bit of row i, column j:
-// bit tile_bit(i, j) of byte 8 + j % 16. The bits sit where one variable shift of the broadcast
-// field lines up a whole vector's bits at 0x10 (cpu_blocks_simd.inc q5x4_tile).
+// A tile is, per 32-column block, the 4 rows' fp16 d ([0, 8)), for Q5_0 their 128 fifth bits
+// ([8, 24)), then their nibbles as the file stores them (64 bytes, rows in the order 0, 2, 1, 3, so
+// one 32-byte load holds rows 0 and 2 and another rows 1 and 3): 4 x 18 or 4 x 22 bytes. Fifth bit
+// of row i, column j: bit tile_bit(i, j) of byte 8 + j % 16. The bits sit where one variable shift
+// of the broadcast field lines up a whole vector's bits at 0x10 (cpu_blocks_simd.inc tile_x4).
+template <int T>
+constexpr int kTileHigh = T == kQ5_0 ? 16 : 0;  // bytes of fifth bits
+template <int T>
+constexpr int kTileBytes = 72 + kTileHigh<T>;
 constexpr int tile_bit(int i, int j) { return ((i & 1) ? 0 : 4) + 2 * (j / 16) + (i >> 1); }
-constexpr int tile_nibbles(int i) { return 24 + 16 * (2 * (i & 1) + (i >> 1)); }
+constexpr int tile_nibbles(int i, int high) { return 8 + high + 16 * (2 * (i & 1) + (i >> 1)); }
 
 // fn(std::integral_constant<int, T>{}) for the block type T == type (the one switch over types);
 // `otherwise` when no kernel runs it.
@@ -65,13 +69,14 @@ constexpr int kZeroPoint = T == kQ4_0 ? 8 : T == kQ5_0 ? 16 : T == kQ6_K ? 32 : 
 constexpr int kZeroPoints[4] = {4, 8, 16, 32};  // BlockActs::zsum's order
 constexpr int zero_slot(int z) { return z == 4 ? 0 : z == 8 ? 1 : z == 16 ? 2 : 3; }
 
-bool supported(int type);      // a GGML type with a kernel, or a tiled one (kQ5_0x4)
+bool supported(int type);      // a GGML type with a kernel, or a tiled one (kQ4_0x4, kQ5_0x4)
 int64_t block_cols(int type);   // 32 or 256
 int64_t block_bytes(int type);  // of one row's block (a tiled type: its GGML type's)
 
-// Q5_0 rows (file layout, rows % 4 == 0) -> kQ5_0x4's layout, and one row's blocks back.
-void tile_q5_0(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t nblocks);
-void untile_row(const uint8_t* tiles, int64_t row, int64_t nblocks, uint8_t* out);
+// Q4_0 or Q5_0 rows (file layout, rows % 4 == 0) -> that type's tiles, and one row's blocks back
+// (`type` the GGML type).
+void tile_rows_of(int type, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t nblocks);
+void untile_row(int type, const uint8_t* tiles, int64_t row, int64_t nblocks, uint8_t* out);
 
 // One stacked part of a Linear: `out` rows of one type (a fused qkv may mix Q4_K and Q6_K).
 struct Segment {
@@ -91,9 +96,9 @@ struct BlockActs {
   // zsum[zero_slot(z)][row * in / 4 + l] = -z * (q[4 l] + ... + q[4 l + 3]): vpdpbusd's starting
   // lanes for weights with the constant zero point z
   std::vector<int32_t> zsum[4];
-  // z16pair[(row * in / 32 + b) * 2 + h] = -16 x the sum of block b's q over columns 0-7 and 16-23
-  // (h = 0) or 8-15 and 24-31 (h = 1): the Q5_0 tile's zero terms, in its lanes' column order
-  std::vector<int32_t> z16pair;
+  // zpair[zero_slot(z)][(row * in / 32 + b) * 2 + h] = -z x the sum of block b's q over columns
+  // 0-7 and 16-23 (h = 0) or 8-15 and 24-31 (h = 1): the tiles' zero terms, in their lanes' order
+  std::vector<int32_t> zpair[4];
   int64_t m = 0, in = 0;
 };
 

@@ -136,24 +136,27 @@ void segment_rows(const Segment& s, const BlockActs& x, float* y, int64_t out_to
     for (int64_t k = 0; k < x.m; ++k) y[k * out_total + s.first_row + r] = row_dot<T>(s.q + r * s.row_bytes, nblocks, x, k);
 }
 
-// Rows 4t..4t+3 of a Q5_0x4 weight . x row xr (cpu_blocks_simd.inc q5x4_tile, one lane at a time):
-// per row, two int32 lanes (columns 0-7 and 16-23; 8-15 and 24-31) with their zero terms, then
-// d and a as every block type.
-void q5x4_tile(const uint8_t* p, int64_t nblocks, const BlockActs& x, int64_t xr, float* out) {
+// Rows 4t..4t+3 of a Q4_0x4 / Q5_0x4 weight (T its GGML type) . x row xr (cpu_blocks_simd.inc
+// tile_x4, one lane at a time): per row, two int32 lanes (columns 0-7 and 16-23; 8-15 and 24-31)
+// with their zero terms, then d and a as every block type.
+template <int T>
+void tile_x4(const uint8_t* p, int64_t nblocks, const BlockActs& x, int64_t xr, float* out) {
   float acc[4][2] = {};
   const int64_t in = x.in, in32 = in / 32;
+  const int32_t* zp = x.zpair[zero_slot(kZeroPoint<T>)].data() + xr * in32 * 2;
   for (int64_t blk = 0; blk < nblocks; ++blk) {
-    const uint8_t* b = p + blk * kTileBytesQ5_0;
+    const uint8_t* b = p + blk * kTileBytes<T>;
     const int8_t* xq = x.q.data() + xr * in + 32 * blk;
     const float a = x.a[xr * in32 + blk];
     for (int i = 0; i < 4; ++i) {
       const float d = f16(b + 2 * i);
       for (int h = 0; h < 2; ++h) {
-        int32_t isum = x.z16pair[(xr * in32 + blk) * 2 + h];
+        int32_t isum = zp[blk * 2 + h];
         for (int u = 0; u < 2; ++u)
           for (int c = 8 * h; c < 8 * h + 8; ++c) {
-            const int j = 16 * u + c, nib = b[tile_nibbles(i) + c];
-            isum += (((u ? nib >> 4 : nib) & 0x0F) | (((b[8 + c] >> tile_bit(i, j)) & 1) << 4)) * xq[j];
+            const int j = 16 * u + c, nib = b[tile_nibbles(i, kTileHigh<T>) + c];
+            const int high = kTileHigh<T> ? ((b[8 + c] >> tile_bit(i, j)) & 1) << 4 : 0;
+            isum += (((u ? nib >> 4 : nib) & 0x0F) | high) * xq[j];
           }
         acc[i][h] = std::fma(static_cast<float>(isum) * d, a, acc[i][h]);
       }
@@ -162,17 +165,19 @@ void q5x4_tile(const uint8_t* p, int64_t nblocks, const BlockActs& x, int64_t xr
   for (int i = 0; i < 4; ++i) out[i] = acc[i][0] + acc[i][1];
 }
 
+template <int T>
 void tile_rows(const Segment& s, const BlockActs& x, float* y, int64_t out_total, int64_t r0, int64_t r1) {
   float out[4];
   for (int64_t t = r0 / 4; 4 * t < r1; ++t)
     for (int64_t k = 0; k < x.m; ++k) {
-      q5x4_tile(s.q + 4 * t * s.row_bytes, s.in / 32, x, k, out);
+      tile_x4<T>(s.q + 4 * t * s.row_bytes, s.in / 32, x, k, out);
       for (int64_t r = std::max(r0, 4 * t); r < std::min(r1, 4 * t + 4); ++r) y[k * out_total + s.first_row + r] = out[r - 4 * t];
     }
 }
 
 void dispatch(const Segment& s, const BlockActs& x, float* y, int64_t out_total, int64_t r0, int64_t r1) {
-  if (s.type == kQ5_0x4) return tile_rows(s, x, y, out_total, r0, r1);
+  if (s.type == kQ4_0x4) return tile_rows<kQ4_0>(s, x, y, out_total, r0, r1);
+  if (s.type == kQ5_0x4) return tile_rows<kQ5_0>(s, x, y, out_total, r0, r1);
   visit_type(s.type, [&](auto t) { segment_rows<decltype(t)::value>(s, x, y, out_total, r0, r1); });
 }
 
@@ -201,7 +206,7 @@ namespace vnni {
 }  // namespace
 
 bool supported(int type) {
-  if (is_tiled(type)) return type == kQ5_0x4;
+  if (is_tiled(type)) return type == kQ4_0x4 || type == kQ5_0x4;
   return visit_type(type, [](auto) { return true; }, false);
 }
 
@@ -215,36 +220,38 @@ int64_t block_bytes(int type) {
                     int64_t{0});
 }
 
-void tile_q5_0(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t nblocks) {
-  const int64_t row_bytes = nblocks * 22;
+void tile_rows_of(int type, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t nblocks) {
+  const int64_t bytes = block_bytes(type), row_bytes = nblocks * bytes, high = type == kQ5_0 ? 16 : 0;
   at::parallel_for(0, rows / 4, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t blk = 0; blk < nblocks; ++blk) {
-        uint8_t* o = dst + 4 * t * row_bytes + blk * kTileBytesQ5_0;
-        std::memset(o + 8, 0, 16);
+        uint8_t* o = dst + 4 * t * row_bytes + blk * 4 * bytes;
+        std::memset(o + 8, 0, high);
         for (int i = 0; i < 4; ++i) {
-          const uint8_t* b = src + (4 * t + i) * row_bytes + blk * 22;
+          const uint8_t* b = src + (4 * t + i) * row_bytes + blk * bytes;
+          std::memcpy(o + 2 * i, b, 2);
+          std::memcpy(o + tile_nibbles(i, high), b + 2 + high / 4, 16);
+          if (!high) continue;
           uint32_t qh;
           std::memcpy(&qh, b + 2, 4);
-          std::memcpy(o + 2 * i, b, 2);
-          std::memcpy(o + tile_nibbles(i), b + 6, 16);
           for (int j = 0; j < 32; ++j) o[8 + j % 16] |= static_cast<uint8_t>(((qh >> j) & 1) << tile_bit(i, j));
         }
       }
   });
 }
 
-void untile_row(const uint8_t* tiles, int64_t row, int64_t nblocks, uint8_t* out) {
-  const int64_t row_bytes = nblocks * 22;
+void untile_row(int type, const uint8_t* tiles, int64_t row, int64_t nblocks, uint8_t* out) {
+  const int64_t bytes = block_bytes(type), row_bytes = nblocks * bytes, high = type == kQ5_0 ? 16 : 0;
   const int i = static_cast<int>(row % 4);
   for (int64_t blk = 0; blk < nblocks; ++blk) {
-    const uint8_t* p = tiles + (row / 4) * 4 * row_bytes + blk * kTileBytesQ5_0;
-    uint8_t* b = out + blk * 22;
+    const uint8_t* p = tiles + (row / 4) * 4 * row_bytes + blk * 4 * bytes;
+    uint8_t* b = out + blk * bytes;
+    std::memcpy(b, p + 2 * i, 2);
+    std::memcpy(b + 2 + high / 4, p + tile_nibbles(i, high), 16);
+    if (!high) continue;
     uint32_t qh = 0;
     for (int j = 0; j < 32; ++j) qh |= static_cast<uint32_t>((p[8 + j % 16] >> tile_bit(i, j)) & 1) << j;
-    std::memcpy(b, p + 2 * i, 2);
     std::memcpy(b + 2, &qh, 4);
-    std::memcpy(b + 6, p + tile_nibbles(i), 16);
   }
 }
 
@@ -299,7 +306,7 @@ void quantize_acts(const float* x, int64_t m, int64_t in, BlockActs& out) {
   out.q.resize(m * in), out.qu.resize(m * in), out.a.resize(m * in / 32), out.a8.resize(m * in / 4);
   out.c16.resize(m * in / 16), out.c32.resize(m * in / 32);
   for (auto& z : out.zsum) z.resize(m * in / 4);
-  out.z16pair.resize(m * in / 16);
+  for (auto& z : out.zpair) z.resize(m * in / 16);
   for (int64_t k = 0; k < m; ++k)
     for (int64_t b = 0; b < in / 32; ++b) {
       float a;
@@ -317,8 +324,8 @@ void quantize_acts(const float* x, int64_t m, int64_t in, BlockActs& out) {
         for (int z = 0; z < 4; ++z) out.zsum[z][(k * in + 32 * b) / 4 + l] = -kZeroPoints[z] * lane;
         pair[(l >> 1) & 1] += lane;  // lanes 0, 1, 4, 5: columns 0-7 and 16-23
       }
-      out.z16pair[(k * (in / 32) + b) * 2] = -16 * pair[0];
-      out.z16pair[(k * (in / 32) + b) * 2 + 1] = -16 * pair[1];
+      for (int z = 0; z < 4; ++z)
+        for (int h = 0; h < 2; ++h) out.zpair[z][(k * (in / 32) + b) * 2 + h] = -kZeroPoints[z] * pair[h];
     }
 }
 
@@ -411,31 +418,37 @@ torch::Tensor block_dequantize(const torch::Tensor& blocks, int64_t type, int64_
   return out;
 }
 
-// Q5_0 blocks [rows, row bytes] (rows % 4 == 0) in brisk_blocks::kQ5_0x4's layout: the same bytes,
-// four rows interleaved block by block for the tile kernel.
+// Q4_0 or Q5_0 blocks [rows, row bytes] (rows % 4 == 0) in that type's tiled layout (blocks.h
+// kTiled): the same bytes, four rows interleaved block by block for the tile kernel.
 torch::Tensor block_tile(const torch::Tensor& blocks, int64_t type) {
-  TORCH_CHECK(type == brisk_blocks::kQ5_0, "brisk block_tile: only Q5_0 (type 6) has a tiled layout, got ", type);
+  TORCH_CHECK(type == brisk_blocks::kQ4_0 || type == brisk_blocks::kQ5_0,
+              "brisk block_tile: only Q4_0 (2) and Q5_0 (6) have a tiled layout, got ", type);
+  const int64_t bytes = brisk_blocks::block_bytes(static_cast<int>(type));
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.device().is_cpu() &&
-                  blocks.size(0) % 4 == 0 && blocks.size(1) % 22 == 0,
-              "brisk block_tile: Q5_0 blocks must be uint8 CPU [rows, row bytes] with rows % 4 == 0");
+                  blocks.size(0) % 4 == 0 && blocks.size(1) % bytes == 0,
+              "brisk block_tile: blocks must be uint8 CPU [rows, row bytes] with rows % 4 == 0");
   const auto src = blocks.contiguous();
   auto out = torch::empty_like(src);
-  brisk_blocks::tile_q5_0(src.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), src.size(0), src.size(1) / 22);
+  brisk_blocks::tile_rows_of(static_cast<int>(type), src.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), src.size(0),
+                             src.size(1) / bytes);
   return out;
 }
 
-// The file's Q5_0 rows of a tiled weight (block_tile's inverse).
+// The file's rows of a tiled weight (block_tile's inverse).
 torch::Tensor block_untile(const torch::Tensor& tiles, int64_t type) {
-  TORCH_CHECK(type == brisk_blocks::kQ5_0x4, "brisk block_untile: type ", type, " is not a tiled type");
+  TORCH_CHECK(type == brisk_blocks::kQ4_0x4 || type == brisk_blocks::kQ5_0x4, "brisk block_untile: type ", type,
+              " is not a tiled type");
+  const int file = brisk_blocks::file_type(static_cast<int>(type));
+  const int64_t bytes = brisk_blocks::block_bytes(file);
   TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == torch::kUInt8 && tiles.device().is_cpu() &&
-                  tiles.size(0) % 4 == 0 && tiles.size(1) % 22 == 0,
+                  tiles.size(0) % 4 == 0 && tiles.size(1) % bytes == 0,
               "brisk block_untile: tiles must be uint8 CPU [rows, row bytes] with rows % 4 == 0");
   const auto src = tiles.contiguous();
   auto out = torch::empty_like(src);
-  const int64_t nblocks = src.size(1) / 22;
+  const int64_t nblocks = src.size(1) / bytes;
   at::parallel_for(0, src.size(0), 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      brisk_blocks::untile_row(src.data_ptr<uint8_t>(), r, nblocks, out.data_ptr<uint8_t>() + r * src.size(1));
+      brisk_blocks::untile_row(file, src.data_ptr<uint8_t>(), r, nblocks, out.data_ptr<uint8_t>() + r * src.size(1));
   });
   return out;
 }

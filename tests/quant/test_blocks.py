@@ -112,37 +112,38 @@ def test_many_rows_multiply_the_same_weights_in_floats(qtype: GGMLQuantizationTy
     torch.testing.assert_close(layer(x), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 17, 64])
-def test_q5_0_tiles_match_the_dequantized_reference(m: int) -> None:
-    """Q5_0 repacked four rows at a time (kernels.block_tile): the same bytes, the file's rows back
-    from it, the tile kernel against the dequantized weights, each row as it comes alone."""
-    blocks = random_blocks(T.Q5_0, 36, 544, seed=11)
-    tiled_type, tiles = kernels.block_tile(blocks, int(T.Q5_0))
-    assert tiled_type == kernels.Q5_0X4 and tiles.shape == blocks.shape and not torch.equal(tiles, blocks)
+def test_tiles_match_the_dequantized_reference(qtype: GGMLQuantizationType, m: int) -> None:
+    """Q4_0 / Q5_0 repacked four rows at a time (kernels.block_tile): the same bytes, the file's
+    rows back from it, the tile kernel against the dequantized weights, each row as it comes alone."""
+    blocks = random_blocks(qtype, 36, 544, seed=11)
+    tiled_type, tiles = kernels.block_tile(blocks, int(qtype))
+    assert tiled_type == kernels.TILED | int(qtype) and tiles.shape == blocks.shape and not torch.equal(tiles, blocks)
     untiled_type, back = kernels.block_untile(tiles, tiled_type)
-    assert untiled_type == int(T.Q5_0) and torch.equal(back, blocks)
+    assert untiled_type == int(qtype) and torch.equal(back, blocks)
     if kernels.block_dequantize_supported() and m == 1:  # rows from mid-tile to mid-tile
-        w = dequantize(blocks, int(T.Q5_0), (36, 544))
+        w = dequantize(blocks, int(qtype), (36, 544))
         assert torch.equal(kernels.block_dequantize(tiles, tiled_type, 544, 3, 33), w[3:33])
     x = torch.randn(m, 544, generator=torch.Generator().manual_seed(m))
     y = kernels.block_gemm(x, [tiles], [tiled_type])
-    ref = reference(x, blocks, int(T.Q5_0), 544)
+    ref = reference(x, blocks, int(qtype), 544)
     torch.testing.assert_close(y, ref, rtol=0, atol=2e-6 * ref.abs().max().item() * 544 ** 0.5)
     for i in range(m):
         assert torch.equal(y[i:i + 1], kernels.block_gemm(x[i:i + 1], [tiles], [tiled_type]))
 
 
-def test_block_linear_tiles_q5_0_rows_in_fours() -> None:
-    """Q5_0 parts with rows in fours are tiled, others keep the file's layout; a tiled part that
+def test_block_linear_tiles_rows_in_fours() -> None:
+    """Q4_0 / Q5_0 parts with rows in fours are tiled, others keep the file's layout; a tiled part that
     starts off a multiple of 4 in a stacked weight (rows split between threads mid-tile) gives the
     same numbers as the file's layout; dequantize and token rows read the file's values."""
-    a, b, c = random_blocks(T.Q5_0, 8, 256, 1), random_blocks(T.Q8_0, 2, 256, 2), random_blocks(T.Q5_0, 12, 256, 3)
-    parts = [(int(T.Q5_0), a), (int(T.Q8_0), b), (int(T.Q5_0), c)]
+    a, b, c = random_blocks(T.Q5_0, 8, 256, 1), random_blocks(T.Q8_0, 2, 256, 2), random_blocks(T.Q4_0, 12, 256, 3)
+    parts = [(int(T.Q5_0), a), (int(T.Q8_0), b), (int(T.Q4_0), c)]
     layer = BlockLinear(parts, 256, None, (8, 2, 12), torch.float32)
     plain = BlockLinear(parts, 256, None, (8, 2, 12), torch.float32, tile=False)
-    assert layer.types == [kernels.Q5_0X4, int(T.Q8_0), kernels.Q5_0X4] and layer.tiled_parts == [True, False, True]
-    assert plain.types == [int(T.Q5_0), int(T.Q8_0), int(T.Q5_0)]
-    assert "Q5_0x4+Q8_0+Q5_0x4" in repr(layer)
+    assert layer.types == [kernels.Q5_0X4, int(T.Q8_0), kernels.Q4_0X4] and layer.tiled_parts == [True, False, True]
+    assert plain.types == [int(T.Q5_0), int(T.Q8_0), int(T.Q4_0)]
+    assert "Q5_0x4+Q8_0+Q4_0x4" in repr(layer)
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(4))
     ref = reference(x, a, int(T.Q5_0), 256)
     torch.testing.assert_close(layer(x)[:, :8], ref, rtol=0, atol=2e-6 * ref.abs().max().item() * 16)
@@ -152,9 +153,9 @@ def test_block_linear_tiles_q5_0_rows_in_fours() -> None:
     assert torch.equal(layer.dequantize(), plain.dequantize())
     odd = BlockLinear([(int(T.Q5_0), random_blocks(T.Q5_0, 6, 256, 5))], 256, None, (6,), torch.float32)
     assert odd.types == [int(T.Q5_0)]
-    head = BlockLinear([(int(T.Q5_0), c)], 256, None, (12,), torch.float32)
+    head = BlockLinear([(int(T.Q4_0), c)], 256, None, (12,), torch.float32)
     ids = torch.tensor([11, 0, 5, 5, 2])
-    assert torch.equal(head.dequantize_rows(ids), dequantize(c, int(T.Q5_0), (12, 256))[ids])
+    assert torch.equal(head.dequantize_rows(ids), dequantize(c, int(T.Q4_0), (12, 256))[ids])
 
 
 def test_bad_row_bytes_are_a_clear_error() -> None:
@@ -181,8 +182,9 @@ for t in TYPES:
     b = random_blocks(t, 12, cols, int(t))
     x = torch.randn(5, cols, generator=torch.Generator().manual_seed(int(t)))
     out[t.name] = kernels.block_gemm(x, [b], [int(t)]).numpy().tobytes().hex()
-qt, tiles = kernels.block_tile(random_blocks(TYPES[2], 12, 544, 7), int(TYPES[2]))
-out["Q5_0x4"] = kernels.block_gemm(torch.randn(5, 544, generator=torch.Generator().manual_seed(7)), [tiles], [qt]).numpy().tobytes().hex()
+for t in (TYPES[0], TYPES[2]):  # Q4_0, Q5_0 tiled
+    qt, tiles = kernels.block_tile(random_blocks(t, 12, 544, 7), int(t))
+    out[t.name + "x4"] = kernels.block_gemm(torch.randn(5, 544, generator=torch.Generator().manual_seed(7)), [tiles], [qt]).numpy().tobytes().hex()
 print(json.dumps({{"isa": kernels.CAPS.isa, "out": out}}))
 """
 
@@ -202,6 +204,7 @@ def test_every_isa_gives_the_same_bits(isa: str) -> None:
         b = random_blocks(t, 12, cols, int(t))
         x = torch.randn(5, cols, generator=torch.Generator().manual_seed(int(t)))
         assert kernels.block_gemm(x, [b], [int(t)]).numpy().tobytes().hex() == got["out"][t.name], t.name
-    qt, tiles = kernels.block_tile(random_blocks(T.Q5_0, 12, 544, 7), int(T.Q5_0))
-    y = kernels.block_gemm(torch.randn(5, 544, generator=torch.Generator().manual_seed(7)), [tiles], [qt])
-    assert y.numpy().tobytes().hex() == got["out"]["Q5_0x4"]
+    for t in (T.Q4_0, T.Q5_0):
+        qt, tiles = kernels.block_tile(random_blocks(t, 12, 544, 7), int(t))
+        y = kernels.block_gemm(torch.randn(5, 544, generator=torch.Generator().manual_seed(7)), [tiles], [qt])
+        assert y.numpy().tobytes().hex() == got["out"][t.name + "x4"], t.name
