@@ -280,12 +280,50 @@ __attribute__((target("avx512f"))) void quantize_block_avx512(const float* xb, i
   _mm_storeu_si128(reinterpret_cast<__m128i*>(qu + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(q1, off)));
   sums[0] = _mm512_reduce_add_epi32(q0), sums[1] = _mm512_reduce_add_epi32(q1);
 }
+
+__attribute__((target("avx2"))) inline int32_t sum16_avx2(__m256i x, __m256i y) {  // all 16 int32 lanes
+  const __m256i t = _mm256_add_epi32(x, y);
+  __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  u = _mm_add_epi32(u, _mm_unpackhi_epi64(u, u));
+  return _mm_cvtsi128_si32(_mm_add_epi32(u, _mm_shuffle_epi32(u, 1)));
+}
+
+// The same at AVX2: on an AVX2 Zen 3 the scalar loop cost ~4.8 ns a column, ~0.45 ms of a Q4_K_M
+// decode step (each thread quantizes every block Linear's input).
+__attribute__((target("avx2,fma"))) void quantize_block_avx2(const float* xb, int8_t* q, uint8_t* qu, float& a,
+                                                           int32_t (&sums)[2]) {
+  __m256 v[4];
+  __m256 m = _mm256_setzero_ps();
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i), m = _mm256_max_ps(m, _mm256_and_ps(v[i], abs_mask));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  a = _mm_cvtss_f32(h) / 127.0f;
+  __m256i c[4];
+  for (int i = 0; i < 4; ++i) c[i] = _mm256_setzero_si256();
+  if (a > 0.0f) {
+    const __m256 d = _mm256_set1_ps(a), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      c[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+    }
+  }
+  // int32 x 32 -> int8 x 32 in order: the packs interleave 128-bit lanes, the permute undoes it
+  const __m256i p = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qu), _mm256_xor_si256(p, _mm256_set1_epi8(static_cast<char>(0x80))));
+  sums[0] = sum16_avx2(c[0], c[1]), sums[1] = sum16_avx2(c[2], c[3]);
+}
 #endif
 
 // One 32-column block: a = max |x| / 127, q = clamp(round(x / a)), q + 128, the halves' sums.
 void quantize_block(const float* xb, int8_t* q, uint8_t* qu, float& a, int32_t (&sums)[2]) {
 #ifdef BRISK_X86
   if (brisk_isa::avx512()) return quantize_block_avx512(xb, q, qu, a, sums);
+  if (brisk_isa::at_least_avx2()) return quantize_block_avx2(xb, q, qu, a, sums);
 #endif
   float amax = 0.0f;
   for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));

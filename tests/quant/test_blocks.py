@@ -158,6 +158,21 @@ def test_block_linear_tiles_rows_in_fours() -> None:
     assert torch.equal(head.dequantize_rows(ids), dequantize(c, int(T.Q4_0), (12, 256))[ids])
 
 
+def test_activations_round_half_to_even_at_every_level() -> None:
+    """x's int8 blocks (every ISA's quantize_block): ties go to even, the block's largest value maps
+    to 127, a zero block stays zero. Read back through an identity of Q8_0 rows (d = 1)."""
+    rows = np.zeros((32, 2, 34), dtype=np.uint8)
+    rows[:, :, 0:2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    for i in range(32):
+        rows[i, 0, 2 + i] = 1
+    weight = torch.from_numpy(rows.reshape(32, 68))
+    x = torch.zeros(1, 64)
+    x[0, :32] = torch.tensor([127.0, -127.0] + [k + 0.5 for k in range(-15, 15)])  # a = 1: x / a exact
+    y = kernels.block_gemm(x, [weight], [int(T.Q8_0)])
+    assert y[0].tolist() == torch.round(x[0, :32]).tolist()  # torch.round: half to even
+    assert torch.equal(kernels.block_gemm(torch.zeros(1, 64), [weight], [int(T.Q8_0)]), torch.zeros(1, 32))
+
+
 def test_bad_row_bytes_are_a_clear_error() -> None:
     blocks = random_blocks(T.Q4_K, 4, 512, 0)[:, :-1].contiguous()
     with pytest.raises(RuntimeError, match="takes 288 bytes, got 287"):
