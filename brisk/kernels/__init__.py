@@ -240,9 +240,10 @@ Q4_0X4, Q5_0X4 = TILED | Q4_0, TILED | Q5_0
 
 
 def block_tile_supported(ggml_type: int, rows: torch.Tensor) -> bool:
-    """`block_tile` can repack these blocks: Q4_0 or Q5_0 on the CPU, a multiple of 4 rows."""
-    return (ggml_type in (Q4_0, Q5_0) and rows.device.type == "cpu" and rows.dim() == 2 and rows.shape[0] % 4 == 0
-            and CAPS.has("block_tile"))
+    """`block_tile` can repack these blocks: a type with a tiled kernel (Q4_0, Q5_0) on the CPU, a
+    multiple of 4 rows."""
+    return (TILED | ggml_type in _BLOCK_TYPES and rows.device.type == "cpu" and rows.dim() == 2
+            and rows.shape[0] % 4 == 0 and CAPS.has("block_tile"))
 
 
 def block_tile(rows: torch.Tensor, ggml_type: int) -> tuple[int, torch.Tensor]:

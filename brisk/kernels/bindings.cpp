@@ -48,8 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     std::vector<int64_t> t;
     for (int i = 0; i < 64; ++i)
       if (brisk_blocks::supported(i)) t.push_back(i);
-    t.push_back(brisk_blocks::kQ4_0x4);
-    t.push_back(brisk_blocks::kQ5_0x4);
+    for (int i = 0; i < 64; ++i)
+      if (brisk_blocks::supported(brisk_blocks::kTiled | i)) t.push_back(brisk_blocks::kTiled | i);
     return t;
   }, "GGML type ids the block kernels run, and brisk's tiled ones (kTiled | GGML type)");
   m.def("group_tile_rows", []() { return 4; }, "rows per tile of the group kernels' tiled layout (tiled=True)");

@@ -29,8 +29,9 @@ inline int file_type(int type) { return type & ~kTiled; }
 // one 32-byte load holds rows 0 and 2 and another rows 1 and 3): 4 x 18 or 4 x 22 bytes. Fifth bit
 // of row i, column j: bit tile_bit(i, j) of byte 8 + j % 16. The bits sit where one variable shift
 // of the broadcast field lines up a whole vector's bits at 0x10 (cpu_blocks_simd.inc tile_x4).
+constexpr int tile_high(int type) { return type == kQ5_0 ? 16 : 0; }  // bytes of fifth bits (GGML type)
 template <int T>
-constexpr int kTileHigh = T == kQ5_0 ? 16 : 0;  // bytes of fifth bits
+constexpr int kTileHigh = tile_high(T);
 template <int T>
 constexpr int kTileBytes = 72 + kTileHigh<T>;
 constexpr int tile_bit(int i, int j) { return ((i & 1) ? 0 : 4) + 2 * (j / 16) + (i >> 1); }
@@ -54,6 +55,20 @@ auto visit_type(int type, Fn&& fn, Otherwise... otherwise) {
     case kQ4_K: return fn(std::integral_constant<int, kQ4_K>{});
     case kQ5_K: return fn(std::integral_constant<int, kQ5_K>{});
     case kQ6_K: return fn(std::integral_constant<int, kQ6_K>{});
+    default:
+      if constexpr (sizeof...(otherwise) > 0) return R(otherwise...);
+      else return R();
+  }
+}
+
+// fn(std::integral_constant<int, T>{}) for the tiled type kTiled | T (T its GGML type: the one
+// switch over tiled types); `otherwise` when `type` is no tiled type with a kernel.
+template <typename Fn, typename... Otherwise>
+auto visit_tiled(int type, Fn&& fn, Otherwise... otherwise) {
+  using R = decltype(fn(std::integral_constant<int, kQ4_0>{}));
+  switch (type) {
+    case kQ4_0x4: return fn(std::integral_constant<int, kQ4_0>{});
+    case kQ5_0x4: return fn(std::integral_constant<int, kQ5_0>{});
     default:
       if constexpr (sizeof...(otherwise) > 0) return R(otherwise...);
       else return R();

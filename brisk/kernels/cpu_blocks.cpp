@@ -176,8 +176,7 @@ void tile_rows(const Segment& s, const BlockActs& x, float* y, int64_t out_total
 }
 
 void dispatch(const Segment& s, const BlockActs& x, float* y, int64_t out_total, int64_t r0, int64_t r1) {
-  if (s.type == kQ4_0x4) return tile_rows<kQ4_0>(s, x, y, out_total, r0, r1);
-  if (s.type == kQ5_0x4) return tile_rows<kQ5_0>(s, x, y, out_total, r0, r1);
+  if (is_tiled(s.type)) return visit_tiled(s.type, [&](auto t) { tile_rows<decltype(t)::value>(s, x, y, out_total, r0, r1); });
   visit_type(s.type, [&](auto t) { segment_rows<decltype(t)::value>(s, x, y, out_total, r0, r1); });
 }
 
@@ -206,7 +205,7 @@ namespace vnni {
 }  // namespace
 
 bool supported(int type) {
-  if (is_tiled(type)) return type == kQ4_0x4 || type == kQ5_0x4;
+  if (is_tiled(type)) return visit_tiled(type, [](auto) { return true; }, false);
   return visit_type(type, [](auto) { return true; }, false);
 }
 
@@ -221,7 +220,7 @@ int64_t block_bytes(int type) {
 }
 
 void tile_rows_of(int type, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t nblocks) {
-  const int64_t bytes = block_bytes(type), row_bytes = nblocks * bytes, high = type == kQ5_0 ? 16 : 0;
+  const int64_t bytes = block_bytes(type), row_bytes = nblocks * bytes, high = tile_high(type);
   at::parallel_for(0, rows / 4, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t blk = 0; blk < nblocks; ++blk) {
@@ -241,7 +240,7 @@ void tile_rows_of(int type, const uint8_t* src, uint8_t* dst, int64_t rows, int6
 }
 
 void untile_row(int type, const uint8_t* tiles, int64_t row, int64_t nblocks, uint8_t* out) {
-  const int64_t bytes = block_bytes(type), row_bytes = nblocks * bytes, high = type == kQ5_0 ? 16 : 0;
+  const int64_t bytes = block_bytes(type), row_bytes = nblocks * bytes, high = tile_high(type);
   const int i = static_cast<int>(row % 4);
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const uint8_t* p = tiles + (row / 4) * 4 * row_bytes + blk * 4 * bytes;
@@ -459,7 +458,7 @@ torch::Tensor block_dequantize(const torch::Tensor& blocks, int64_t type, int64_
 // Q4_0 or Q5_0 blocks [rows, row bytes] (rows % 4 == 0) in that type's tiled layout (blocks.h
 // kTiled): the same bytes, four rows interleaved block by block for the tile kernel.
 torch::Tensor block_tile(const torch::Tensor& blocks, int64_t type) {
-  TORCH_CHECK(type == brisk_blocks::kQ4_0 || type == brisk_blocks::kQ5_0,
+  TORCH_CHECK(brisk_blocks::supported(brisk_blocks::kTiled | static_cast<int>(type)),
               "brisk block_tile: only Q4_0 (2) and Q5_0 (6) have a tiled layout, got ", type);
   const int64_t bytes = brisk_blocks::block_bytes(static_cast<int>(type));
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.device().is_cpu() &&
@@ -474,8 +473,8 @@ torch::Tensor block_tile(const torch::Tensor& blocks, int64_t type) {
 
 // The file's rows of a tiled weight (block_tile's inverse).
 torch::Tensor block_untile(const torch::Tensor& tiles, int64_t type) {
-  TORCH_CHECK(type == brisk_blocks::kQ4_0x4 || type == brisk_blocks::kQ5_0x4, "brisk block_untile: type ", type,
-              " is not a tiled type");
+  TORCH_CHECK(brisk_blocks::is_tiled(static_cast<int>(type)) && brisk_blocks::supported(static_cast<int>(type)),
+              "brisk block_untile: type ", type, " is not a tiled type");
   const int file = brisk_blocks::file_type(static_cast<int>(type));
   const int64_t bytes = brisk_blocks::block_bytes(file);
   TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == torch::kUInt8 && tiles.device().is_cpu() &&

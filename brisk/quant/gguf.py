@@ -187,9 +187,7 @@ def attach_blocks(model: nn.Module, blocks: Blocks, bias_of: Callable[[str], tor
 def _copied_parts(module: nn.Module) -> list[bool]:
     """Per part: the module holds a copy of it (a GroupLinear, a tiled BlockLinear segment), so the
     file's pages of that tensor can be let go."""
-    if isinstance(module, BlockLinear):
-        return module.tiled_parts
-    return [True] * len(getattr(module, "output_sizes", (0,)))
+    return module.tiled_parts if isinstance(module, BlockLinear) else [True] * len(module.output_sizes)
 
 
 class BlockLinear(QuantizedLinear):
@@ -201,9 +199,9 @@ class BlockLinear(QuantizedLinear):
     of its memory map where no row permutation was needed, so the weight costs no memory of its own
     beyond the page cache. The exceptions are Q4_0 and Q5_0 (with rows in fours): repacked once into
     the tile layout (kernels.block_tile, the same bytes; type kernels.TILED | type), which the
-    kernels run ~1.7x faster; `tile=False` keeps the file's layout. Without the kernels (another device, no extension)
-    the forward is the same arithmetic in torch: the activations rounded the kernels' way, the
-    weight dequantized.
+    kernels run ~1.7x faster; `tile=False` keeps the file's layout. Without the kernels (another
+    device, no extension) the forward is the same arithmetic in torch: the activations rounded the
+    kernels' way, the weight dequantized.
     """
 
     def __init__(self, segments: list[tuple[int, torch.Tensor]], in_features: int, bias: torch.Tensor | None,
