@@ -1,10 +1,13 @@
 """One prepared check for a session that is lent a CUDA machine (CI never has one).
 
     python3 .ci/gpu_check.py [--model FILE.gguf] [--text wiki.test.raw] [--out DIR] [--skip-build] [--skip-tests]
+                             [--skip-profiles]
 
 1. builds brisk's C++ CPU kernels for the torch found there (optional: brisk falls back without them);
 2. runs every test marked `cuda` (tiny random models, no files needed);
-3. with the default model: greedy tokens on CUDA against the CPU (float32, and int8 / int4 / w8a8 quantized),
+3. times decode on a SmolLM2-shaped model with random weights (.ci/gpu_profile.py: float32, bfloat16,
+   GGUF blocks, 2:4 sparse), which needs no file to travel;
+4. with the default model (when its file is there): greedy tokens on CUDA against the CPU (float32, and int8 / int4 / w8a8 quantized),
    bfloat16's agreement with float32, then `brisk bench latency`, `bench throughput` and `eval ppl` on the GPU.
 
 Everything is printed and written to DIR (default ./gpu-out) as JSON lines and logs.
@@ -27,6 +30,9 @@ PROMPTS = ["Write a short story about a lighthouse keeper who finds a message in
            "Explain how a paged KV cache works in three sentences.",
            "List five prime numbers and add them up."]
 NEW_TOKENS = 64
+CUDA_TEST_DIRS = ["tests/model", "tests/engine", "tests/runtime", "tests/quant", "tests/loader", "tests/parallel"]
+PROFILES = [("float", "float32"), ("float", "bfloat16"), ("blocks", "float32"), ("blocks", "bfloat16"),
+            ("sparse24", "bfloat16")]
 
 
 def log(out: Path, record: dict[str, object]) -> None:
@@ -116,6 +122,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
     ap.add_argument("--skip-build", action="store_true")
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--skip-profiles", action="store_true")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -128,8 +135,19 @@ def main() -> int:
     if not args.skip_build:
         run(args.out, "build-ext", [sys.executable, "setup.py", "-q", "build_ext", "--inplace"], 400)
     if not args.skip_tests:
+        # folders rather than "tests": the server's tests import packages a GPU image may lack
         run(args.out, "pytest-cuda", [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
-                                      "tests"], 400)
+                                      "--continue-on-collection-errors", *CUDA_TEST_DIRS], 400)
+    for weights, dtype in ([] if args.skip_profiles else PROFILES):
+        proc = run(args.out, f"profile-{weights}-{dtype}", [sys.executable, ".ci/gpu_profile.py", "--weights", weights,
+                                                            "--dtype", dtype, "--out", str(args.out)], 300)
+        for line in (proc.stdout.splitlines() if proc else []):
+            if line.startswith("{"):
+                log(args.out, {"step": f"profile-{weights}-{dtype}", **json.loads(line)})
+    if not args.skip_profiles:
+        proc = run(args.out, "vmem-probe", [sys.executable, ".ci/gpu_vmem_probe.py"], 120)
+        if proc is not None and proc.returncode == 0:
+            log(args.out, {"step": "vmem-probe", **json.loads(proc.stdout.strip().splitlines()[-1])})
     model = args.model
     if model is None:
         sys.path.insert(0, str(ROOT / "tests"))

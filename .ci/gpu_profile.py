@@ -1,7 +1,11 @@
 """Where a CUDA decode step's time goes: a SmolLM2-135M-shaped model with random weights (the timing does not
 depend on the values, so no weights need to travel), one engine, batch 1 and batch 32.
 
-    python3 .ci/gpu_profile.py [--device cuda] [--out DIR]
+    python3 .ci/gpu_profile.py [--device cuda] [--dtype float32|bfloat16] [--weights float|blocks|sparse24] [--out DIR]
+
+`--weights blocks` puts every decoder Linear in GGUF blocks as a Q4_K_M file has them (Q4_K where the
+width is a multiple of 256, else Q5_0; random block bytes with moderate scales); `sparse24` prunes
+each to 2:4 (torch's semi-structured tensors on the GPU for a 16-bit model).
 
 Prints, per batch size, decode tokens/s, wall time per step, GPU kernel time per step and kernel launches per
 step (from torch.profiler), and the operators that spend the most host time.
@@ -34,12 +38,48 @@ SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                       rope_theta=100000.0, tie_word_embeddings=True)
 
 
-def build_engine(device: str, dtype: torch.dtype) -> LLMEngine:
+def random_blocks(qtype: int, rows: int, cols: int) -> torch.Tensor:
+    """uint8 [rows, row bytes] of random GGUF blocks whose fp16 d (the first field of Q4_K and Q5_0
+    blocks; Q4_K's dmin next) are small and finite."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    b = torch.randint(0, 256, (rows * cols // block, size), dtype=torch.uint8)
+    b[:, 0:4] = (torch.randn(b.shape[0], 2) * 0.001).half().view(torch.uint8)
+    return b.reshape(rows, -1)
+
+
+def swap_linears(model: torch.nn.Module, weights: str, dtype: torch.dtype) -> None:
+    """Every decoder Linear as GGUF blocks or 2:4 sparse (`weights`); the embedding / tied head stay."""
+    from gguf import GGMLQuantizationType as T
+
+    from brisk.model.layers import Linear
+    from brisk.quant.gguf import BlockLinear
+    from brisk.quant.sparse24 import Sparse24Linear
+
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Linear):
+            continue
+        if weights == "blocks":
+            qtype = int(T.Q4_K if module.in_features % 256 == 0 else T.Q5_0)
+            rows = sum(module.output_sizes)
+            new: torch.nn.Module = BlockLinear([(qtype, random_blocks(qtype, rows, module.in_features))],
+                                               module.in_features, None, module.output_sizes, dtype)
+        else:
+            new = Sparse24Linear.from_linear(module, None)
+            new.dtype = dtype
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, new)
+
+
+def build_engine(device: str, dtype: torch.dtype, weights: str = "float") -> LLMEngine:
     torch.manual_seed(0)
     model = LlamaForCausalLM(SMOLLM2, dtype=torch.float32, max_positions=2048)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
+    if weights != "float":
+        swap_linears(model, weights, dtype)
     model = model.to(device=device, dtype=dtype).eval()
     backend = Backend(models.WordLevel({"w0": 0, "w1": 1}, unk_token="w1"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -91,17 +131,18 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
     ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--weights", default="float", choices=["float", "blocks", "sparse24"])
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    engine = build_engine(args.device, getattr(torch, args.dtype))
+    engine = build_engine(args.device, getattr(torch, args.dtype), args.weights)
     for batch in (int(b) for b in args.batches.split(",")):
         decode_steps(engine, batch, 8)  # warm-up
         times = sorted(decode_steps(engine, batch, 64))
         step = times[len(times) // 2]
         prof = profile(engine, batch, 16, args.device)
         table = prof.pop("table")
-        (args.out / f"profile-{args.dtype}-b{batch}.txt").write_text(str(table))
-        print(json.dumps({"device": args.device, "dtype": args.dtype, "batch": batch,
+        (args.out / f"profile-{args.weights}-{args.dtype}-b{batch}.txt").write_text(str(table))
+        print(json.dumps({"device": args.device, "dtype": args.dtype, "weights": args.weights, "batch": batch,
                           "step_ms_p50": round(step * 1000, 2), "decode_tok_s": round(batch / step, 1), **prof}),
               flush=True)
         print(table, flush=True)

@@ -59,7 +59,7 @@ def _unpack(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     next-higher ones (ggml's order), so the result is ``[n, bytes * 8 // bits]`` uint8.
     """
     n = x.shape[0]
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8).view(1, 1, -1, 1)  # [1, 1, k, 1]
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=x.device).view(1, 1, -1, 1)  # [1, 1, k, 1]
     fields = (x.reshape(n, -1, 1, group) >> shifts) & ((1 << bits) - 1)  # [n, G, k, group]
     return fields.reshape(n, -1)
 
@@ -115,7 +115,7 @@ _IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25,
 
 
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
-    q = _IQ4_VALUES[_unpack(b[:, 2:], 4, 16).long()]  # [n, 32]
+    q = _IQ4_VALUES.to(b.device)[_unpack(b[:, 2:], 4, 16).long()]  # [n, 32]
     return q.mul_(_f16(b, 0))
 
 
@@ -124,7 +124,7 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     low = _unpack(b[:, 4:8], 4, 1)  # [n, 8]: byte i // 2, low nibble first
     scales = ((low | (high << 4)).to(torch.int16) - 32).float()  # [n, 8]
     dl = (_f16(b, 0) * scales).unsqueeze(-1)  # [n, 8, 1]
-    q = _IQ4_VALUES[_unpack(b[:, 8:], 4, 16).long()].view(-1, 8, 32)  # [n, 8, 32]
+    q = _IQ4_VALUES.to(b.device)[_unpack(b[:, 8:], 4, 16).long()].view(-1, 8, 32)  # [n, 8, 32]
     return q.mul_(dl).view(-1, 256)
 
 

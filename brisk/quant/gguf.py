@@ -226,6 +226,15 @@ class BlockLinear(QuantizedLinear):
     def blocks(self) -> list[torch.Tensor]:
         return [self._buffers[f"blocks{i}"] for i in range(len(self.types))]  # type: ignore[misc]
 
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """Moved off the CPU, tiled parts go back to the file's layout once: the tiles serve only the CPU
+        kernels, and untiling them at every forward on a GPU would be a round trip through the host."""
+        out = super()._apply(fn, recurse)
+        for i, (t, rows) in enumerate(zip(self.types, self.blocks)):
+            if t & TILED and not rows.is_cpu:
+                self.types[i], self._buffers[f"blocks{i}"] = block_untile(rows, t)
+        return out
+
     @property
     def tiled_parts(self) -> list[bool]:
         return [t & TILED != 0 for t in self.types]

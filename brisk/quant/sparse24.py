@@ -9,9 +9,16 @@ without it, the largest |W| of each group of 4. Values
 are float32 ("sparse24", about 56% of the dense weight's bytes) or int8 with one scale per row
 ("sparse24_int8": 62.5% of int8's bytes). Decode-sized batches run the sparse kernel; longer
 prefill chunks rebuild the dense weight per call and multiply it through oneDNN, as int8 does.
+
+On CUDA, a float16 / bfloat16 model's 2:4 weights become torch's semi-structured sparse tensors
+(cuSPARSELt or CUTLASS, sparse tensor cores from compute capability 8.0): the GPU reads the kept
+half. A float32 model keeps the dense weight there: the sparse float32 kernels compute in TF32,
+which is not the float32 arithmetic the rest of the model does.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +34,34 @@ KERNEL_MAX_ROWS = 16
 # default model, 8,192 calibration tokens, the first 8,192 WikiText-2 test tokens: KL to the dense
 # model 1.55 at 0.01, 1.49 at 0.1, 1.70 at 1.0 (GPTQ's damping here, quant/gptq.py).
 SPARSEGPT_DAMP = 0.1  # up to this many rows the sparse kernel; more: the dense weight through oneDNN
+SEMI_STRUCTURED_DTYPES = (torch.float16, torch.bfloat16)
+log = logging.getLogger(__name__)
+
+
+def semi_structured(dense: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """torch's 2:4 sparse tensor of `dense` (zeros where pruned) in `dtype` on its GPU, or None (with
+    the reason logged once per cause) where the device, dtype or shape cannot have one."""
+    if dense.device.type != "cuda" or dtype not in SEMI_STRUCTURED_DTYPES:
+        return None
+    if torch.cuda.get_device_capability(dense.device) < (8, 0):
+        _warn_once(f"{torch.cuda.get_device_name(dense.device)} has no sparse tensor cores (compute capability < 8.0)")
+        return None
+    try:
+        sparse = torch.sparse.to_sparse_semi_structured(dense.to(dtype))
+        F.linear(torch.zeros(1, dense.shape[1], dtype=dtype, device=dense.device), sparse)  # the product runs too
+        return sparse
+    except (RuntimeError, ValueError, NotImplementedError) as e:  # shape constraints, no backend
+        _warn_once(f"torch cannot make a {list(dense.shape)} {dtype} semi-structured tensor ({e})")
+        return None
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(why: str) -> None:
+    if why not in _WARNED:
+        _WARNED.add(why)
+        log.warning("2:4 weights run dense on this GPU: %s", why)
 
 
 def _int32(bits: torch.Tensor) -> torch.Tensor:
@@ -170,11 +205,15 @@ class Sparse24Linear(QuantizedLinear):
         if flat.shape[0] <= KERNEL_MAX_ROWS and self.supported(b["values"], flat):
             y = kernels.sparse24_gemm(flat, b["values"], b["meta"], b["scale"], b["bias"], self.in_features)
         elif flat.device.type != "cpu":
-            # No sparse kernel off the CPU yet (torch's semi-structured tensors want float16 and a
-            # GPU to test on): the dense weight, rebuilt once and kept; correct, not faster.
+            # The weight for this device, made once and kept: torch's semi-structured sparse tensor
+            # where the GPU and the model's dtype allow one, else the dense weight (correct, not faster)
             if self._dense is None or self._dense.device != flat.device:
-                self._dense = self.dequantize()
-            y = F.linear(flat.float(), self._dense, b["bias"])
+                dense = self.dequantize()
+                self._dense = semi_structured(dense, self.dtype)
+                if self._dense is None:
+                    self._dense = dense
+            w, bias = self._dense, b["bias"]
+            y = F.linear(flat.to(w.dtype), w, None if bias is None else bias.to(w.dtype))
         else:
             y = F.linear(flat.float(), self.dequantize(), b["bias"])
         if y.dtype != self.dtype:

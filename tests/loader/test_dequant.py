@@ -173,3 +173,20 @@ def test_truncated_data_raises(qtype: GGMLQuantizationType) -> None:
 def test_row_not_multiple_of_block_raises() -> None:
     with pytest.raises(ValueError, match="multiple of the block size 32"):
         dequantize(np.zeros(34, dtype=np.uint8), T.Q8_0, (1, 33))
+
+
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_torch_decoders_run_on_the_blocks_device(device: str) -> None:
+    """Every type decoded by torch ops decodes where its blocks are (a GGUF model's blocks on a GPU
+    dequantize there): no constant is left on the CPU (meta tensors catch one, as CUDA would)."""
+    from brisk.loader.dequant import _DECODERS
+
+    for qtype in sorted(_DECODERS):
+        if qtype not in _FP16_FIELDS:
+            continue
+        raw = torch.from_numpy(_random_blocks(qtype, 8, 256, seed=int(qtype)))
+        out = dequantize(raw.to(device), qtype, (8, 256))
+        assert out.device.type == device and out.shape == (8, 256) and out.dtype == torch.float32
+        if device != "meta":
+            assert torch.equal(out.cpu(), dequantize(raw, qtype, (8, 256))), qtype.name

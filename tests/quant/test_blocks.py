@@ -223,3 +223,33 @@ def test_every_isa_gives_the_same_bits(isa: str) -> None:
         qt, tiles = kernels.block_tile(random_blocks(t, 12, 544, 7), int(t))
         y = kernels.block_gemm(torch.randn(5, 544, generator=torch.Generator().manual_seed(7)), [tiles], [qt])
         assert y.numpy().tobytes().hex() == got["out"][t.name + "x4"], t.name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_block_linear_on_cuda_gives_the_cpu_numbers_from_the_files_layout() -> None:
+    """Moved to a GPU, tiled parts go back to the file's layout once (tiles serve the CPU kernels);
+    the forward there is the same arithmetic (int8 activation blocks, dequantized weight), the
+    embedding and head lookups read the file's values."""
+    from brisk.quant.gguf import BlockEmbedding
+
+    a, b, c = random_blocks(T.Q5_0, 8, 256, 1), random_blocks(T.Q6_K, 4, 256, 2), random_blocks(T.Q4_0, 12, 256, 3)
+    parts = [(int(T.Q5_0), a), (int(T.Q6_K), b), (int(T.Q4_0), c)]
+    bias = torch.randn(24)
+    layer = BlockLinear(parts, 256, bias, (8, 4, 12), torch.float32)
+    assert layer.tiled_parts == [True, False, True]
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4))
+    want = layer(x)
+    gpu = layer.to("cuda")
+    assert gpu.types == [int(T.Q5_0), int(T.Q6_K), int(T.Q4_0)] and all(r.is_cuda for r in gpu.blocks)
+    assert torch.equal(gpu.blocks[0].cpu(), a) and torch.equal(gpu.blocks[2].cpu(), c)
+    got = gpu(x.cuda()).cpu()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    ref = torch.cat([reference(x, blk, int(t), 256) for t, blk in parts], dim=1) + bias
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+    head = BlockLinear([(int(T.Q4_0), c)], 256, None, (12,), torch.float32).to("cuda")
+    ids = torch.tensor([11, 0, 5, 5, 2], device="cuda")
+    assert torch.equal(head.dequantize_rows(ids).cpu(), dequantize(c, int(T.Q4_0), (12, 256))[ids.cpu()])
+    emb = BlockEmbedding(int(T.Q6_K), random_blocks(T.Q6_K, 10, 256, 6), 256, torch.bfloat16).to("cuda")
+    rows = emb(torch.tensor([[3, 9]], device="cuda"))
+    assert rows.shape == (1, 2, 256) and rows.dtype == torch.bfloat16 and rows.is_cuda

@@ -132,3 +132,24 @@ def test_on_cuda_the_dense_weight_gives_the_cpu_result() -> None:
     want = x @ dense_24(module.values, module.meta, None, 576).T + module.bias
     got = module.to("cuda")(x.cuda()).cpu()
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+                    reason="needs a CUDA device with sparse tensor cores (compute capability 8.0+)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_on_cuda_16_bit_models_run_torchs_semi_structured_tensors(dtype: torch.dtype) -> None:
+    """A 16-bit model's 2:4 weight becomes torch's semi-structured sparse tensor on the GPU (only the
+    kept half read); its result is the dense 16-bit product's, decode-sized and prompt-sized."""
+    from torch.sparse import SparseSemiStructuredTensor
+
+    module = Sparse24Linear.from_linear(_linear(128, 576), None)
+    module.dtype = dtype
+    dense = dense_24(module.values, module.meta, None, 576).to(dtype)
+    module = module.to("cuda")
+    for rows in (1, 3, 64):
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        want = torch.nn.functional.linear(x.cuda(), dense.cuda(), module.bias.to(dtype))
+        got = module(x.cuda())
+        assert isinstance(module._dense, SparseSemiStructuredTensor) and got.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
