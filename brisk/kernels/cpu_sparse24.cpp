@@ -10,8 +10,9 @@
 // Columns past `in` (the last tile of a width not a multiple of 32) hold zero values.
 //
 // A row's dot product: per tile one broadcast of the meta word, a variable shift, a mask and an
-// add give the 16 column indices; one two-register permute picks x's 16 values (AVX-512), two
-// permutes and a blend per half tile (AVX2). Every (x row, weight row) pair is summed the same way
+// add give the 16 column indices; one two-register permute picks x's 16 values (AVX-512); on AVX2
+// x is reordered once per call so that two in-lane permutes and a constant blend pick a half
+// tile's 8 (dot_avx2). Every (x row, weight row) pair is summed the same way
 // whatever the batch, so batched rows equal rows alone, bit for bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -81,24 +82,35 @@ __attribute__((target("avx2,fma"))) inline __m256 values8(const V* v) {
   else return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
 }
 
+// x as dot_avx2 reads it: each 16 columns reordered [0-3, 8-11, 4-7, 12-15], so that the first 8
+// hold groups 0 and 2 and the next 8 groups 1 and 3, each group in the 128-bit half its kept values'
+// lanes are in (below).
+void avx2_order(const float* x, int64_t n, float* out) {
+  for (int64_t c = 0; c < n; c += 16)
+    for (int q = 0; q < 4; ++q) std::copy(x + c + 4 * q, x + c + 4 * q + 4, out + c + 4 * ((q & 1) * 2 + (q >> 1)));
+}
+
+// Half a tile: 16 columns, 8 kept values, 16 meta bits. Kept value k (lane k) belongs to group k / 2:
+// lanes 0-1 to columns 0-3 and lanes 4-5 to columns 8-11, which avx2_order put in the low and high
+// 128 bits of the first vector; lanes 2-3 (columns 4-7) and 6-7 (12-15) in the second. So one
+// in-lane permute of each (vpermilps reads only an index's low 2 bits: the column within its
+// group, as the meta holds it) and a constant blend pick the 8 values: ~8 instructions a half tile
+// where a lane-crossing permute of each half, index arithmetic and a variable blend took ~13 (an
+// AVX2 Zen 3 was compute-bound on them). Each lane's products and sums are as before: same bits.
 template <typename V>
 __attribute__((target("avx2,fma"))) float dot_avx2(const V* v, const int32_t* meta, const float* x, int64_t tiles) {
-  const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-  const __m256i base = _mm256_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12);
-  const __m256i three = _mm256_set1_epi32(3), seven = _mm256_set1_epi32(7);
+  const __m256i lo = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), hi = _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30);
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   for (int64_t t = 0; t < tiles; ++t) {
-    const uint32_t m = static_cast<uint32_t>(meta[t]);
-    for (int h = 0; h < 2; ++h) {  // half a tile: 16 columns, 8 kept values, 16 meta bits
-      const __m256i idx = _mm256_add_epi32(
-          _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(m >> (16 * h))), shifts), three), base);
-      const float* xh = x + t * kTile + 16 * h;
-      const __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(xh), idx);
-      const __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(xh + 8), idx);
-      const __m256 xv = _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, seven)));
-      __m256& acc = h ? acc1 : acc0;
-      acc = _mm256_fmadd_ps(values8(v + t * kKept + 8 * h), xv, acc);
-    }
+    const __m256i word = _mm256_set1_epi32(meta[t]);
+    const float* xt = x + t * kTile;
+    const __m256i i0 = _mm256_srlv_epi32(word, lo), i1 = _mm256_srlv_epi32(word, hi);
+    const __m256 x0 = _mm256_blend_ps(_mm256_permutevar_ps(_mm256_loadu_ps(xt), i0),
+                                      _mm256_permutevar_ps(_mm256_loadu_ps(xt + 8), i0), 0xCC);
+    const __m256 x1 = _mm256_blend_ps(_mm256_permutevar_ps(_mm256_loadu_ps(xt + 16), i1),
+                                      _mm256_permutevar_ps(_mm256_loadu_ps(xt + 24), i1), 0xCC);
+    acc0 = _mm256_fmadd_ps(values8(v + t * kKept), x0, acc0);
+    acc1 = _mm256_fmadd_ps(values8(v + t * kKept + 8), x1, acc1);
   }
   return hsum256(_mm256_add_ps(acc0, acc1));
 }
@@ -126,8 +138,15 @@ template <typename V>
 void rows_of(const V* values, const int32_t* meta, const float* x, float* y, int64_t m, int64_t out, int64_t in,
              int64_t r0, int64_t r1) {
   const int64_t tiles = (in + kTile - 1) / kTile;
-  thread_local std::vector<float> buf;
+  thread_local std::vector<float> buf, ordered;
   const float* xp = padded(x, m, in, tiles, buf);
+#ifdef BRISK_X86
+  if (!brisk_isa::avx512() && brisk_isa::at_least_avx2()) {  // dot_avx2 reads x reordered
+    ordered.resize(m * tiles * kTile);
+    avx2_order(xp, m * tiles * kTile, ordered.data());
+    xp = ordered.data();
+  }
+#endif
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t k = 0; k < m; ++k)
       y[k * out + r] = dot(values + r * tiles * kKept, meta + r * tiles, xp + k * tiles * kTile, tiles);
