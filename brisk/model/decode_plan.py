@@ -27,20 +27,12 @@ from typing import Any
 import torch
 
 from brisk import kernels
-from brisk.model.layers import Linear, RMSNorm
+from brisk.kernels.plan_ops import LinearOp
+from brisk.model.layers import RMSNorm
 from brisk.model.paged_attention import HAVE_PAGED_KERNEL, PagedAttention
-from brisk.quant.gguf import BlockLinear
-from brisk.quant.grouped import GroupLinear
-from brisk.quant.int8 import Int8Linear
-from brisk.quant.sparse24 import Sparse24Linear
 
 # float Linears take gemv (one row) or small_gemm (up to 8, model/layers.py linear) below this
 PLAN_MAX_ROWS = 8
-(KIND_FLOAT, KIND_GROUP, KIND_GROUP_INT8_ACTS, KIND_INT8, KIND_INT8_TILED, KIND_GROUP_INT16_ACTS, KIND_BLOCKS,
- KIND_SPARSE24) = range(8)
-GROUP_KINDS = {"float": KIND_GROUP, "int8": KIND_GROUP_INT8_ACTS, "int16": KIND_GROUP_INT16_ACTS}
-
-LinearOp = tuple[int, torch.Tensor, Any, Any, Any, int, int, bool]
 
 
 def plan_supported() -> bool:
@@ -50,40 +42,10 @@ def plan_supported() -> bool:
 
 
 def linear_op(m: torch.nn.Module) -> LinearOp | None:
-    """The kernel call `m.forward` makes for up to PLAN_MAX_ROWS float32 rows on the CPU, as
-    (kind, weight, scale, zero, bias, group, bits, tiled); None when it makes no single C++ call."""
-    if type(m) is Linear:
-        w = m.weight
-        if w.dtype != torch.float32 or not kernels.gemv_supported(w):
-            return None
-        return (KIND_FLOAT, w, None, None, m.bias, 0, 0, False)
-    if type(m) is GroupLinear:
-        b = m._buffers
-        if b["input_scale"] is not None or m.dtype != torch.float32 or not kernels.group_kernel_supported(b["qweight"]):
-            return None
-        tiled = m._tile(kernels.group_kernel_tiles())  # as the first kernel call would
-        mode = m.activations
-        if mode != "float" and not kernels.group_qact_supported(mode, m.bits):
-            return None  # the module's float twin of the integer kernels is a torch expression
-        kind = GROUP_KINDS[mode]
-        return (kind, b["qweight"], b["scale"], b["zero"], b["bias"], m.group, m.bits, tiled)
-    if type(m) is BlockLinear:
-        b = m._buffers
-        if m.dtype != torch.float32 or not kernels.block_kernel_supported(m.types) or not m.blocks[0].is_cpu:
-            return None
-        return (KIND_BLOCKS, m.blocks, m.types, None, b["bias"], m.in_features, 0, False)
-    if type(m) is Sparse24Linear:
-        b = m._buffers
-        if m.dtype != torch.float32 or not m.supported(b["values"]):
-            return None
-        return (KIND_SPARSE24, b["values"], b["scale"], b["meta"], b["bias"], m.in_features, 0, False)
-    if type(m) is Int8Linear:
-        b = m._buffers
-        if m.dtype != torch.float32 or not kernels.int8_gemm_supported(b["qweight"]):
-            return None
-        tiled = m._tile(kernels.int8_kernel_tiles())
-        return (KIND_INT8_TILED if tiled else KIND_INT8, b["qweight"], b["scale"], None, b["bias"], 0, 0, tiled)
-    return None
+    """The kernel call `m.forward` makes for up to PLAN_MAX_ROWS float32 rows on the CPU, as the module
+    describes it (`plan_op`, kernels/plan_ops.py); None when it makes no single C++ call."""
+    plan_op = getattr(m, "plan_op", None)
+    return plan_op() if callable(plan_op) else None
 
 
 def plan_refusal(model: torch.nn.Module) -> str | None:

@@ -28,6 +28,7 @@ from brisk.kernels import (
     silu_mul_supported,
     small_gemm,
 )
+from brisk.kernels.plan_ops import KIND_FLOAT, LinearOp
 
 # The part of a stacked Linear that a fused checkpoint tensor fills: all of them (Phi-3's qkv_proj).
 WHOLE = -1
@@ -51,6 +52,13 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
+
+    def plan_op(self) -> LinearOp | None:
+        """The decode plan's op for this Linear (kernels/plan_ops.py): gemv / small_gemm on float32."""
+        w = self.weight
+        if w.dtype != torch.float32 or not gemv_supported(w):
+            return None
+        return (KIND_FLOAT, w, None, None, self.bias, 0, 0, False)
 
     def pack(self) -> int:
         """Keep a oneDNN-packed copy of the weight for batched rows (kernels.pack_weight); returns

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from brisk.kernels.plan_ops import LinearOp
+
 
 def _follow(fn, dtype: torch.dtype) -> torch.dtype:  # type: ignore[no-untyped-def]
     """The dtype a floating tensor of `dtype` gets from a `_apply` function (.to, .half, .cuda)."""
@@ -17,6 +19,10 @@ class QuantizedLinear(nn.Module):
     (float16 scales stay float16 when the model moves to bfloat16)."""
 
     dtype: torch.dtype
+
+    def plan_op(self) -> LinearOp | None:
+        """The decode plan's op for this module (kernels/plan_ops.py); None: it runs module by module."""
+        return None
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         kept = {name: b.dtype for name, b in self._buffers.items() if b is not None}

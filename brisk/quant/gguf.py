@@ -39,6 +39,7 @@ from brisk.kernels import (
     block_types,
     block_untile,
 )
+from brisk.kernels.plan_ops import KIND_BLOCKS, LinearOp
 from brisk.loader.dequant import dequantize
 from brisk.model.layers import WHOLE
 from brisk.quant.base import QuantizedLinear
@@ -260,6 +261,12 @@ class BlockLinear(QuantizedLinear):
         else:
             rows = blocks.index_select(0, flat)
         return dequantize(rows, t, (rows.shape[0], self.in_features)).to(ids.device)
+
+    def plan_op(self) -> LinearOp | None:
+        """block_gemm over the segments as they are held (tiles included)."""
+        if self.dtype != torch.float32 or not block_kernel_supported(self.types) or not self.blocks[0].is_cpu:
+            return None
+        return (KIND_BLOCKS, self.blocks, self.types, None, self._buffers["bias"], self.in_features, 0, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

@@ -37,6 +37,7 @@ from brisk.kernels import (
     group_kernel_tiles,
     group_qact_supported,
 )
+from brisk.kernels.plan_ops import GROUP_KINDS, LinearOp
 from brisk.model.layers import Linear
 from brisk.quant.base import TiledLinear
 
@@ -263,6 +264,18 @@ class GroupLinear(TiledLinear):
             sub.set_input_scale(self.input_scale)
         sub.activations = self.activations
         return sub.to(self.qweight.device)
+
+    def plan_op(self) -> LinearOp | None:
+        """The group kernel (float, int8 or int16 activations), the weight tiled as the first kernel
+        call would; None with a SmoothQuant input scale or where the integer kernel does not run."""
+        b = self._buffers
+        if b["input_scale"] is not None or self.dtype != torch.float32 or not group_kernel_supported(b["qweight"]):
+            return None
+        tiled = self._tile(group_kernel_tiles())
+        mode = self.activations
+        if mode != "float" and not group_qact_supported(mode, self.bits):
+            return None  # the module's float twin of the integer kernels is a torch expression
+        return (GROUP_KINDS[mode], b["qweight"], b["scale"], b["zero"], b["bias"], self.group, self.bits, tiled)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

@@ -25,6 +25,7 @@ from brisk.kernels import (
     int8_gemm_tiled,
     int8_kernel_tiles,
 )
+from brisk.kernels.plan_ops import KIND_INT8, KIND_INT8_TILED, LinearOp
 from brisk.model.layers import Linear
 from brisk.quant.base import TiledLinear
 
@@ -72,6 +73,14 @@ class Int8Linear(TiledLinear):
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), in]: rows of the weight (embedding lookups of a tied head)."""
         return self.qweight_rows(ids).float() * self.scale[ids, None]
+
+    def plan_op(self) -> LinearOp | None:
+        """int8_gemm on the row-major or tiled weight (tiled as the first kernel call would)."""
+        b = self._buffers
+        if self.dtype != torch.float32 or not int8_gemm_supported(b["qweight"]):
+            return None
+        tiled = self._tile(int8_kernel_tiles())
+        return (KIND_INT8_TILED if tiled else KIND_INT8, b["qweight"], b["scale"], None, b["bias"], 0, 0, tiled)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

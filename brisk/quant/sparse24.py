@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from brisk import kernels
 from brisk.errors import UserError
+from brisk.kernels.plan_ops import KIND_SPARSE24, LinearOp
 from brisk.model.layers import Linear
 from brisk.quant.base import QuantizedLinear
 
@@ -198,6 +199,13 @@ class Sparse24Linear(QuantizedLinear):
     def supported(values: torch.Tensor | None, x: torch.Tensor | None = None) -> bool:
         return (kernels.CAPS.has("sparse24_gemm") and values is not None and values.device.type == "cpu"
                 and (x is None or x.device.type == "cpu"))
+
+    def plan_op(self) -> LinearOp | None:
+        """The sparse kernel on the packed values (float32 or int8 with their row scales)."""
+        b = self._buffers
+        if self.dtype != torch.float32 or not self.supported(b["values"]):
+            return None
+        return (KIND_SPARSE24, b["values"], b["scale"], b["meta"], b["bias"], self.in_features, 0, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

@@ -33,6 +33,7 @@ from brisk.kernels import (
     pack_int8_weight,
     quantize_rows,
 )
+from brisk.kernels.plan_ops import LinearOp
 from brisk.model.layers import Linear
 from brisk.quant.int8 import Int8Linear
 
@@ -104,6 +105,9 @@ class W8A8Linear(Int8Linear):
             xq = (q.to(torch.int16) + 128).to(torch.uint8)
         y = int8_packed_linear(xq, self.packed, self.scale, self._zero_points).mul_(a[:, None])
         return y if self.bias is None else y.add_(self.bias)
+
+    def plan_op(self) -> LinearOp | None:
+        return None  # activations quantized per token: no plan kernel (Int8Linear's op is weight-only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
