@@ -285,7 +285,7 @@ class SchedulerConfig:
             )
 
 
-QUANT_METHODS = ("int8", "int4", "w8a8", "ternary", "gguf", "sparse24", "sparse24_int8")  # quant/ registers one module per name (checked there too)
+QUANT_METHODS = ("int8", "int4", "w8a8", "ternary", "gguf", "sparse24", "sparse24_int8")  # one QuantMethod each in quant/methods.py (checked there)
 QUANT_OPTIONS = ("group_size", "calibration", "calibration_tokens", "activations")
 CALIBRATED_METHODS = ("int4", "w8a8", "sparse24", "sparse24_int8")
 ACTIVATION_MODES = ("float", "int16", "int8")  # what int4 / gguf weights multiply (GroupLinear.activations)

@@ -48,8 +48,9 @@ def quantize_to_dir(ref: str, quant: QuantConfig, out: Path, dtype: str = "float
     """`brisk quantize`: load, quantize, write a directory that loads back without re-quantizing."""
     from brisk.loader.load import load_model
     from brisk.loader.quantized import quantization_of, save_quantized
+    from brisk.quant import method
 
-    if quant.method == "gguf":
+    if method(quant).from_file_blocks:
         raise UserError("a .gguf file already is its gguf checkpoint: load it with -q gguf instead")
     source = resolve_model(ref)
     if out.exists() and not out.is_dir():

@@ -71,15 +71,22 @@ def model_config_of(ref: str) -> ModelConfig:
     return hf_model_config(source.path)
 
 
+def _file_blocks(quant: QuantConfig | None) -> bool:
+    """`quant` is a method whose weights are a file's own blocks (gguf: quant/methods.py)."""
+    from brisk.quant import method
+
+    return quant is not None and method(quant).from_file_blocks
+
+
 def keeps_blocks(source: ModelSource, file: GGUFFile | None, quant: QuantConfig | None, dequantize: bool,
                  device: str) -> bool:
     """A quantized GGUF runs from its blocks (quant/gguf.py) unless told to dequantize or to
     quantize another way; on devices without the block kernels it is dequantized once."""
     if source.kind != "gguf" or file is None:
         return False
-    if quant is not None and quant.method == "gguf" and dequantize:
+    if _file_blocks(quant) and dequantize:
         raise UserError("-q gguf keeps the file's blocks and --dequantize turns them into floats: choose one")
-    if quant is not None and quant.method != "gguf":
+    if quant is not None and not _file_blocks(quant):
         return False  # int8 / int4 / ... quantize the dequantized weights
     return not dequantize and torch.device(device).type == "cpu" and is_quantized(file)
 
@@ -97,14 +104,14 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
     but for `activations`, a run-time choice that `quant` may change).
     `before_quant` reshapes the float model first (tensor-parallel sharding: each shard is quantized)."""
     from brisk.loader.quantized import load_quantized_state, quantization_of
-    from brisk.quant import set_activations
+    from brisk.quant import method, set_activations
 
     source = resolve_model(ref)
     tdtype = torch_dtype(dtype)
     saved = quantization_of(source.path) if source.kind == "hf" else None
     if saved is not None:
         if quant is not None and (quant.method != saved.method
-                                  or (quant.method == "int4" and quant.group_size != saved.group_size)):
+                                  or (method(quant).group_sized and quant.group_size != saved.group_size)):
             raise UserError(f"{ref} is already quantized ({saved.describe()}); drop the quantization option "
                              f"({quant.describe()}) or quantize the original model")
         check_hf_dir(source.path)
@@ -119,14 +126,14 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
         if before_quant is not None:
             before_quant(model)
         return LoadedModel(model.eval(), tokenizer, cfg, source, saved)
-    if quant is not None and quant.method == "gguf" and source.kind != "gguf":
+    if _file_blocks(quant) and source.kind != "gguf":
         raise UserError(f"quantization gguf keeps a GGUF file's own blocks, but {ref} is not a .gguf file; "
                          "choose int8 or int4 for other models")
     file = open_gguf(source.path) if source.kind == "gguf" else None
     if keeps_blocks(source, file, quant, dequantize, device):
         assert file is not None
         return _load_blocks(file, source, tdtype, device, max_model_len, quant or QuantConfig("gguf"), before_quant)
-    if quant is not None and quant.method == "gguf":
+    if _file_blocks(quant):
         raise UserError(f"{ref} holds no quantized blocks to keep (only float tensors) on {device}: load it "
                          "without -q gguf, or with int8 / int4")
     cfg, tokenizer, weights = read_checkpoint(source)

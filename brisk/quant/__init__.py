@@ -1,9 +1,10 @@
 """Quantization: methods that swap the model's Linear modules (ARCHITECTURE habit 4).
 
 `apply(model, QuantConfig)` replaces every `Linear` of the decoder layers with the method's module
-and quantizes the LM head; architecture files never know. Each method registers a pair of makers
-in `METHODS`: one for the decoder's Linears, one for the head. "gguf" is not made here: it keeps a
-GGUF file's own blocks, which only the loader has (quant/gguf.py, `apply_gguf`).
+and quantizes the LM head; architecture files never know. Each method is one object in
+`METHODS` (quant/methods.py: its makers for the decoder's Linears and the head, its calibration,
+its tensor-parallel shard widths). "gguf" is not made here: it keeps a GGUF file's own blocks,
+which only the loader has (quant/gguf.py, `attach_blocks`).
 
 A tied LM head (SmolLM2) is the embedding matrix. Every decode step reads the whole head (21% of
 SmolLM2's bytes), so it is quantized too, and token lookups then read rows of that quantized head
@@ -12,57 +13,18 @@ SmolLM2's bytes), so it is quantized too, and token lookups then read rows of th
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from brisk.config import QUANT_METHODS, QuantConfig
+from brisk.config import QuantConfig
 from brisk.errors import UserError
 from brisk.model.layers import Linear
 from brisk.quant.base import FollowDtype
 from brisk.quant.grouped import GroupLinear
-from brisk.quant.int8 import Int8Linear
-from brisk.quant.sparse24 import Sparse24Linear
-from brisk.quant.ternary import TernaryLinear
-from brisk.quant.w8a8 import W8A8Linear
+from brisk.quant.methods import METHODS, Calibrated, Maker, QuantMethod, method
 
-# (Linear, config, X^T X / n of its calibration inputs or None) -> quantized module
-Maker = Callable[[Linear, QuantConfig, "torch.Tensor | None"], nn.Module]
-
-
-Calibrated = dict[Linear, tuple["torch.Tensor | None", "torch.Tensor | None"]]  # column scale, X^T X / n
-
-# method -> (decoder Linear maker, LM head maker). int4's head is 8-bit in groups of 32 (GGUF's
-# Q8_0, what llama.cpp's own Q4 files keep for token_embd): the head sees every logit, and 4 bits
-# there cost more quality than the 14 MB they save.
-METHODS: dict[str, tuple[Maker, Maker | None]] = {  # head maker None: the head stays as it is
-    "int8": (lambda lin, cfg, x: Int8Linear.from_linear(lin), lambda lin, cfg, x: Int8Linear.from_linear(lin)),
-    "int4": (lambda lin, cfg, x: GroupLinear.from_linear(lin, cfg.group_size, 4, calibration=x),
-             lambda lin, cfg, x: GroupLinear.from_linear(lin, 32, 8)),
-    "w8a8": (lambda lin, cfg, x: W8A8Linear.from_linear(lin), lambda lin, cfg, x: W8A8Linear.from_linear(lin)),
-    # ternary's head stays 8-bit (Q8_0-like) as BitNet keeps its embedding and head in high precision
-    "ternary": (lambda lin, cfg, x: TernaryLinear.from_linear(lin),
-                lambda lin, cfg, x: GroupLinear.from_linear(lin, 32, 8)),
-    # 2:4 sparsity (quant/sparse24.py; compress/ prunes with it): SparseGPT from the calibration
-    # Hessian. The head is not made sparse: float32 stays the model's own head, int8 gets int8's,
-    # so each compares with the dense model of the same dtype.
-    "sparse24": (lambda lin, cfg, x: Sparse24Linear.from_linear(lin, x), None),
-    "sparse24_int8": (lambda lin, cfg, x: Sparse24Linear.from_linear(lin, x, int8=True),
-                      lambda lin, cfg, x: Int8Linear.from_linear(lin)),
-}
-assert set(METHODS) | {"gguf"} == set(QUANT_METHODS)
-
-
-def _calibrator(method: str) -> Callable[[nn.Module, list[int]], Calibrated]:
-    """From calibration text: GPTQ's Hessians for int4, SmoothQuant's migration for w8a8."""
-    if method in ("int4", "sparse24", "sparse24_int8"):  # GPTQ's and SparseGPT's Hessians
-        from brisk.quant.calibrate import gptq_calibrate
-
-        return gptq_calibrate  # type: ignore[return-value]
-    from brisk.quant.w8a8 import smoothquant_calibrate
-
-    return smoothquant_calibrate
+__all__ = ["METHODS", "HeadEmbedding", "QuantMethod", "apply", "check_method", "drop_plan", "method", "quantizable",
+           "set_activations", "tie_head"]
 
 
 def check_method(method: str) -> None:
@@ -95,20 +57,21 @@ def apply(model: nn.Module, cfg: QuantConfig | str, calibration_ids: list[int] |
     statistics); SmoothQuant for w8a8 (quant/w8a8.py), which scales weight columns and divides
     the inputs at run time."""
     cfg = QuantConfig(cfg) if isinstance(cfg, str) else cfg
-    if cfg.method not in METHODS:
+    m = method(cfg)
+    if m.make is None:
         raise UserError(f"{cfg.method} keeps a GGUF file's own blocks: load a .gguf model with it")
-    make_linear, make_head = METHODS[cfg.method]
     drop_plan(model)
     device = next(model.parameters()).device
     with torch.device(device):  # the Linears made here (tied head, scaled copies) go where the model is
-        return _apply(model, cfg, calibration_ids, make_linear, make_head)
+        return _apply(model, cfg, calibration_ids, m)
 
 
-def _apply(model: nn.Module, cfg: QuantConfig, calibration_ids: list[int] | None, make_linear: Maker,
-           make_head: Maker | None) -> int:
+def _apply(model: nn.Module, cfg: QuantConfig, calibration_ids: list[int] | None, m: QuantMethod) -> int:
+    make_linear: Maker = m.make  # type: ignore[assignment]
+    make_head = m.make_head
     calibrated: Calibrated = {}
     if calibration_ids is not None:
-        calibrated = _calibrator(cfg.method)(model, calibration_ids)
+        calibrated = m.calibrate(model, calibration_ids)
     targets = [t for t in quantizable(model) if make_head is not None or not (t[0] is model and t[1] == "lm_head")]
     for parent, name, child in targets:
         is_head = parent is model and name == "lm_head"

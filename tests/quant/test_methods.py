@@ -77,7 +77,7 @@ def test_quantized_linear_on_cuda_equals_cpu(method: str) -> None:
     torch.manual_seed(0)
     lin = Linear(128, (64,), bias=True)
     lin.weight.data.normal_(0, 0.1)
-    module = METHODS[method][0](lin, QuantConfig(method), None)
+    module = METHODS[method].make(lin, QuantConfig(method), None)  # type: ignore[misc]
     x = torch.randn(40, 128)
     cpu = module(x)
     torch.testing.assert_close(module.to("cuda")(x.cuda()).cpu(), cpu, atol=1e-4, rtol=1e-4)

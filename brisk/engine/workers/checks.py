@@ -12,6 +12,7 @@ from brisk.loader.quantized import quantization_of
 from brisk.loader.resolve import resolve_model
 from brisk.parallel.pipeline import stage_layers
 from brisk.parallel.tensor import check_tensor_parallel, even_ranges, head_split
+from brisk.quant.methods import method
 
 
 def check_parallel(args: WorkerArgs) -> None:
@@ -35,7 +36,7 @@ def check_parallel(args: WorkerArgs) -> None:
         raise UserError(f"{args.model} is a quantized checkpoint ({saved.describe()}); tensor parallelism slices "
                          "float weights and quantizes each slice: load the original model with "
                          f"--quantization {saved.method}, or use pipeline parallelism alone")
-    if tp > 1 and quant is not None and quant.method == "gguf":
+    if tp > 1 and quant is not None and method(quant).from_file_blocks:
         raise UserError("-q gguf keeps a GGUF file's whole blocks, which tensor parallelism cannot slice: use int8, "
                          "int4, w8a8 or ternary (each shard is quantized), or pipeline parallelism alone")
     if tp > 1 and quant is not None and quant.calibration is not None:
@@ -48,7 +49,7 @@ def _check_shard_widths(cfg: ModelConfig, tp: int, quant: QuantConfig) -> None:
     layers = range(cfg.num_hidden_layers)
     widths = {len(head_split(cfg, tp, r, i).q_heads) * cfg.head_dim for r in range(tp) for i in layers}
     widths |= {len(r) for i in layers for r in even_ranges(cfg.intermediate(i), tp)}
-    need = quant.group_size if quant.method == "int4" else 16 if quant.method == "ternary" else 1
+    need = method(quant).shard_multiple(quant)
     bad = sorted(w for w in widths if w % need)
     if bad:
         raise UserError(f"-q {quant.method} needs input widths divisible by {need}, but tensor_parallel_size {tp} "
