@@ -4,7 +4,8 @@
                              [--skip-profiles]
 
 1. builds brisk's C++ CPU kernels for the torch found there (optional: brisk falls back without them);
-2. runs every test marked `cuda` (tiny random models, no files needed);
+2. runs every test marked `cuda` (tiny random models, no files needed), and the instruction-set tests on
+   the host's CPU (AVX-VNNI's block kernels against maddubs + madd where that CPU has it);
 3. times decode on a SmolLM2-shaped model with random weights (.ci/gpu_profile.py: float32, bfloat16,
    GGUF blocks, 2:4 sparse), which needs no file to travel;
 4. with the default model (when its file is there): greedy tokens on CUDA against the CPU (float32, and int8 / int4 / w8a8 quantized),
@@ -31,6 +32,7 @@ PROMPTS = ["Write a short story about a lighthouse keeper who finds a message in
            "List five prime numbers and add them up."]
 NEW_TOKENS = 64
 CUDA_TEST_DIRS = ["tests/model", "tests/engine", "tests/runtime", "tests/quant", "tests/loader", "tests/parallel"]
+CPU_ISA_TESTS = ["tests/quant/test_blocks.py", "tests/kernels/test_capability.py", "tests/kernels/test_isa_paths.py"]
 PROFILES = [("float", "float32"), ("float", "bfloat16"), ("blocks", "float32"), ("blocks", "bfloat16"),
             ("sparse24", "bfloat16")]
 
@@ -138,6 +140,10 @@ def main() -> int:
         # folders rather than "tests": the server's tests import packages a GPU image may lack
         run(args.out, "pytest-cuda", [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
                                       "--continue-on-collection-errors", *CUDA_TEST_DIRS], 400)
+        # the GPU host's own CPU (often AVX-512 with AVX-VNNI, which the CI machine lacks): every
+        # instruction-set path of the block kernels against the others, AVX-VNNI's included
+        run(args.out, "pytest-cpu-isa", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                         *CPU_ISA_TESTS], 400)
     for weights, dtype in ([] if args.skip_profiles else PROFILES):
         proc = run(args.out, f"profile-{weights}-{dtype}", [sys.executable, ".ci/gpu_profile.py", "--weights", weights,
                                                             "--dtype", dtype, "--out", str(args.out)], 300)

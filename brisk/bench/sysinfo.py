@@ -81,7 +81,9 @@ def collect(measure_bandwidth: bool = True) -> dict[str, Any]:
         "isa_in_use": caps.isa,
         "isa_env": os.environ.get("BRISK_CPU_ISA") or None,
         "vnni_kernels": caps.vnni,
-        "kernels": sorted(caps.names - {"isa", "cpu_isa", "set_isa", "have_vnni"}),
+        "avx_vnni_kernels": caps.avx_vnni,  # the avx2 level's block kernels on AVX-VNNI (BRISK_AVX_VNNI)
+        "kernels": sorted(caps.names - {"isa", "cpu_isa", "set_isa", "have_vnni", "cpu_avx_vnni", "avx_vnni",
+                                        "set_avx_vnni"}),
         "cuda_gpus": gpu,
     }
 

@@ -82,6 +82,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_isa", []() { return brisk_isa::name(brisk_isa::cpu()); }, "the best instruction set this CPU offers");
   m.def("set_isa", [](const std::string& name) { brisk_isa::set(brisk_isa::parse(name)); },
         "lower the instruction set the kernels use (never above the CPU's); before any kernel runs", py::arg("name"));
+  m.def("cpu_avx_vnni", &brisk_isa::cpu_avx_vnni, "whether this CPU has AVX-VNNI (vpdpbusd on 256-bit vectors)");
+  m.def("avx_vnni", &brisk_isa::avx_vnni, "whether the avx2 level's block kernels use AVX-VNNI now");
+  m.def("set_avx_vnni", &brisk_isa::set_avx_vnni,
+        "use AVX-VNNI in the avx2 level's block kernels where the CPU has it (default) or not; before any kernel runs",
+        py::arg("on"));
   m.def("rotary", &rotary, "rotary embedding of the first `heads` heads of fused qkv rows (torch's rounding)",
         py::arg("qkv"), py::arg("heads"), py::arg("cos"), py::arg("sin"));
   m.def("kv_store", &kv_store, "write new tokens' keys and values into their paged slots", py::arg("k_cache"),

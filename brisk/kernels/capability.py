@@ -21,6 +21,7 @@ import torch
 from brisk.errors import UserError
 
 ISA_ENV = "BRISK_CPU_ISA"
+AVX_VNNI_ENV = "BRISK_AVX_VNNI"  # 0: the avx2 level's block kernels use maddubs + madd even where AVX-VNNI is
 LEVELS = ("scalar", "avx2", "avx512")  # ascending
 BUILD_HINT = "pip install torch==2.13.0 ninja && pip install --no-build-isolation -e .  (with a C++ compiler)"
 
@@ -33,6 +34,7 @@ class KernelCaps:
     isa: str  # what the kernels use (<= cpu_isa)
     vnni: bool  # AVX512-VNNI integer kernels usable (needs isa avx512)
     names: frozenset[str]  # the kernels this build has
+    avx_vnni: bool = False  # the avx2 level's block kernels use AVX-VNNI (256-bit vpdpbusd)
 
     @property
     def avx512(self) -> bool:
@@ -47,7 +49,8 @@ class KernelCaps:
         if not self.built:
             return f"C++ kernels not built ({self.load_error}); CPU {self.cpu_isa}"
         lowered = f" (lowered by {ISA_ENV})" if self.isa != self.cpu_isa else ""
-        return f"C++ kernels built; ISA {self.isa}{lowered}, CPU {self.cpu_isa}, VNNI {'yes' if self.vnni else 'no'}"
+        return (f"C++ kernels built; ISA {self.isa}{lowered}, CPU {self.cpu_isa}, VNNI {'yes' if self.vnni else 'no'}"
+                + (", AVX-VNNI" if self.avx_vnni else ""))
 
 
 def _torch_cpu_isa() -> str:
@@ -70,6 +73,19 @@ def requested_isa(cpu_isa: str, env: dict[str, str] | None = None) -> str:
     return value
 
 
+def requested_avx_vnni(cpu_has: bool, env: dict[str, str] | None = None) -> bool:
+    """Whether BRISK_AVX_VNNI lets the avx2 level use AVX-VNNI (on by default where the CPU has it);
+    1 on a CPU without it, or a value other than 0 / 1, is an error at start-up."""
+    value = (os.environ if env is None else env).get(AVX_VNNI_ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return cpu_has
+    if value not in ("0", "1"):
+        raise UserError(f"{AVX_VNNI_ENV}={value!r}: use 0 (maddubs + madd) or 1 (AVX-VNNI), or unset it")
+    if value == "1" and not cpu_has:
+        raise UserError(f"{AVX_VNNI_ENV}=1 but this CPU has no AVX-VNNI; unset it")
+    return value == "1"
+
+
 def detect(ext: ModuleType | None, load_error: str | None) -> KernelCaps:
     """Decide the ISA once and tell the extension (before any kernel runs)."""
     if ext is None:
@@ -83,7 +99,12 @@ def detect(ext: ModuleType | None, load_error: str | None) -> KernelCaps:
         raise UserError(f"{ISA_ENV}={isa}: this build of brisk._C cannot lower its instruction set; rebuild it "
                          f"({BUILD_HINT})")
     names = frozenset(n for n in dir(ext) if not n.startswith("_"))
-    return KernelCaps(True, None, cpu, str(ext.isa()), bool(ext.have_vnni()) if "have_vnni" in names else False, names)
+    avx_vnni = False
+    if "set_avx_vnni" in names:
+        ext.set_avx_vnni(requested_avx_vnni(bool(ext.cpu_avx_vnni())))
+        avx_vnni = bool(ext.avx_vnni())
+    return KernelCaps(True, None, cpu, str(ext.isa()), bool(ext.have_vnni()) if "have_vnni" in names else False, names,
+                      avx_vnni)
 
 
 def warn_missing(caps: KernelCaps) -> None:

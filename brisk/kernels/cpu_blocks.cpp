@@ -192,6 +192,20 @@ namespace avx2 {
 }  // namespace avx2
 #pragma GCC pop_options
 
+// AVX-VNNI (Alder Lake and later client cores, Zen 4 and 5): the avx2 body with vpdpbusd on the
+// same 256-bit vectors instead of maddubs + madd + add: the same integers (no maddubs pair can
+// saturate, see cpu_blocks_simd.inc), so the same bits.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+namespace avxvnni {
+#define BRISK_BLOCKS_VNNI 0
+#define BRISK_BLOCKS_AVX_VNNI 1
+#include "cpu_blocks_simd.inc"
+#undef BRISK_BLOCKS_AVX_VNNI
+#undef BRISK_BLOCKS_VNNI
+}  // namespace avxvnni
+#pragma GCC pop_options
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
 namespace vnni {
@@ -373,6 +387,10 @@ void rows(const std::vector<Segment>& segs, const BlockActs& x, float* y, int64_
 #ifdef BRISK_X86
     if (brisk_isa::vnni()) {
       vnni::dispatch(s, x, y, out_total, lo, hi);
+      continue;
+    }
+    if (brisk_isa::avx_vnni()) {
+      avxvnni::dispatch(s, x, y, out_total, lo, hi);
       continue;
     }
     if (brisk_isa::active() != brisk_isa::Level::kScalar) {

@@ -25,15 +25,29 @@ bool detect_vnni() {
 #endif
 }
 
+bool detect_avx_vnni() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avxvnni") != 0 && __builtin_cpu_supports("avx2") != 0;
+#else
+  return false;
+#endif
+}
+
 const Level kCpu = detect();
 const bool kVnni = detect_vnni();
+const bool kAvxVnni = detect_avx_vnni();
 std::atomic<int> g_active{static_cast<int>(kCpu)};
+std::atomic<bool> g_avx_vnni{kAvxVnni};
 
 }  // namespace
 
 Level cpu() { return kCpu; }
 Level active() { return static_cast<Level>(g_active.load(std::memory_order_relaxed)); }
 bool vnni() { return kVnni && avx512(); }
+bool cpu_avx_vnni() { return kAvxVnni; }
+bool avx_vnni() { return g_avx_vnni.load(std::memory_order_relaxed) && active() == Level::kAvx2; }
+void set_avx_vnni(bool on) { g_avx_vnni.store(on && kAvxVnni, std::memory_order_relaxed); }
 
 void set(Level level) {
   g_active.store(std::min(static_cast<int>(level), static_cast<int>(kCpu)), std::memory_order_relaxed);

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from brisk import kernels
-from brisk.kernels.capability import ISA_ENV, LEVELS, requested_isa
+from brisk.kernels.capability import AVX_VNNI_ENV, ISA_ENV, LEVELS, requested_avx_vnni, requested_isa
 
 ROOT = Path(__file__).resolve().parents[2]
 LOWER = [level for level in LEVELS if LEVELS.index(level) < LEVELS.index(kernels.CAPS.cpu_isa)]
@@ -24,6 +24,18 @@ def _run(code: str, isa: str | None, *args: str) -> subprocess.CompletedProcess[
         env[ISA_ENV] = isa
     return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True, check=False,
                           timeout=300)
+
+
+def test_avx_vnni_is_on_where_the_cpu_has_it_unless_turned_off() -> None:
+    assert requested_avx_vnni(True, {}) is True and requested_avx_vnni(False, {}) is False
+    assert requested_avx_vnni(True, {AVX_VNNI_ENV: "0"}) is False and requested_avx_vnni(True, {AVX_VNNI_ENV: "1"})
+    assert requested_avx_vnni(False, {AVX_VNNI_ENV: "0"}) is False
+    with pytest.raises(ValueError, match=r"BRISK_AVX_VNNI=1 but this CPU has no AVX-VNNI; unset it"):
+        requested_avx_vnni(False, {AVX_VNNI_ENV: "1"})
+    with pytest.raises(ValueError, match=r"BRISK_AVX_VNNI='yes': use 0 \(maddubs \+ madd\) or 1 \(AVX-VNNI\)"):
+        requested_avx_vnni(True, {AVX_VNNI_ENV: "yes"})
+    if kernels.CAPS.built:  # what the extension reports agrees with the capability object
+        assert kernels.CAPS.avx_vnni == (bool(kernels._C.cpu_avx_vnni()) and kernels.CAPS.isa == "avx2")
 
 
 def test_requested_isa_never_exceeds_the_cpu() -> None:
@@ -160,5 +172,6 @@ def test_brisk_env_reports_the_isa_and_kernels() -> None:
     env = json.loads(r.stdout)
     assert env["isa_in_use"] == "scalar" and env["isa_env"] == "scalar" and env["isa_cpu"] == kernels.CAPS.cpu_isa
     assert env["kernels_built"] == kernels.CAPS.built and env["torch_threads"] >= 1 and env["torch"]
+    assert env["avx_vnni_kernels"] is False  # the scalar level has none
     if kernels.CAPS.built:
         assert "gemv" in env["kernels"] and "paged_attention" in env["kernels"]

@@ -200,7 +200,7 @@ for t in TYPES:
 for t in (TYPES[0], TYPES[2]):  # Q4_0, Q5_0 tiled
     qt, tiles = kernels.block_tile(random_blocks(t, 12, 544, 7), int(t))
     out[t.name + "x4"] = kernels.block_gemm(torch.randn(5, 544, generator=torch.Generator().manual_seed(7)), [tiles], [qt]).numpy().tobytes().hex()
-print(json.dumps({{"isa": kernels.CAPS.isa, "out": out}}))
+print(json.dumps({{"isa": kernels.CAPS.isa, "avx_vnni": kernels.CAPS.avx_vnni, "out": out}}))
 """
 
 
@@ -223,6 +223,19 @@ def test_every_isa_gives_the_same_bits(isa: str) -> None:
         qt, tiles = kernels.block_tile(random_blocks(t, 12, 544, 7), int(t))
         y = kernels.block_gemm(torch.randn(5, 544, generator=torch.Generator().manual_seed(7)), [tiles], [qt])
         assert y.numpy().tobytes().hex() == got["out"][t.name + "x4"], t.name
+
+
+def test_avx_vnni_gives_the_bits_of_maddubs_and_madd() -> None:
+    """Where the CPU has AVX-VNNI, the avx2 level's block kernels use its vpdpbusd (default) and give
+    the bits of their maddubs + madd form (BRISK_AVX_VNNI=0): the same integers, the same floats."""
+    if not kernels.CAPS.built or not kernels._C.cpu_avx_vnni():
+        pytest.skip("this CPU has no AVX-VNNI")
+    script = _ISA_SCRIPT.format(tests=os.path.dirname(__file__))
+    runs = [json.loads(subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,
+                                      env={**os.environ, "BRISK_CPU_ISA": "avx2", "BRISK_AVX_VNNI": v}
+                                      ).stdout.strip().splitlines()[-1]) for v in ("0", "1")]
+    assert [r["avx_vnni"] for r in runs] == [False, True] and runs[0]["isa"] == runs[1]["isa"] == "avx2"
+    assert runs[0]["out"] == runs[1]["out"]
 
 
 @pytest.mark.cuda
