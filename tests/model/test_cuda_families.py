@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from brisk.model.base import forward_sequence
-from tests.model.test_families import CONFIGS, GREEDY, IDS, WINDOW, _engine, _hf_greedy, _pair, _run
+from tests.model.test_families import CONFIGS, IDS, _engine, _hf_greedy, _pair, _run, check_sliding_groups
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -40,31 +40,8 @@ def test_greedy_on_cuda_through_the_paged_engine_equals_hf(family: str, short_sp
         assert _run(engine, prompts) == expected, (budget, short_spans)
 
 
-def test_gemma3_sliding_layers_let_blocks_go_on_cuda(tmp_path: Path) -> None:
+@pytest.mark.parametrize("short_spans", ["padded", "gather"])
+def test_gemma3_sliding_layers_let_blocks_go_on_cuda(short_spans: str, tmp_path: Path) -> None:
     """A pool too small for three long requests at once: sliding layers keep only their window's blocks,
     preemption and a prefix hit happen, every output is still HF's."""
-    from brisk.config import CacheConfig, SchedulerConfig
-    from brisk.core.kv_cache_manager import NO_BLOCK
-    from brisk.engine.llm_engine import LLMEngine
-    from tests.speculative.conftest import tiny_tokenizer
-
-    ours, hf = _pair("gemma3", tmp_path)
-    prompts = [IDS[:40], IDS[:40] + IDS[5:9], IDS[10:30]]
-    expected = [_hf_greedy(hf, p) for p in prompts]
-    engine = LLMEngine(ours.to("cuda"), tiny_tokenizer(),
-                       CacheConfig(block_size=4, num_kv_blocks=64, enable_prefix_caching=True),
-                       SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=4, max_model_len=128))
-    assert [g.window for g in engine.runner.groups] == [0, WINDOW, WINDOW, WINDOW]
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, GREEDY)
-    outs: dict[str, list[int]] = {}
-    let_go = 0
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = list(o.outputs[0].token_ids)
-        for r in engine.scheduler.running:
-            let_go = max(let_go, sum(b == NO_BLOCK for t in engine.scheduler.kv.get_block_ids(r.request_id) for b in t))
-    assert [outs[f"r{i}"] for i in range(3)] == expected
-    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.prefix_hit_rate > 0 and let_go > 0
-    assert engine.scheduler.kv.num_free_blocks == engine.num_blocks
+    check_sliding_groups(short_spans, tmp_path, "cuda")

@@ -240,12 +240,17 @@ def test_sliding_groups_let_blocks_go_and_keep_outputs_through_preemption_and_pr
     small for three long requests at once: preemptions happen, the shared 40-token prefix is hit
     (its window's blocks included), and every output is still HF's, whichever path short spans
     take (the CPU kernel and the decode plan, CUDA's padded SDPA, the gather path)."""
+    check_sliding_groups(short_spans, tmp_path, "cpu")
+
+
+def check_sliding_groups(short_spans: str, tmp_path: Path, device: str) -> None:
+    """The sliding-groups check above with the model on `device` (tests/model/test_cuda_families.py)."""
     from brisk.core.kv_cache_manager import NO_BLOCK
 
     ours, hf = _pair("gemma3", tmp_path)
     prompts = [IDS[:40], IDS[:40] + IDS[5:9], IDS[10:30]]
     expected = [_hf_greedy(hf, p) for p in prompts]
-    engine = LLMEngine(ours, tiny_tokenizer(), CacheConfig(block_size=4, num_kv_blocks=64, enable_prefix_caching=True),
+    engine = LLMEngine(ours.to(device), tiny_tokenizer(), CacheConfig(block_size=4, num_kv_blocks=64, enable_prefix_caching=True),
                        SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=4, max_model_len=128))
     assert [g.window for g in engine.runner.groups] == [0, WINDOW, WINDOW, WINDOW]
     if short_spans == "kernel" and engine.runner.short_spans != "kernel":
