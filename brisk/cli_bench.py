@@ -143,6 +143,14 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     prb.add_argument("--batch", type=int, default=16, help="requests of the batched workload (default 16)")
     add_quant(prb, "quantize every model at load (dense and pruned alike)")
 
+    fam = bsub.add_parser("families", help="every architecture at one shape with random weights: decode tokens/s "
+                                           "per weight byte against Llama's, interleaved")
+    fam.add_argument("--families", default="llama,qwen3,phi3,mistral,gemma3",
+                     help="comma-separated, the first is the baseline (default llama,qwen3,phi3,mistral,gemma3)")
+    fam.add_argument("--new-tokens", type=int, default=64, help="decode tokens per run (default 64)")
+    fam.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5)")
+    fam.add_argument("--layers", type=int, default=30, help="decoder layers of the shape (default 30: SmolLM2-135M's)")
+
     par = bsub.add_parser("parallel", help="tensor x pipeline parallel grids beside one process: tokens/s, bytes/token")
     add_model(par)
     par.add_argument("--grid", default="1x1,2x1,3x1,1x2", help="TxP configurations (default 1x1,2x1,3x1,1x2)")
@@ -189,6 +197,12 @@ def run_bench(args: argparse.Namespace) -> int:
         return _bench_kv(args)
     if args.bench == "prune":
         return _bench_prune(args)
+    if args.bench == "families":
+        from brisk.bench.families_bench import bench_families
+
+        print(json.dumps(bench_families([f for f in args.families.split(",") if f], args.new_tokens, args.repeats,
+                                        layers=args.layers)), flush=True)
+        return 0
     from brisk.bench.latency import DEFAULT_PROMPT, bench_latency
 
     if args.new_tokens < 2 or args.repeats < 1:

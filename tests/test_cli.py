@@ -182,6 +182,20 @@ def test_bench_kv_prints_both_layouts_side_by_side(gguf_path, capsys) -> None:
     assert cell["virtual_over_paged_decode"] > 0 and cell["virtual"]["faulting_forwards"] == 0
 
 
+def test_bench_families_prints_every_family_beside_llama(capsys) -> None:
+    """Random weights at one shape (no file): each family's decode through the plan, per byte vs Llama."""
+    code, out, _ = _run(capsys, "bench", "families", "--families", "llama,gemma3,phi3", "--layers", "1",
+                        "--new-tokens", "3", "--repeats", "1")
+    assert code == 0
+    result = json.loads(out.strip().splitlines()[-1])
+    rows = {r["family"]: r for r in result["families"]}
+    assert list(rows) == ["llama", "gemma3", "phi3"] and rows["llama"]["per_byte_vs_llama"] == 1.0
+    assert all(r["decode_tok_s"] > 0 and len(r["runs"]) == 1 and r["weight_mb"] > 0 for r in rows.values())
+    assert rows["gemma3"]["weight_mb"] == rows["llama"]["weight_mb"]  # one shape, norms apart: same bytes to 0.1 MB
+    code, _, err = _run(capsys, "bench", "families", "--families", "llama,gpt2")
+    assert code == 2 and "--families takes some of llama, qwen3, phi3, mistral, gemma3" in err
+
+
 def test_generate_runs_the_virtual_layout(gguf_path, capsys) -> None:
     code, out, err = _run(capsys, "generate", "--kv-layout", "virtual", "--max-tokens", "4", "--prompt", "Hi")
     assert code == 0 and "generated 4 tokens" in err + out
