@@ -4,8 +4,10 @@ depend on the values, so no weights need to travel), one engine, batch 1 and bat
     python3 .ci/gpu_profile.py [--device cuda] [--dtype float32|bfloat16] [--weights float|blocks|sparse24] [--out DIR]
 
 `--weights blocks` puts every decoder Linear in GGUF blocks as a Q4_K_M file has them (Q4_K where the
-width is a multiple of 256, else Q5_0; random block bytes with moderate scales); `sparse24` prunes
-each to 2:4 (torch's semi-structured tensors on the GPU for a 16-bit model).
+width is a multiple of 256, else Q5_0; random block bytes with moderate scales): what keeping a
+file's blocks on a GPU would cost with today's BlockLinear (a dequantize per forward). The loader does
+not do that: on CUDA a GGUF file loads dequantized; this row says whether a GPU block kernel would pay.
+`sparse24` prunes each to 2:4 (torch's semi-structured tensors on the GPU for a 16-bit model).
 
 Prints, per batch size, decode tokens/s, wall time per step, GPU kernel time per step and kernel launches per
 step (from torch.profiler), and the operators that spend the most host time.

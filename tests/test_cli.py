@@ -194,6 +194,7 @@ def test_bench_families_prints_every_family_beside_llama(capsys) -> None:
     assert rows["gemma3"]["weight_mb"] == rows["llama"]["weight_mb"]  # one shape, norms apart: same bytes to 0.1 MB
     code, _, err = _run(capsys, "bench", "families", "--families", "llama,gpt2")
     assert code == 2 and "--families takes some of llama, qwen3, phi3, mistral, gemma3" in err
+    assert _run(capsys, "bench", "families", "--families", "llama,llama")[0] == 2
 
 
 def test_generate_runs_the_virtual_layout(gguf_path, capsys) -> None:

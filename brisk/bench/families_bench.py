@@ -95,8 +95,8 @@ def bench_families(families: list[str], new_tokens: int, repeats: int, prompt_le
     """Decode tokens/s of each family at SHAPE (with `layers` layers), rounds interleaved; JSON-ready."""
     shape = dataclasses.replace(SHAPE, num_hidden_layers=layers)
     unknown = [f for f in families if f not in FAMILIES]
-    if unknown or not families:
-        raise UserError(f"--families takes some of {', '.join(FAMILIES)}, got {','.join(families)!r}")
+    if unknown or not families or len(set(families)) != len(families):
+        raise UserError(f"--families takes some of {', '.join(FAMILIES)}, each once, got {','.join(families)!r}")
     if new_tokens < 2 or repeats < 1 or layers < 1:
         raise UserError("--new-tokens must be >= 2, --repeats >= 1 and --layers >= 1")
     engines, bytes_of, plan = {}, {}, {}

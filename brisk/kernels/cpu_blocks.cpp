@@ -5,13 +5,14 @@
 //
 //     row . x  =  sum over sub-blocks  a_b (d  sum_i q_i x_i)  -  m (a_b sum_i x_i)
 //
-// with the integer sums in vpdpbusd (AVX512-VNNI) or vpmaddubsw + vpmaddwd (AVX2), one float
+// with the integer sums in vpdpbusd (AVX512-VNNI, or AVX-VNNI's 256-bit form at the AVX2 level
+// where the CPU has it) or vpmaddubsw + vpmaddwd (AVX2), one float
 // multiply-add per sub-block and x row, and the offset sums precomputed per x block. Weights are
 // read once per call whatever the number of x rows (up to 4 share each decoded sub-block, and 8
 // weight rows stay in L1 while all x rows pass), so decode reads the file's bytes at memory speed
 // and prompt work does not dequantize a matrix per call.
 //
-// Every path (portable, AVX2, AVX-512) computes the same integers and then the same float
+// Every path (portable, AVX2, AVX-VNNI, AVX-512) computes the same integers and then the same float
 // operations in the same order, so its output is bit-identical on every CPU, and a row's result
 // never depends on the other rows in the call (batch invariance).
 #include <torch/extension.h>

@@ -10,9 +10,9 @@
 // Columns past `in` (the last tile of a width not a multiple of 32) hold zero values.
 //
 // A row's dot product: per tile one broadcast of the meta word, a variable shift, a mask and an
-// add give the 16 column indices; one two-register permute picks x's 16 values (AVX-512); on AVX2
-// x is reordered once per call so that two in-lane permutes and a constant blend pick a half
-// tile's 8 (dot_avx2). Every (x row, weight row) pair is summed the same way
+// add give the 16 column indices and one two-register permute picks x's 16 values (AVX-512); on AVX2
+// x is reordered once per call so that the shifted meta word alone indexes two in-lane permutes
+// and a constant blend picks a half tile's 8 (dot_avx2). Every (x row, weight row) pair is summed the same way
 // whatever the batch, so batched rows equal rows alone, bit for bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

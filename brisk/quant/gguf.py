@@ -214,6 +214,7 @@ class BlockLinear(QuantizedLinear):
         if self.out_features != sum(output_sizes):
             raise ValueError(f"BlockLinear: segments hold {self.out_features} rows, the layer has {sum(output_sizes)}")
         self.types: list[int] = []
+        self.tile = tile
         for i, (t, rows) in enumerate(segments):
             t = int(t)
             if tile and block_tile_supported(t, rows):
@@ -229,11 +230,14 @@ class BlockLinear(QuantizedLinear):
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         """Moved off the CPU, tiled parts go back to the file's layout once: the tiles serve only the CPU
-        kernels, and untiling them at every forward on a GPU would be a round trip through the host."""
+        kernels, and untiling them at every forward on a GPU would be a round trip through the host.
+        Back on the CPU they are tiled again (`tile`)."""
         out = super()._apply(fn, recurse)
         for i, (t, rows) in enumerate(zip(self.types, self.blocks)):
             if t & TILED and not rows.is_cpu:
                 self.types[i], self._buffers[f"blocks{i}"] = block_untile(rows, t)
+            elif self.tile and not t & TILED and block_tile_supported(t, rows):
+                self.types[i], self._buffers[f"blocks{i}"] = block_tile(rows, t)
         return out
 
     @property

@@ -1,5 +1,6 @@
-"""One object per quantization method: what brisk does for it, in one place (ARCHITECTURE: "a
-quantization format is one method object in quant/ and its kernels in kernels/").
+"""One object per quantization method: what brisk does for it, in one place (the house plan,
+../shared/ARCHITECTURE.md: "a quantization format: one method object in quant/ and its kernels in
+kernels/").
 
 config.py says what a user may ask for (`QuantConfig`: names, options and their validation, the
 one-line description); a `QuantMethod` says what the method does with a model: the module each
@@ -70,7 +71,9 @@ class QuantMethod:
 
     def calibrate(self, model: nn.Module, ids: list[int]) -> Calibrated:
         """Per Linear, from calibration token ids: a column scale (SmoothQuant) and X^T X / n (GPTQ)."""
-        assert self.calibrator is not None, f"{self.name} takes no calibration (config.py refuses it)"
+        if self.calibrator is None:
+            raise UserError(f"quantization {self.name} takes no calibration text; calibration applies to "
+                            f"{', '.join(CALIBRATED_METHODS)}")
         return self.calibrator(model, ids)
 
 

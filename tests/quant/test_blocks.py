@@ -260,6 +260,8 @@ def test_block_linear_on_cuda_gives_the_cpu_numbers_from_the_files_layout() -> N
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
     ref = torch.cat([reference(x, blk, int(t), 256) for t, blk in parts], dim=1) + bias
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+    back = gpu.to("cpu")  # tiled again for the CPU kernels: the same bits as before the trip
+    assert back.tiled_parts == [True, False, True] and torch.equal(back(x), want)
     head = BlockLinear([(int(T.Q4_0), c)], 256, None, (12,), torch.float32).to("cuda")
     ids = torch.tensor([11, 0, 5, 5, 2], device="cuda")
     assert torch.equal(head.dequantize_rows(ids).cpu(), dequantize(c, int(T.Q4_0), (12, 256))[ids.cpu()])

@@ -137,6 +137,9 @@ def test_on_cuda_the_dense_weight_gives_the_cpu_result() -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
                     reason="needs a CUDA device with sparse tensor cores (compute capability 8.0+)")
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+                    and not torch.backends.cusparselt.is_available(),
+                    reason="torch's CUTLASS 2:4 kernels are built for 8.x; a 9.0+ GPU needs cuSPARSELt")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_on_cuda_16_bit_models_run_torchs_semi_structured_tensors(dtype: torch.dtype) -> None:
     """A 16-bit model's 2:4 weight becomes torch's semi-structured sparse tensor on the GPU (only the
