@@ -216,9 +216,7 @@ class BlockLinear(QuantizedLinear):
         self.types: list[int] = []
         self.tile = tile
         for i, (t, rows) in enumerate(segments):
-            t = int(t)
-            if tile and block_tile_supported(t, rows):
-                t, rows = block_tile(rows, t)
+            t, rows = self._held(int(t), rows)
             self.types.append(t)
             self.register_buffer(f"blocks{i}", rows, persistent=False)
         self.register_buffer("bias", bias)
@@ -228,16 +226,20 @@ class BlockLinear(QuantizedLinear):
     def blocks(self) -> list[torch.Tensor]:
         return [self._buffers[f"blocks{i}"] for i in range(len(self.types))]  # type: ignore[misc]
 
+    def _held(self, t: int, rows: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(type, rows) in the layout this module keeps a part in where `rows` are: tiled on the CPU
+        (`tile`, where the type has tiles and the rows come in fours), the file's layout elsewhere
+        (the tiles serve only the CPU kernels; untiling them at every forward on a GPU would be a
+        round trip through the host)."""
+        if t & TILED:
+            return (t, rows) if rows.is_cpu else block_untile(rows, t)
+        return block_tile(rows, t) if self.tile and block_tile_supported(t, rows) else (t, rows)
+
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        """Moved off the CPU, tiled parts go back to the file's layout once: the tiles serve only the CPU
-        kernels, and untiling them at every forward on a GPU would be a round trip through the host.
-        Back on the CPU they are tiled again (`tile`)."""
+        """Moved (.to), each part is re-laid for its new device once (`_held`)."""
         out = super()._apply(fn, recurse)
         for i, (t, rows) in enumerate(zip(self.types, self.blocks)):
-            if t & TILED and not rows.is_cpu:
-                self.types[i], self._buffers[f"blocks{i}"] = block_untile(rows, t)
-            elif self.tile and not t & TILED and block_tile_supported(t, rows):
-                self.types[i], self._buffers[f"blocks{i}"] = block_tile(rows, t)
+            self.types[i], self._buffers[f"blocks{i}"] = self._held(t, rows)
         return out
 
     @property

@@ -18,6 +18,7 @@ which is not the float32 arithmetic the rest of the model does.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -56,13 +57,9 @@ def semi_structured(dense: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | N
         return None
 
 
-_WARNED: set[str] = set()
-
-
-def _warn_once(why: str) -> None:
-    if why not in _WARNED:
-        _WARNED.add(why)
-        log.warning("2:4 weights run dense on this GPU: %s", why)
+@functools.cache
+def _warn_once(why: str) -> None:  # once per reason, not once per Linear
+    log.warning("2:4 weights run dense on this GPU: %s", why)
 
 
 def _int32(bits: torch.Tensor) -> torch.Tensor:
