@@ -11,7 +11,9 @@
 4. with the default model (when its file is there): greedy tokens on CUDA against the CPU (float32, and int8 / int4 / w8a8 quantized),
    bfloat16's agreement with float32, then `brisk bench latency`, `bench throughput` and `eval ppl` on the GPU.
 
-Everything is printed and written to DIR (default ./gpu-out) as JSON lines and logs.
+Everything is printed and written to DIR (default $OUT, else ./gpu-out) as JSON lines and one log a
+step, as each step ends: under the device tool leave --out alone, so that what finished comes back even
+when the whole run hits its time limit.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ PROMPTS = ["Write a short story about a lighthouse keeper who finds a message in
 NEW_TOKENS = 64
 CUDA_TEST_DIRS = ["tests/model", "tests/engine", "tests/runtime", "tests/quant", "tests/loader", "tests/parallel"]
 CPU_ISA_TESTS = ["tests/quant/test_blocks.py", "tests/kernels/test_capability.py", "tests/kernels/test_isa_paths.py"]
-PROFILES = [("float", "float32"), ("float", "bfloat16"), ("blocks", "float32"), ("blocks", "bfloat16"),
-            ("sparse24", "bfloat16")]
+# the unmeasured first: float32 / bfloat16 float weights ran on 2026-12-04 (BENCHMARKS.md, "On a GPU")
+PROFILES = [("blocks", "float32"), ("sparse24", "bfloat16"), ("blocks", "bfloat16"), ("float", "bfloat16"),
+            ("float", "float32")]
 
 
 def log(out: Path, record: dict[str, object]) -> None:
@@ -137,23 +140,25 @@ def main() -> int:
     if not args.skip_build:
         run(args.out, "build-ext", [sys.executable, "setup.py", "-q", "build_ext", "--inplace"], 400)
     if not args.skip_tests:
+        # the GPU host's own CPU (often AVX-512 with AVX-VNNI and AMX, which the CI machine lacks): every
+        # instruction-set path of the block kernels against the others, AVX-VNNI's included. First (it is
+        # short) and verbose, with faulthandler: on 2026-12-04 it died of SIGSEGV there and the summary
+        # alone did not say in which test.
+        run(args.out, "pytest-cpu-isa", [sys.executable, "-X", "faulthandler", "-m", "pytest", "-v", "-p",
+                                         "no:cacheprovider", *CPU_ISA_TESTS], 300)
         # folders rather than "tests": the server's tests import packages a GPU image may lack
         run(args.out, "pytest-cuda", [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
                                       "--continue-on-collection-errors", *CUDA_TEST_DIRS], 400)
-        # the GPU host's own CPU (often AVX-512 with AVX-VNNI, which the CI machine lacks): every
-        # instruction-set path of the block kernels against the others, AVX-VNNI's included
-        run(args.out, "pytest-cpu-isa", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                         *CPU_ISA_TESTS], 400)
+    if not args.skip_profiles:  # seconds, before the profiles (~60 s each)
+        proc = run(args.out, "vmem-probe", [sys.executable, ".ci/gpu_vmem_probe.py"], 120)
+        if proc is not None and proc.returncode == 0:
+            log(args.out, {"step": "vmem-probe", **json.loads(proc.stdout.strip().splitlines()[-1])})
     for weights, dtype in ([] if args.skip_profiles else PROFILES):
         proc = run(args.out, f"profile-{weights}-{dtype}", [sys.executable, ".ci/gpu_profile.py", "--weights", weights,
                                                             "--dtype", dtype, "--out", str(args.out)], 300)
         for line in (proc.stdout.splitlines() if proc else []):
             if line.startswith("{"):
                 log(args.out, {"step": f"profile-{weights}-{dtype}", **json.loads(line)})
-    if not args.skip_profiles:
-        proc = run(args.out, "vmem-probe", [sys.executable, ".ci/gpu_vmem_probe.py"], 120)
-        if proc is not None and proc.returncode == 0:
-            log(args.out, {"step": "vmem-probe", **json.loads(proc.stdout.strip().splitlines()[-1])})
     model = args.model
     if model is None:
         sys.path.insert(0, str(ROOT / "tests"))
