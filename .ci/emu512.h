@@ -39,18 +39,10 @@ static inline simde__m512 brisk_emu_cvtepi32_ps(simde__m512i a) {
   for (int i = 0; i < 16; ++i) r.f32[i] = static_cast<float>(p.i32[i]);
   return simde__m512_from_private(r);
 }
-static inline simde__m512i brisk_emu_cvtepi8_epi32(__m128i a) {
-  int8_t s[16]; std::memcpy(s, &a, 16); simde__m512i_private r;
-  for (int i = 0; i < 16; ++i) r.i32[i] = s[i];
-  return simde__m512i_from_private(r);
-}
-static inline simde__m512i brisk_emu_cvtepu8_epi32(__m128i a) {
-  uint8_t s[16]; std::memcpy(s, &a, 16); simde__m512i_private r;
-  for (int i = 0; i < 16; ++i) r.i32[i] = s[i];
-  return simde__m512i_from_private(r);
-}
-static inline simde__m512i brisk_emu_cvtepu16_epi32(__m256i a) {
-  uint16_t s[16]; std::memcpy(s, &a, 32); simde__m512i_private r;
+// 16 lanes of type S (its bytes in `a`) widened to int32, sign or zero as S is
+template <typename S, typename V>
+static inline simde__m512i brisk_emu_widen(V a) {
+  S s[16]; std::memcpy(s, &a, sizeof s); simde__m512i_private r;
   for (int i = 0; i < 16; ++i) r.i32[i] = s[i];
   return simde__m512i_from_private(r);
 }
@@ -91,9 +83,9 @@ static inline simde__m512i brisk_emu_shuffle_i64x2(simde__m512i a, simde__m512i 
 }
 #define _mm512_cvtepi32_epi8(a) brisk_emu_cvtepi32_epi8(a)
 #define _mm512_cvtepi32_ps(a) brisk_emu_cvtepi32_ps(a)
-#define _mm512_cvtepi8_epi32(a) brisk_emu_cvtepi8_epi32(a)
-#define _mm512_cvtepu8_epi32(a) brisk_emu_cvtepu8_epi32(a)
-#define _mm512_cvtepu16_epi32(a) brisk_emu_cvtepu16_epi32(a)
+#define _mm512_cvtepi8_epi32(a) brisk_emu_widen<int8_t>(a)
+#define _mm512_cvtepu8_epi32(a) brisk_emu_widen<uint8_t>(a)
+#define _mm512_cvtepu16_epi32(a) brisk_emu_widen<uint16_t>(a)
 #define _mm512_cvtps_epi32(a) brisk_emu_cvtps_epi32(a)
 #define _mm512_mask3_fmadd_ps(a, b, c, k) brisk_emu_mask3_fmadd_ps(a, b, c, k)
 #define _mm512_reduce_add_epi32(a) brisk_emu_reduce_add_epi32(a)
