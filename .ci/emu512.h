@@ -5,8 +5,10 @@
 // AVX2 machine changes can still be tested, under ASan and UBSan if asked.
 #pragma once
 #include <immintrin.h>
-#include <cstring>
+#include <cmath>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 #define _mm256_dpbusd_avx_epi32(a, b, c) simde_mm256_dpbusd_epi32(a, b, c)
@@ -14,7 +16,10 @@ static inline int brisk_emu_supports(const char* f) {
   const char* e = std::getenv("BRISK_EMU_FLAGS");  // e.g. "avx512f,avx512bw,avx512vnni,avxvnni"
   if (!std::strcmp(f, "avx2") || !std::strcmp(f, "fma") || !std::strcmp(f, "f16c")) return 1;
   if (!e) return 0;
-  return std::strstr(e, f) != nullptr;
+  const size_t n = std::strlen(f);  // a whole name of the comma-separated list ("avx512f" is not "avx512fp16")
+  for (const char* at = std::strstr(e, f); at; at = std::strstr(at + 1, f))
+    if ((at == e || at[-1] == ',') && (at[n] == ',' || at[n] == '\0')) return 1;
+  return 0;
 }
 #define __builtin_cpu_supports(f) brisk_emu_supports(f)
 static inline simde__m512 brisk_emu_cvtph_ps(__m256i h) {
@@ -25,8 +30,6 @@ static inline simde__m512 brisk_emu_cvtph_ps(__m256i h) {
   return simde__m512_from_private(r);
 }
 #define _mm512_cvtph_ps(h) brisk_emu_cvtph_ps(h)
-#include <cmath>
-#include <cstdint>
 // what SIMDe 0.7.4 lacks, lane by lane (the instruction's definition)
 static inline simde__m128i brisk_emu_cvtepi32_epi8(simde__m512i a) {
   simde__m512i_private p = simde__m512i_to_private(a);

@@ -4,9 +4,9 @@
                              [--skip-profiles]
 
 1. builds brisk's C++ CPU kernels for the torch found there (optional: brisk falls back without them);
-2. runs every test marked `cuda` (tiny random models, no files needed), and the instruction-set tests on
-   the host's CPU (AVX-VNNI's block kernels against maddubs + madd where that CPU has it);
-3. times decode on a SmolLM2-shaped model with random weights (.ci/gpu_profile.py: float32, bfloat16,
+2. runs the instruction-set tests on the host's CPU (AVX-VNNI's block kernels against maddubs + madd
+   where that CPU has it), then every test marked `cuda` (tiny random models, no files needed);
+3. measures CUDA's virtual-memory calls (.ci/gpu_vmem_probe.py) and times decode on a SmolLM2-shaped model with random weights (.ci/gpu_profile.py: float32, bfloat16,
    GGUF blocks, 2:4 sparse), which needs no file to travel;
 4. with the default model (when its file is there): greedy tokens on CUDA against the CPU (float32, and int8 / int4 / w8a8 quantized),
    bfloat16's agreement with float32, then `brisk bench latency`, `bench throughput` and `eval ppl` on the GPU.

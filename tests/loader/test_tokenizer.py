@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
