@@ -5,8 +5,11 @@
 
 1. builds brisk's C++ CPU kernels for the torch found there (optional: brisk falls back without them);
 2. runs the instruction-set tests on the host's CPU (AVX-VNNI's block kernels against maddubs + madd
-   where that CPU has it), then every test marked `cuda` (tiny random models, no files needed);
-3. measures CUDA's virtual-memory calls (.ci/gpu_vmem_probe.py) and times decode on a SmolLM2-shaped model with random weights (.ci/gpu_profile.py: float32, bfloat16,
+   where that CPU has it; a test that crashes the process is named, retried under BRISK_CPU_ISA=avx2
+   and under gdb, and skipped so the rest run), then every test marked `cuda` (tiny random models, no
+   files needed);
+3. measures CUDA's virtual-memory calls (.ci/gpu_vmem_probe.py) and times decode on a SmolLM2-shaped
+   model with random weights (.ci/gpu_profile.py: CUDA graphs against eager steps, float32, bfloat16,
    GGUF blocks, 2:4 sparse), which needs no file to travel;
 4. with the default model (when its file is there): greedy tokens on CUDA against the CPU (float32, and int8 / int4 / w8a8 quantized),
    bfloat16's agreement with float32, then `brisk bench latency`, `bench throughput` and `eval ppl` on the GPU.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -35,9 +39,10 @@ PROMPTS = ["Write a short story about a lighthouse keeper who finds a message in
 NEW_TOKENS = 64
 CUDA_TEST_DIRS = ["tests/model", "tests/engine", "tests/runtime", "tests/quant", "tests/loader", "tests/parallel"]
 CPU_ISA_TESTS = ["tests/quant/test_blocks.py", "tests/kernels/test_capability.py", "tests/kernels/test_isa_paths.py"]
-# the unmeasured first: float32 / bfloat16 float weights ran on 2026-12-04 (BENCHMARKS.md, "On a GPU")
-PROFILES = [("blocks", "float32"), ("sparse24", "bfloat16"), ("blocks", "bfloat16"), ("float", "bfloat16"),
-            ("float", "float32")]
+# (weights, dtype, eager): CUDA graphs against the eager steps first (eager float32 ran on 2026-12-04,
+# BENCHMARKS.md "On a GPU"), then the unmeasured weights
+PROFILES = [("float", "float32", False), ("float", "float32", True), ("float", "bfloat16", False),
+            ("blocks", "float32", False), ("sparse24", "bfloat16", False)]
 
 
 def log(out: Path, record: dict[str, object]) -> None:
@@ -58,6 +63,42 @@ def run(out: Path, name: str, cmd: list[str], timeout: float) -> subprocess.Comp
     log(out, {"step": name, "rc": proc.returncode, "seconds": round(time.perf_counter() - start, 1),
               "tail": (proc.stdout + proc.stderr)[-1500:] if proc.returncode else proc.stdout[-600:]})
     return proc
+
+
+def crashed_test(stdout: str) -> str | None:
+    """The test pytest -v was running when the process died: its last line naming a test without
+    a result."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("tests/") and "::" in line:
+            words = line.split()
+            return words[0] if not any(w in ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL") for w in words) else None
+    return None
+
+
+def isa_tests(out: Path, attempts: int = 3) -> None:
+    """The CPU instruction-set tests, verbose with faulthandler; a test that kills the process is
+    logged, run again under BRISK_CPU_ISA=avx2 (is it the AVX-512 / AVX-VNNI path?) and under gdb
+    (a native backtrace) when the host has it, then deselected so the rest still run."""
+    deselect: list[str] = []
+    for i in range(attempts):
+        cmd = [sys.executable, "-X", "faulthandler", "-m", "pytest", "-v", "-p", "no:cacheprovider", *CPU_ISA_TESTS,
+               *(a for t in deselect for a in ("--deselect", t))]
+        proc = run(out, f"pytest-cpu-isa-{i}", cmd, 240)
+        if proc is None or proc.returncode >= 0:
+            return
+        test = crashed_test(proc.stdout)
+        log(out, {"step": "cpu-isa-crash", "signal": -proc.returncode, "test": test})
+        if test is None:
+            return
+        one = [sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-p", "no:cacheprovider", test]
+        env = {**os.environ, "BRISK_CPU_ISA": "avx2"}
+        again = subprocess.run(one, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False, env=env)
+        log(out, {"step": "cpu-isa-crash-avx2", "test": test, "rc": again.returncode,
+                  "tail": (again.stdout + again.stderr)[-800:]})
+        if shutil.which("gdb"):
+            run(out, f"cpu-isa-gdb-{i}", ["gdb", "-batch", "-ex", "run", "-ex", "bt 30", "-ex", "info registers rip",
+                                          "-ex", "x/6i $pc", "--args", *one], 180)
+        deselect.append(test)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -130,6 +171,7 @@ def main() -> int:
     ap.add_argument("--skip-profiles", action="store_true")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")  # a child that crashes still leaves its last lines
     import torch
 
     if not torch.cuda.is_available():
@@ -144,8 +186,7 @@ def main() -> int:
         # instruction-set path of the block kernels against the others, AVX-VNNI's included. First (it is
         # short) and verbose, with faulthandler: on 2026-12-04 it died of SIGSEGV there and the summary
         # alone did not say in which test.
-        run(args.out, "pytest-cpu-isa", [sys.executable, "-X", "faulthandler", "-m", "pytest", "-v", "-p",
-                                         "no:cacheprovider", *CPU_ISA_TESTS], 300)
+        isa_tests(args.out)
         # folders rather than "tests": the server's tests import packages a GPU image may lack
         run(args.out, "pytest-cuda", [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
                                       "--continue-on-collection-errors", *CUDA_TEST_DIRS], 400)
@@ -153,12 +194,13 @@ def main() -> int:
         proc = run(args.out, "vmem-probe", [sys.executable, ".ci/gpu_vmem_probe.py"], 120)
         if proc is not None and proc.returncode == 0:
             log(args.out, {"step": "vmem-probe", **json.loads(proc.stdout.strip().splitlines()[-1])})
-    for weights, dtype in ([] if args.skip_profiles else PROFILES):
-        proc = run(args.out, f"profile-{weights}-{dtype}", [sys.executable, ".ci/gpu_profile.py", "--weights", weights,
-                                                            "--dtype", dtype, "--out", str(args.out)], 300)
+    for weights, dtype, eager in ([] if args.skip_profiles else PROFILES):
+        name = f"profile-{weights}-{dtype}-{'eager' if eager else 'graphs'}"
+        proc = run(args.out, name, [sys.executable, ".ci/gpu_profile.py", "--weights", weights, "--dtype", dtype,
+                                    "--out", str(args.out), *(["--eager"] if eager else [])], 300)
         for line in (proc.stdout.splitlines() if proc else []):
             if line.startswith("{"):
-                log(args.out, {"step": f"profile-{weights}-{dtype}", **json.loads(line)})
+                log(args.out, {"step": name, **json.loads(line)})
     model = args.model
     if model is None:
         sys.path.insert(0, str(ROOT / "tests"))

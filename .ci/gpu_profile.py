@@ -1,7 +1,10 @@
 """Where a CUDA decode step's time goes: a SmolLM2-135M-shaped model with random weights (the timing does not
 depend on the values, so no weights need to travel), one engine, batch 1 and batch 32.
 
-    python3 .ci/gpu_profile.py [--device cuda] [--dtype float32|bfloat16] [--weights float|blocks|sparse24] [--out DIR]
+    python3 .ci/gpu_profile.py [--device cuda] [--dtype float32|bfloat16] [--weights float|blocks|sparse24] [--eager]
+                               [--out DIR]
+
+Decode steps replay CUDA graphs (runtime/decode_graphs.py) unless `--eager`.
 
 `--weights blocks` puts every decoder Linear in GGUF blocks as a Q4_K_M file has them (Q4_K where the
 width is a multiple of 256, else Q5_0; random block bytes with moderate scales): what keeping a
@@ -74,7 +77,7 @@ def swap_linears(model: torch.nn.Module, weights: str, dtype: torch.dtype) -> No
         setattr(model.get_submodule(parent), leaf, new)
 
 
-def build_engine(device: str, dtype: torch.dtype, weights: str = "float") -> LLMEngine:
+def build_engine(device: str, dtype: torch.dtype, weights: str = "float", eager: bool = False) -> LLMEngine:
     torch.manual_seed(0)
     model = LlamaForCausalLM(SMOLLM2, dtype=torch.float32, max_positions=2048)
     with torch.no_grad():
@@ -83,6 +86,7 @@ def build_engine(device: str, dtype: torch.dtype, weights: str = "float") -> LLM
     if weights != "float":
         swap_linears(model, weights, dtype)
     model = model.to(device=device, dtype=dtype).eval()
+    model.use_decode_plan = not eager  # what LLM(enforce_eager=...) sets: no CUDA graphs either
     backend = Backend(models.WordLevel({"w0": 0, "w1": 1}, unk_token="w1"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = Tokenizer(backend, bos_token_id=None, eos_token_id=0, add_bos=False, chat_template=None)
@@ -121,9 +125,11 @@ def profile(engine: LLMEngine, batch: int, steps: int, device: str) -> dict[str,
     events = prof.key_averages()
     kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    graph_launches = sum(e.count for e in events if e.key == "cudaGraphLaunch")
     syncs = {e.key: e.count for e in events if "Synchronize" in e.key or e.key in ("aten::item", "cudaMemcpyAsync")}
     table = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50)
     return {"gpu_kernel_ms_per_step": round(kernel_us / 1000 / steps, 3), "launches_per_step": launches / steps,
+            "graph_launches_per_step": graph_launches / steps,
             "syncs_per_step": {k: v / steps for k, v in syncs.items()}, "table": table}
 
 
@@ -134,17 +140,21 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--weights", default="float", choices=["float", "blocks", "sparse24"])
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs: every decode step launches its kernels")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    engine = build_engine(args.device, getattr(torch, args.dtype), args.weights)
+    engine = build_engine(args.device, getattr(torch, args.dtype), args.weights, args.eager)
+    mode = "eager" if args.eager else "graphs"
     for batch in (int(b) for b in args.batches.split(",")):
         decode_steps(engine, batch, 8)  # warm-up
         times = sorted(decode_steps(engine, batch, 64))
         step = times[len(times) // 2]
         prof = profile(engine, batch, 16, args.device)
         table = prof.pop("table")
-        (args.out / f"profile-{args.weights}-{args.dtype}-b{batch}.txt").write_text(str(table))
-        print(json.dumps({"device": args.device, "dtype": args.dtype, "weights": args.weights, "batch": batch,
+        (args.out / f"profile-{args.weights}-{args.dtype}-{mode}-b{batch}.txt").write_text(str(table))
+        graphs = getattr(engine.runner, "graphs", None)
+        print(json.dumps({"device": args.device, "dtype": args.dtype, "weights": args.weights, "mode": mode,
+                          "graphs_disabled": graphs.disabled if graphs is not None else None, "batch": batch,
                           "step_ms_p50": round(step * 1000, 2), "decode_tok_s": round(batch / step, 1), **prof}),
               flush=True)
         print(table, flush=True)

@@ -75,8 +75,8 @@ def add_engine(p: argparse.ArgumentParser) -> None:
                    help="do not keep oneDNN-packed weight copies (saves memory as large as the weights; "
                         "slower prefill and batched decode)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="run every step through the Python modules, without the C++ decode plan (same numbers, "
-                        "slower decode; for debugging)")
+                   help="run every step through the Python modules, without the C++ decode plan or (CUDA) CUDA "
+                        "graphs (same numbers, slower decode; for debugging)")
     p.add_argument("--max-decode-slowdown", type=float, default=None,
                    help="size prompt chunks so a step with running decodes takes at most this many times "
                         "a decode-only step (e.g. 1.5; learned from step times; default: token budget only)")

@@ -62,7 +62,8 @@ class LLM:
     `pack_weights` (CPU: keep oneDNN-packed copies of the weights for batched rows, ~1.3-2x faster
     prefill and batched decode for as much memory again as the weights; default True),
     `enforce_eager` (run decode steps through the Python modules instead of the C++ decode plan,
-    model/decode_plan.py: the same numbers, slower; default False),
+    model/decode_plan.py, and on CUDA without CUDA graphs, runtime/decode_graphs.py: the same
+    numbers, slower; default False),
     `quantization` ("int8", "int4", "w8a8", "ternary", "gguf": swap the Linears for quantized ones at
     load, see quant/; a quantized .gguf file keeps its own blocks by default, as "gguf"),
     `dequantize` (a quantized .gguf file's weights turned into floats at load instead: the exactness

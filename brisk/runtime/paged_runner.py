@@ -24,6 +24,7 @@ from brisk.model.paged_attention import (
     causal_mask,
     padded_spans,
 )
+from brisk.runtime.decode_graphs import DecodeGraphs
 from brisk.runtime.model_runner import sdpa_context
 from brisk.runtime.virtual_kv import VirtualKV
 
@@ -106,9 +107,12 @@ class StepInputs:
 
 class PagedModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, pack_weights: bool = True,
-                 groups: tuple[KVGroup, ...] | None = None, virtual: VirtualKV | None = None) -> None:
+                 groups: tuple[KVGroup, ...] | None = None, virtual: VirtualKV | None = None,
+                 graphs: bool | None = None) -> None:
         """`virtual`: the virtual layout's reserved tensors (runtime/virtual_kv.py) instead of a
-        block pool; `num_blocks` is then its rows x tiles, and there is one KV group."""
+        block pool; `num_blocks` is then its rows x tiles, and there is one KV group. `graphs`:
+        replay pure-decode steps as CUDA graphs (runtime/decode_graphs.py); None: on CUDA unless
+        the model runs eagerly (`LLM(enforce_eager=True)` clears `model.use_decode_plan`)."""
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -117,8 +121,12 @@ class PagedModelRunner:
         self.groups = groups or model_kv_groups(model)  # the scheduler's KV groups: one table each
         assert virtual is None or len(self.groups) == 1, "the virtual layout gives every layer its own row"
         self.layer_group, _ = layer_slots(self.groups, model.config.num_hidden_layers)
-        self.kv_caches = allocate_paged_kv(model, num_blocks, block_size, self.groups) if virtual is None \
-            else virtual.kv_caches
+        if graphs is None:
+            graphs = self.device.type == "cuda" and model.use_decode_plan
+        graphs = graphs and virtual is None
+        # with graphs, one block more than the pool hands out: the padding rows' KV lands there
+        self.kv_caches = allocate_paged_kv(model, num_blocks + int(graphs), block_size, self.groups) \
+            if virtual is None else virtual.kv_caches
         # Batched rows (prefill chunks, decode batches) through oneDNN-packed weights on CPU; the
         # copies cost as much memory as the weights again (`pack_weights=False` saves it).
         self.packed_weight_bytes = model.pack_weights() if pack_weights and self.device.type == "cpu" else 0
@@ -131,6 +139,8 @@ class PagedModelRunner:
         # How spans of <= KERNEL_MAX_QUERY new tokens attend: brisk's CPU kernel; one padded SDPA
         # (accelerators, where per-sequence launches would dominate); or one by one like long chunks.
         self.short_spans = "kernel" if kernel else "padded" if self.device.type != "cpu" else "gather"
+        self.graphs = DecodeGraphs(model, self.kv_caches, block_size, num_blocks, len(self.groups),
+                                   self.layer_group, capture=self.device.type == "cuda") if graphs else None
 
     def _uses_kernel(self, step: ScheduledStep) -> bool:
         """True: the step is one of the batched short spans laid out first."""
@@ -203,6 +213,13 @@ class PagedModelRunner:
         requests in `all_rows_for`, of every token they computed this step (prompt logprobs,
         speculative verification), projected through the LM head in one call (`head`: another
         projection to [rows, vocab], e.g. a draft's subset of the vocabulary)."""
+        if self.graphs is not None and not all_rows_for and head is None:
+            key = self.graphs.key(steps)
+            with sdpa_context(self.device):
+                done = self.graphs.run(steps, key) if key is not None else None
+            if done is not None:
+                ids = [s.request_id for s in steps]
+                return StepLogits(done[0], {rid: (i, 1) for i, rid in enumerate(ids)}, ids, done[1])
         inputs = self.prepare(steps, all_rows_for)
         with sdpa_context(self.device):
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn)  # [num_tokens, hidden]

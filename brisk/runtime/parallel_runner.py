@@ -67,7 +67,8 @@ class StageRunner:
 
     def __init__(self, model: CausalLM, state: ParallelState, layers: range, num_blocks: int,
                  block_size: int, pack_weights: bool = True) -> None:
-        self.local = PagedModelRunner(model, num_blocks, block_size, pack_weights)
+        # no CUDA graphs: a tensor-parallel step's collectives would have to be captured with it
+        self.local = PagedModelRunner(model, num_blocks, block_size, pack_weights, graphs=False)
         self.model = model
         self.state = state
         self.layers = layers
