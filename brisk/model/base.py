@@ -43,6 +43,7 @@ class CausalLM(Protocol):
     lm_head: nn.Module | None  # None: tied to embed_tokens
     norm: nn.Module
     use_decode_plan: bool
+    modules_version: int
 
     @property
     def dtype(self) -> torch.dtype: ...
@@ -104,6 +105,7 @@ class DecoderLM(nn.Module):
         # decode steps in C++ (model/decode_plan.py): None until built, False where none applies
         self.use_decode_plan = True
         self._decode_plan: object | None = None
+        self.modules_version = 0  # moves whenever the modules may have changed (drop_decode_plan)
 
     # ---- what an architecture file provides -----------------------------------------------
     def make_layer(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
@@ -225,8 +227,11 @@ class DecoderLM(nn.Module):
         return super().load_state_dict(*args, **kwargs)
 
     def drop_decode_plan(self) -> None:
-        """Forget the C++ decode plan: the modules it captured may change (rebuilt on next use)."""
+        """Forget the C++ decode plan: the modules it captured may change (rebuilt on next use).
+        `modules_version` moves too: a runner's CUDA graphs (runtime/decode_graphs.py) hold the
+        same pointers and are captured again."""
         self._decode_plan = None
+        self.modules_version = getattr(self, "modules_version", 0) + 1
 
     def final_norm(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return self.norm(h if residual is None else h + residual)

@@ -13,8 +13,11 @@ runner allocates one block more than the pool hands out) and read only it.
 
 The path is the runner's padded-SDPA attention (model/paged_attention.py) with fixed shapes, so
 on the CPU it runs too, without capture (tests check it against the ordinary step there). A
-capture that fails (an operator that syncs with the host) warns once and leaves the steps eager:
-the engine's results never depend on graphs being available.
+capture that fails (an operator that syncs with the host, memory) warns once and leaves the steps
+eager: the engine's results never depend on graphs being available. The graphs end at the final
+hidden states: the LM head runs eagerly on the real rows only (a [batch, vocab] output per graph
+would hold GBs for a 128k vocabulary). Buckets are captured on first use, and captured again
+when the model's modules change (`modules_version`, moved by `drop_decode_plan`).
 """
 
 from __future__ import annotations
@@ -56,8 +59,7 @@ def bucket(n: int, floor: int = 1) -> int:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph | None  # None: run `_forward` directly (no capture: CPU, tests)
-    logits: torch.Tensor  # [batch, vocab] float32, written by each replay
-    hidden: torch.Tensor  # [batch, hidden]
+    hidden: torch.Tensor  # [batch, hidden]: the final normed hidden states, written by each replay
 
 
 class DecodeGraphs:
@@ -90,6 +92,7 @@ class DecodeGraphs:
         self._rows = torch.arange(MAX_GRAPH_BATCH, device=self.device)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool: object | None = None  # one memory pool for every graph (they never run at once)
+        self._version = model.modules_version  # the modules the graphs hold pointers into
         self.disabled: str | None = None  # why graphs stopped (a failed capture): steps run eagerly
         self.replays = 0  # steps served here (tests, metrics)
 
@@ -97,6 +100,8 @@ class DecodeGraphs:
         """The bucket of a step this class can run; None: run it eagerly."""
         if self.disabled or not steps or len(steps) > MAX_GRAPH_BATCH:
             return None
+        if self.model.modules_version != self._version:
+            self.reset()
         if any(len(s.token_ids) != 1 or not s.sample for s in steps):
             return None
         blocks = max(s.start_pos // self.block_size + 1 for s in steps)
@@ -107,10 +112,16 @@ class DecodeGraphs:
             return None
         return key
 
+    def reset(self) -> None:
+        """Drop every graph (the modules changed); buckets are captured again on use."""
+        self._graphs.clear()
+        self._pool = None
+        self._version = self.model.modules_version
+
     def run(self, steps: Sequence[DecodeStep], key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Float32 logits [len(steps), vocab] and final hidden states of one decode step (copies:
-        the graph's outputs are overwritten by the next replay); None when a capture just failed
-        (the caller runs the step eagerly)."""
+        """Float32 logits [len(steps), vocab] and final hidden states of one decode step (the
+        hidden states a copy: the graph's are overwritten by the next replay); None when a capture
+        just failed (the caller runs the step eagerly)."""
         self._stage(steps, key)
         graph = self._graphs.get(key)
         if graph is None:
@@ -121,10 +132,10 @@ class DecodeGraphs:
         elif graph.graph is not None:
             graph.graph.replay()
         else:
-            graph.logits, graph.hidden = self._forward(key)
+            graph.hidden = self._forward(key)
         self.replays += 1
-        n = len(steps)
-        return graph.logits[:n].clone(), graph.hidden[:n].clone()
+        hidden = graph.hidden[: len(steps)].clone()
+        return self.model.compute_logits(hidden).float(), hidden
 
     def _layout(self, key: tuple[int, int]) -> tuple[int, ...]:
         """Offsets of ids, positions, offsets, kv lengths, slot blocks [groups, batch] and tables
@@ -143,11 +154,16 @@ class DecodeGraphs:
         kv_lens = [p + 1 for p in pos]
         slots: list[int] = []
         tables: list[int] = []
+        # NO_BLOCK (before a sliding window: masked, never read) as the spare block, never a block
+        # a request owns
+        trash = self.trash
         for g in range(self.num_groups):
-            slots += [_readable(s.block_ids[g][s.start_pos // bs]) for s in steps] + [self.trash] * pad
+            slots += [s.block_ids[g][s.start_pos // bs] for s in steps] + [trash] * pad
+        if NO_BLOCK in slots:
+            raise ValueError("a decode step's own KV slot has no block (NO_BLOCK): the KV manager gave it none")
         for g in range(self.num_groups):
             for s in steps:
-                row = [_readable(x) for x in s.block_ids[g][: s.start_pos // bs + 1]]
+                row = [trash if x == NO_BLOCK else x for x in s.block_ids[g][: s.start_pos // bs + 1]]
                 tables += row + [self.trash] * (w - len(row))
             tables += [self.trash] * (w * pad)
         flat = ids + pos + offsets + kv_lens + slots + tables
@@ -160,7 +176,7 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.record()
 
-    def _forward(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, key: tuple[int, int]) -> torch.Tensor:
         """The step on the staged inputs: every tensor a view of fixed buffers (capturable)."""
         b, w = key
         g = self.num_groups
@@ -176,37 +192,32 @@ class DecodeGraphs:
         attn = PagedAttention(kv_caches=self.kv_caches, slot_blocks=list(slots.unbind(0)), slot_offsets=offsets,
                               num_kernel_tokens=b, block_tables=[], query_start=kv_lens[:0], kv_lens=kv_lens,
                               gather_spans=[], scale=cfg.attn_scale, layer_group=self.layer_group, padded=padded)
-        hidden = self.model(ids, pos, attn)
-        return self.model.compute_logits(hidden).float(), hidden
+        return self.model(ids, pos, attn)  # [b, hidden]
 
     def _build(self, key: tuple[int, int]) -> _Graph | None:
         """Run the staged step once and record it (with capture); None if capture failed."""
         if not self.capture:
-            logits, hidden = self._forward(key)
-            return _Graph(None, logits, hidden)
-        # warm-up on a side stream, as torch asks (lazy initialisations must not be captured); it
-        # writes the step's KV, which the replay below writes again, to the same slots
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._forward(key)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
+            return _Graph(None, self._forward(key))
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits, hidden = self._forward(key)
+            # warm-up on a side stream, as torch asks (lazy initialisations must not be captured);
+            # it writes the step's KV, which the replay below writes again, to the same slots
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._forward(key)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: CUDA calls of other threads (the server's) neither break the capture
+            # nor fail because of it
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                hidden = self._forward(key)
+            graph.replay()
         except Exception as e:  # noqa: BLE001 (whatever refused capture, the step still runs eagerly)
-            self.disabled = f"CUDA graph capture failed ({e}); decode steps run eagerly"
+            self.disabled = f"CUDA graph capture failed ({type(e).__name__}: {e}); decode steps run eagerly"
             log.warning(self.disabled)
             self._graphs.clear()
             torch.cuda.synchronize(self.device)
             return None
-        graph.replay()
-        return _Graph(graph, logits, hidden)
-
-
-def _readable(block: int) -> int:
-    """NO_BLOCK (before a sliding window: never read) as block 0, as the kernels take it."""
-    return 0 if block == NO_BLOCK else block
+        return _Graph(graph, hidden)
