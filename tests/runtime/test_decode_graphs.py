@@ -5,7 +5,6 @@ touch no block a request owns; steps the graphs cannot serve run eagerly."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from brisk.model.llama import LlamaForCausalLM
 from brisk.request import SamplingParams
 from brisk.runtime.decode_graphs import MIN_WIDTH, bucket
 from brisk.runtime.paged_runner import PagedModelRunner
+from tests.runtime.test_paged_runner import Step
 
 LLAMA = ModelConfig(vocab_size=120, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                     num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
@@ -32,19 +32,6 @@ GEMMA = ModelConfig(architecture="gemma3", vocab_size=120, hidden_size=64, inter
                     tie_word_embeddings=True)
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])]
-
-
-@dataclass
-class Step:
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    table: list[int]
-    sample: bool = True
-
-    @property
-    def block_ids(self) -> list[list[int]]:
-        return [self.table]
 
 
 def _model(cfg: ModelConfig, device: str) -> CausalLM:
