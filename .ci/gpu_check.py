@@ -87,7 +87,9 @@ def isa_tests(out: Path, attempts: int = 3) -> None:
         if proc is None or proc.returncode >= 0:
             return
         test = crashed_test(proc.stdout)
-        log(out, {"step": "cpu-isa-crash", "signal": -proc.returncode, "test": test})
+        fault = proc.stderr[max(0, proc.stderr.find("Fatal Python error")):]
+        # the top of faulthandler's stack: the test's own frames (the run's tail holds pytest's)
+        log(out, {"step": "cpu-isa-crash", "signal": -proc.returncode, "test": test, "fault": fault[:1500]})
         if test is None:
             return
         one = [sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-p", "no:cacheprovider", test]
