@@ -52,10 +52,11 @@ def log(out: Path, record: dict[str, object]) -> None:
         f.write(line + "\n")
 
 
-def run(out: Path, name: str, cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str] | None:
+def run(out: Path, name: str, cmd: list[str], timeout: float,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str] | None:
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False, env=env)
     except subprocess.TimeoutExpired:
         log(out, {"step": name, "error": f"timed out after {timeout} s"})
         return None
@@ -93,10 +94,7 @@ def isa_tests(out: Path, attempts: int = 3) -> None:
         if test is None:
             return
         one = [sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-p", "no:cacheprovider", test]
-        env = {**os.environ, "BRISK_CPU_ISA": "avx2"}
-        again = subprocess.run(one, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False, env=env)
-        log(out, {"step": "cpu-isa-crash-avx2", "test": test, "rc": again.returncode,
-                  "tail": (again.stdout + again.stderr)[-800:]})
+        run(out, f"cpu-isa-crash-avx2-{i}", one, 120, env={**os.environ, "BRISK_CPU_ISA": "avx2"})
         if shutil.which("gdb"):
             run(out, f"cpu-isa-gdb-{i}", ["gdb", "-batch", "-ex", "run", "-ex", "bt 30", "-ex", "info registers rip",
                                           "-ex", "x/6i $pc", "--args", *one], 180)

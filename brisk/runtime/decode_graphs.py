@@ -164,8 +164,8 @@ class DecodeGraphs:
         for g in range(self.num_groups):
             for s in steps:
                 row = [trash if x == NO_BLOCK else x for x in s.block_ids[g][: s.start_pos // bs + 1]]
-                tables += row + [self.trash] * (w - len(row))
-            tables += [self.trash] * (w * pad)
+                tables += row + [trash] * (w - len(row))
+            tables += [trash] * (w * pad)
         flat = ids + pos + offsets + kv_lens + slots + tables
         n = self._layout(key)[-1]
         assert len(flat) == n

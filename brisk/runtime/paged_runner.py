@@ -213,10 +213,10 @@ class PagedModelRunner:
         requests in `all_rows_for`, of every token they computed this step (prompt logprobs,
         speculative verification), projected through the LM head in one call (`head`: another
         projection to [rows, vocab], e.g. a draft's subset of the vocabulary)."""
-        if self.graphs is not None and not all_rows_for and head is None:
-            key = self.graphs.key(steps)
+        key = self.graphs.key(steps) if self.graphs is not None and not all_rows_for and head is None else None
+        if key is not None:
             with sdpa_context(self.device):
-                done = self.graphs.run(steps, key) if key is not None else None
+                done = self.graphs.run(steps, key)
             if done is not None:
                 ids = [s.request_id for s in steps]
                 return StepLogits(done[0], {rid: (i, 1) for i, rid in enumerate(ids)}, ids, done[1])
