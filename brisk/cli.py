@@ -299,14 +299,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _add_train_heads(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    th = sub.add_parser("train-heads", help="train Medusa or early-exit heads on text the model generates itself")
+    th = sub.add_parser("train-heads", help="train Medusa, early-exit or Speculative Streaming heads on text the "
+                                            "model generates itself")
     th.add_argument("--model", "-m", default=DEFAULT_MODEL, help=f"model reference (default {DEFAULT_MODEL})")
-    th.add_argument("--kind", required=True, choices=["medusa", "early_exit"])
+    th.add_argument("--kind", required=True, choices=["medusa", "early_exit", "streaming"],
+                    help="streaming: stream embeddings + LoRA on the top layers, active on stream rows only (the "
+                         "model's own tokens are unchanged)")
     th.add_argument("--out", required=True, type=Path, help="heads file to write (.safetensors)")
-    th.add_argument("--num-heads", type=int, default=4, help="medusa: heads, one per draft token (default 4)")
+    th.add_argument("--num-heads", type=int, default=4,
+                    help="medusa: heads; streaming: streams; one per draft token (default 4)")
+    th.add_argument("--stream-layers", type=int, default=4, help="streaming: top layers the streams run (default 4)")
+    th.add_argument("--lora-rank", type=int, default=8, help="streaming: rank of the top layers' adapters (default 8)")
     th.add_argument("--exit-layer", type=int, default=None, help="early_exit: layers the draft runs (default: half)")
     th.add_argument("--prompts-file", type=Path, default=None,
-                    help="prompts, one per line (default: built-in topic x template questions)")
+                    help="prompts, one per line, or JSON lines with \"prompt\" (default: built-in topic x "
+                         "template questions)")
     th.add_argument("--num-prompts", type=int, default=480, help="prompts to answer (default 480)")
     th.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default 256)")
     th.add_argument("--epochs", type=int, default=3)
@@ -325,9 +332,11 @@ def _cmd_train_heads(args: argparse.Namespace) -> int:
 
     if args.num_heads < 1 or args.num_prompts < 10 or args.max_tokens < 8 or args.epochs < 1:
         raise UserError("need --num-heads >= 1, --num-prompts >= 10, --max-tokens >= 8, --epochs >= 1")
+    if args.kind == "streaming" and not (args.num_heads <= 15 and args.stream_layers >= 1 and 1 <= args.lora_rank <= 256):
+        raise UserError("streaming needs --num-heads (streams) <= 15, --stream-layers >= 1, --lora-rank 1..256")
     report = run_train_heads(args.model, args.kind, args.out, args.num_heads, args.exit_layer, args.num_prompts,
                              args.max_tokens, args.epochs, args.prompts_file, args.draft_vocab, args.sequences,
-                             not args.parallel, log=lambda d: print(json.dumps(d), file=sys.stderr, flush=True))
+                             not args.parallel, args.stream_layers, args.lora_rank, log=lambda d: print(json.dumps(d), file=sys.stderr, flush=True))
     print(json.dumps(report), flush=True)
     return 0
 

@@ -91,7 +91,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     add_model(spb)
     add_quant(spb, "quantize the target at load")
     spb.add_argument("--methods", default="ngram,draft,early_exit,medusa",
-                     help="comma-separated methods to run (default: all four; medusa needs --medusa-heads)")
+                     help="comma-separated methods to run (default: four; medusa needs --medusa-heads, streaming "
+                          "--streaming-heads)")
     spb.add_argument("--num-speculative-tokens", default="auto", help="k per step, or auto (default)")
     spb.add_argument("--draft-model", default=None, help="draft model of method draft (default: the target's name)")
     spb.add_argument("--draft-quantization", default="gguf",
@@ -102,6 +103,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                           "'distilled={\"model\": \"DIR\", \"quantization\": \"int4\", \"draft_vocab\": 8192}'; "
                           "repeatable")
     spb.add_argument("--medusa-heads", default=None, help="heads file from `brisk train-heads --kind medusa`")
+    spb.add_argument("--streaming-heads", default=None,
+                     help="streams file from `brisk train-heads --kind streaming` (method streaming)")
     spb.add_argument("--exit-heads", default=None, help="exit head from `brisk train-heads --kind early_exit`")
     spb.add_argument("--exit-layer", type=int, default=None, help="early_exit: layers the draft runs")
     spb.add_argument("--max-tokens", type=int, default=128, help="tokens per reply (default 128)")
@@ -314,7 +317,7 @@ def _bench_throughput(args: argparse.Namespace, compare: list[str]) -> int:
 
 
 def spec_methods(args: argparse.Namespace, target: str) -> dict[str, dict[str, object]]:
-    """Speculative configs of the methods asked for; medusa without heads is an error."""
+    """Speculative configs of the methods asked for; medusa or streaming without heads is an error."""
     k: object = args.num_speculative_tokens if args.num_speculative_tokens == "auto" else int(args.num_speculative_tokens)
     configs: dict[str, dict[str, object]] = {}
     for method in [m for m in args.methods.split(",") if m]:
@@ -328,6 +331,11 @@ def spec_methods(args: argparse.Namespace, target: str) -> dict[str, dict[str, o
             if not args.medusa_heads:
                 raise UserError("--methods includes medusa: give --medusa-heads (from `brisk train-heads --kind medusa`)")
             cfg["heads"] = args.medusa_heads
+        elif method == "streaming":
+            if not args.streaming_heads:
+                raise UserError("--methods includes streaming: give --streaming-heads (from `brisk train-heads "
+                                "--kind streaming`)")
+            cfg["heads"] = args.streaming_heads
         configs[method] = cfg
     for entry in args.draft:
         name, _, options = entry.partition("=")

@@ -520,7 +520,7 @@ class DistillConfig:
 
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # `brisk distill`'s token ranking beside a student (FR-Spec drafts)
-SPEC_METHODS = ("ngram", "draft", "early_exit", "medusa")  # speculative/ registers one proposer per name
+SPEC_METHODS = ("ngram", "draft", "early_exit", "medusa", "streaming")  # speculative/ registers one proposer per name
 SPEC_OPTIONS = ("method", "num_speculative_tokens", "max_speculative_tokens", "prompt_lookup_min",
                 "prompt_lookup_max", "model", "quantization", "quantization_config", "exit_layer", "heads",
                 "draft_vocab", "draft_vocab_file")
@@ -538,7 +538,7 @@ class SpecConfig:
     draft among that many most frequent tokens of `draft_vocab_file`, by default the draft directory's
     draft_vocab.json that `brisk distill` writes: FR-Spec, lossless); early_exit
     `exit_layer` (layers the draft runs; None: a quarter of them) and optional `heads` (a file of
-    trained exit head weights); medusa `heads` (written by `brisk train-heads`).
+    trained exit head weights); medusa and streaming `heads` (written by `brisk train-heads`).
     """
 
     method: str
@@ -570,10 +570,11 @@ class SpecConfig:
             raise UserError('speculative method "draft" needs "model": the draft model (a name, path or .gguf)')
         if self.method != "draft" and (self.model or self.quantization or self.quantization_config):
             raise UserError(f'"model" and "quantization" configure the draft model; method {self.method!r} has none')
-        if self.method == "medusa" and not self.heads:
-            raise UserError('speculative method "medusa" needs "heads": a file written by `brisk train-heads`')
+        if self.method in ("medusa", "streaming") and not self.heads:
+            raise UserError(f'speculative method "{self.method}" needs "heads": a file written by '
+                            f'`brisk train-heads --kind {self.method}`')
         if self.method in ("ngram", "draft") and self.heads:
-            raise UserError(f'"heads" applies to early_exit and medusa, not {self.method}')
+            raise UserError(f'"heads" applies to early_exit, medusa and streaming, not {self.method}')
         if self.exit_layer is not None and (self.method != "early_exit" or not isinstance(self.exit_layer, int)
                                             or self.exit_layer < 1):
             raise UserError(f'"exit_layer" must be an integer >= 1 for method early_exit, got {self.exit_layer!r}')

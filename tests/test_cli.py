@@ -156,6 +156,8 @@ def test_usage_error_exits_2(capsys) -> None:
     (["bench", "spec", "--methods", "ngram", "--draft", "ngram={}"], "a new name"),
     (["bench", "spec", "--methods", "ngram", "--draft", 'v={"model": "m", "draft_vocab": 0}'], "draft_vocab"),
     (["train-heads", "--kind", "medusa", "--out", "x.safetensors", "--num-heads", "0"], "--num-heads >= 1"),
+    (["train-heads", "--kind", "streaming", "--out", "x.safetensors", "--lora-rank", "0"], "--lora-rank 1..256"),
+    (["bench", "spec", "--methods", "streaming"], "--streaming-heads"),
 ])
 def test_speculative_options_are_checked_before_loading(argv: list[str], match: str, capsys) -> None:
     code, _, err = _run(capsys, *argv)

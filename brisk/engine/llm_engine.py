@@ -303,7 +303,7 @@ class LLMEngine:
         verified = self._isolating(lambda ids: self.spec.verify(out, {i: drafts[i] for i in ids}, requests,
                                                                 generators, grammars),
                                    list(drafts)) if drafts else {}
-        self.spec.observe_hidden(out, verified)
+        self.spec.observe_hidden(out, verified, steps)
         for sid, res in verified.items():
             sampled[sid] = res.token_ids
             seq = self._seqs[sid]

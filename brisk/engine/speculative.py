@@ -199,15 +199,22 @@ class Speculator:
                 self.length.observe(rid, len(drafts[rid].token_ids), res.num_accepted, self._classes.get(rid))
         return dict(zip(ids, results))
 
-    def observe_hidden(self, out: StepLogits, verified: dict[str, VerifyOutput]) -> None:
-        """Proposers that read the target's hidden state (Medusa) get, per request, the row that
-        produced its newest token."""
+    def observe_hidden(self, out: StepLogits, verified: dict[str, VerifyOutput],
+                       steps: list[ScheduledRequest]) -> None:
+        """Proposers that read the target's hidden state get, per request, the row that produced
+        its newest token and that row's position: its final hidden state (Medusa), or the
+        residual stream the runner captured (Speculative Streaming: `capture_layer`)."""
         observe = getattr(self.proposer, "observe", None)  # None without a proposer too
         if observe is None:
             return
+        source = out.captured if getattr(self.proposer, "capture_layer", None) is not None else out.hidden
+        assert source is not None, "the runner captures the layer the proposer reads (capture_layer)"
+        computed = {s.request_id: (s.start_pos, len(s.token_ids)) for s in steps}
         for rid in out.sample_ids:
             first, count = out.rows[rid]
-            observe(rid, out.hidden[first + (verified[rid].num_accepted if rid in verified else count - 1)])
+            offset = verified[rid].num_accepted if rid in verified else count - 1
+            start, n = computed[rid]
+            observe(rid, source[first + offset], start + n - count + offset)  # rows are the step's last `count`
 
     def release(self, request_id: str, finished: bool) -> None:
         if self.proposer is not None:

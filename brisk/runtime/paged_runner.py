@@ -141,6 +141,9 @@ class PagedModelRunner:
         self.short_spans = "kernel" if kernel else "padded" if self.device.type != "cpu" else "gather"
         self.graphs = DecodeGraphs(model, self.kv_caches, block_size, num_blocks, len(self.groups),
                                    self.layer_group, capture=self.device.type == "cuda") if graphs else None
+        # Speculative Streaming: keep the residual stream entering this layer for the sampled rows
+        # (StepLogits.captured); None: the forward runs whole
+        self.capture_layer: int | None = None
 
     def _uses_kernel(self, step: ScheduledStep) -> bool:
         """True: the step is one of the batched short spans laid out first."""
@@ -213,7 +216,8 @@ class PagedModelRunner:
         requests in `all_rows_for`, of every token they computed this step (prompt logprobs,
         speculative verification), projected through the LM head in one call (`head`: another
         projection to [rows, vocab], e.g. a draft's subset of the vocabulary)."""
-        key = self.graphs.key(steps) if self.graphs is not None and not all_rows_for and head is None else None
+        plain = not all_rows_for and head is None and self.capture_layer is None
+        key = self.graphs.key(steps) if self.graphs is not None and plain else None
         if key is not None:
             with sdpa_context(self.device):
                 done = self.graphs.run(steps, key)
@@ -221,15 +225,29 @@ class PagedModelRunner:
                 ids = [s.request_id for s in steps]
                 return StepLogits(done[0], {rid: (i, 1) for i, rid in enumerate(ids)}, ids, done[1])
         inputs = self.prepare(steps, all_rows_for)
+        captured = None
         with sdpa_context(self.device):
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn)  # [num_tokens, hidden]
+            if self.capture_layer is None:
+                hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn)  # [num_tokens, hidden]
+            else:
+                hidden, captured = self._forward_capturing(inputs)
         index, rows = inputs.logit_rows()
         if not index:
             return StepLogits(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), {}, [],
                               hidden[:0])
         picked = pick_rows(hidden, index)
         logits = (head or self.model.compute_logits)(picked)  # [len(index), vocab]
-        return StepLogits(logits, rows, inputs.sample_ids, picked)
+        return StepLogits(logits, rows, inputs.sample_ids, picked,
+                          None if captured is None else pick_rows(captured, index))
+
+    def _forward_capturing(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward in two runs of layers (the decode plan serves each), keeping the residual
+        stream between them: final hidden states and that stream, [num_tokens, hidden] each."""
+        model, cut = self.model, self.capture_layer
+        h, residual = model.run_layers(model.embed(inputs.input_ids), None, inputs.positions, inputs.attn, 0, cut)
+        stream = h if residual is None else h + residual
+        h, residual = model.run_layers(h, residual, inputs.positions, inputs.attn, cut, model.config.num_hidden_layers)
+        return model.final_norm(h, residual), stream
 
     @torch.inference_mode()
     def exit_hidden(self, steps: Sequence[ScheduledStep], num_layers: int) -> torch.Tensor:
@@ -268,6 +286,7 @@ class StepLogits:
     rows: dict[str, tuple[int, int]]  # count 1: the sampled row only; else every computed token's row
     sample_ids: list[str]  # requests that reached the end of their known tokens, in batch order
     hidden: torch.Tensor  # [rows, hidden]: the final hidden states the logits came from (Medusa heads read them)
+    captured: torch.Tensor | None = None  # [rows, hidden]: the residual stream entering `capture_layer`
 
     def of(self, request_id: str) -> torch.Tensor:
         """Every row of one request: [count, vocab]."""

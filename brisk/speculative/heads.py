@@ -129,11 +129,9 @@ def save_heads(path: str | Path, heads: ResidualHeads, kind: str, base_model: st
     save_file(tensors, str(path), metadata=meta)
 
 
-def load_heads(path: str | Path, kind: str, model: CausalLM) -> tuple[ResidualHeads, dict[str, str],
-                                                                             DraftVocab | None]:
-    """Heads of `kind` for `model`, their metadata and their draft vocabulary (None: all tokens),
-    from one read of the file; ValueError for a wrong file."""
-    path = Path(path)
+def read_heads_file(path: Path, kind: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Metadata and tensors of a `brisk train-heads` file of `kind`; UserError for a missing or
+    unreadable file or one of another kind."""
     if not path.is_file():
         raise UserError(f"heads file {str(path)!r} not found; write one with `brisk train-heads --kind {kind}`")
     try:
@@ -143,7 +141,17 @@ def load_heads(path: str | Path, kind: str, model: CausalLM) -> tuple[ResidualHe
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix
         raise UserError(f"{str(path)!r} is not a heads file written by `brisk train-heads` ({exc})") from None
     if meta.get("kind") != kind:
-        raise UserError(f"{str(path)!r} holds {meta.get('kind') or 'unknown'} heads, not {kind} heads")
+        raise UserError(f"{str(path)!r} holds {meta.get('kind') or 'unknown'} heads, not {kind} heads "
+                        f"(write them with `brisk train-heads --kind {kind}`)")
+    return meta, tensors
+
+
+def load_heads(path: str | Path, kind: str, model: CausalLM) -> tuple[ResidualHeads, dict[str, str],
+                                                                             DraftVocab | None]:
+    """Heads of `kind` for `model`, their metadata and their draft vocabulary (None: all tokens),
+    from one read of the file; ValueError for a wrong file."""
+    path = Path(path)
+    meta, tensors = read_heads_file(path, kind)
     hidden_size = model.config.hidden_size
     weight, bias = tensors.get("weight"), tensors.get("bias")
     sequential = meta.get("sequential") == "1"
@@ -154,10 +162,11 @@ def load_heads(path: str | Path, kind: str, model: CausalLM) -> tuple[ResidualHe
     with torch.no_grad():
         heads.weight.copy_(weight)
         heads.bias.copy_(bias)
-    return heads.to(model.device).eval().requires_grad_(False), meta, _draft_vocab(path, tensors.get("vocab"), model)
+    return heads.to(model.device).eval().requires_grad_(False), meta, stored_draft_vocab(path, tensors.get("vocab"), model)
 
 
-def _draft_vocab(path: Path, ids: torch.Tensor | None, model: CausalLM) -> DraftVocab | None:
+def stored_draft_vocab(path: Path, ids: torch.Tensor | None, model: CausalLM) -> DraftVocab | None:
+    """A heads file's `vocab` tensor as `model`'s draft vocabulary (None: the file has none)."""
     if ids is None:
         return None
     vocab_size = model.config.vocab_size

@@ -34,8 +34,8 @@ class MedusaProposer:
     def max_drafts(self) -> int:
         return self.heads.num_heads
 
-    def observe(self, request_id: str, hidden: torch.Tensor) -> None:
-        self._hidden[request_id] = hidden
+    def observe(self, request_id: str, hidden: torch.Tensor, position: int) -> None:
+        self._hidden[request_id] = hidden  # the heads read the state alone, wherever it was
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:

@@ -56,4 +56,4 @@ def method(name: str) -> Method:
 
 
 # the proposers register themselves on import
-from brisk.speculative import draft, early_exit, medusa, ngram  # noqa: E402, F401
+from brisk.speculative import draft, early_exit, medusa, ngram, streaming  # noqa: E402, F401

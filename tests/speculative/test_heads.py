@@ -92,3 +92,17 @@ def test_self_distillation_teaches_the_heads_the_model_s_continuations() -> None
         before, after = report["before"], report["after"]
         # the next-token head learns a lot; further heads guess further ahead and gain less
         assert after[0] > before[0] + 0.1 and sum(after) > sum(before) + 0.1, (kind, sequential, before, after)
+
+
+def test_prompts_file_takes_plain_lines_and_json_lines(tmp_path: Path) -> None:
+    from brisk.engine.train_heads import _read_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('What is tea?\n\n{"prompt": "Summarize this.\\n\\nA passage."}\n', encoding="utf-8")
+    assert _read_prompts(path) == ["What is tea?", "Summarize this.\n\nA passage."]
+    path.write_text('{"messages": []}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match="line 1: a JSON line needs a \"prompt\" string"):
+        _read_prompts(path)
+    path.write_text('{not json\n', encoding="utf-8")
+    with pytest.raises(ValueError, match="line 1: not a JSON object"):
+        _read_prompts(path)

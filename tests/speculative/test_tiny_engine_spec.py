@@ -75,6 +75,16 @@ def test_sampled_tokens_follow_the_target_distribution_with_a_wrong_draft() -> N
     q = torch.softmax(torch.randn(VOCAB, generator=torch.Generator().manual_seed(9)) * 2, -1)
     engine = with_proposer(tiny_engine(target, blocks=512, budget=256, seqs=64), FixedProposer(q), k=2)
     n = 3000
+    counts = second_and_third_tokens(engine, prompt, params, n)
+    assert engine.spec.stats.num_draft_tokens > 1.5 * n  # chains of drafts really were verified
+    assert engine.scheduler.kv.num_free_blocks == engine.num_blocks
+    exact = _exact_marginals(target, prompt)
+    assert _chi2_pvalue_ok(counts[0], exact[0], n)
+    assert _chi2_pvalue_ok(counts[1], exact[1], n)
+
+
+def second_and_third_tokens(engine, prompt: list[int], params: SamplingParams, n: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Counts [2, VOCAB] of the 2nd and 3rd generated token over `n` seeded requests (seeds 0..n-1)."""
     counts = torch.zeros(2, VOCAB)
     for i in range(n):
         engine.add_request(f"s{i}", prompt, SamplingParams(**{**params.__dict__, "seed": i}))
@@ -84,11 +94,7 @@ def test_sampled_tokens_follow_the_target_distribution_with_a_wrong_draft() -> N
                 toks = o.outputs[0].token_ids
                 counts[0, toks[1]] += 1
                 counts[1, toks[2]] += 1
-    assert engine.spec.stats.num_draft_tokens > 1.5 * n  # chains of drafts really were verified
-    assert engine.scheduler.kv.num_free_blocks == engine.num_blocks
-    exact = _exact_marginals(target, prompt)
-    assert _chi2_pvalue_ok(counts[0], exact[0], n)
-    assert _chi2_pvalue_ok(counts[1], exact[1], n)
+    return counts
 
 
 @torch.inference_mode()

@@ -1,0 +1,362 @@
+"""Speculative Streaming (Bhendawade et al., 2024): the target drafts its own next tokens.
+
+The top `Ns` layers of the target also run gamma "stream" rows per position t. Stream j starts
+from the residual stream entering layer L - Ns at t plus a learned stream embedding e_j, sits at
+position t + j, attends to the main stream's keys and values up to t (the KV cache) and to the
+streams j' <= j of the same t, and its final hidden state through the LM head predicts token
+t + 1 + j: future n-gram prediction with attention over the whole context, which plain heads
+(Medusa) lack. Nothing attends to a stream row and stream rows write no KV.
+
+brisk's variant keeps the main stream frozen: LoRA adapters on the top layers' projections act on
+the stream rows only (forward hooks added for the stream pass), so the model that verifies, and
+whose tokens come out, is exactly the original: lossless with respect to the model the user
+loaded, perplexity change 0 by construction, extra parameters gamma x hidden + the adapters
+(~0.2% of SmolLM2-135M at rank 8 over 4 layers). The paper fine-tunes the main stream too; that
+trades the original model's quality for acceptance, which brisk would then have to print.
+
+Decoding (`speculative_config={"method": "streaming", "heads": FILE}`): the runner keeps the
+residual stream entering layer L - Ns of every sampled row (`PagedModelRunner.capture_layer`);
+the proposer takes the row that produced each request's newest token (at position t = p - 1, its
+KV already in the cache) and runs its gamma stream rows through the top Ns layers: gamma drafts in
+one pass over Ns / L of the weights, verified as a top-1 chain by the shared verifier (greedy
+identical to plain decoding, exact rejection sampling otherwise).
+
+File (`brisk train-heads --kind streaming`): safetensors with `streams` [gamma, hidden], per
+adapted projection `lora_a.<layer>.<name>` [rank, in] and `lora_b.<layer>.<name>` [out, rank],
+optionally `vocab` (the draft vocabulary, FR-Spec); metadata kind, num_streams, first_layer,
+rank, base_model, hidden_size, num_layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from brisk.config import ModelConfig
+from brisk.errors import UserError
+from brisk.model.base import CausalLM
+from brisk.speculative.base import Draft, DraftRequest, pick_draft_token
+from brisk.speculative.heads import DraftVocab, read_heads_file, stored_draft_vocab
+from brisk.speculative.registry import ProposerContext, register
+
+KIND = "streaming"
+KV = tuple[torch.Tensor, torch.Tensor]  # keys, values of the main stream: [positions, kv_heads, head_dim] each
+
+
+def lora_targets(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, int]]:
+    """The projections of a layer that get adapters: name -> (in features, out features)."""
+    hd, hidden = cfg.head_dim, cfg.hidden_size
+    q, kv, width = cfg.heads(layer) * hd, cfg.kv_heads(layer) * hd, cfg.intermediate(layer)
+    return {"self_attn.qkv_proj": (hidden, q + 2 * kv), "self_attn.o_proj": (q, hidden),
+            "mlp.gate_up_proj": (hidden, 2 * width), "mlp.down_proj": (width, hidden)}
+
+
+class StreamAdapter(nn.Module):
+    """The extra parameters: gamma stream embeddings and rank-r LoRA on the top layers. B starts at
+    zero, so an untrained adapter runs the stream rows through the original layers."""
+
+    def __init__(self, cfg: ModelConfig, num_streams: int, num_layers: int, rank: int = 8,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        total = cfg.num_hidden_layers
+        if not 1 <= num_layers < total:
+            raise UserError(f"streams run through 1..{total - 1} top layers of this {total}-layer model, got {num_layers}")
+        if not 1 <= num_streams <= 15:
+            raise UserError(f"num_streams must be 1..15 (one draft token each), got {num_streams}")
+        if not 1 <= rank <= 256:
+            raise UserError(f"the LoRA rank must be 1..256, got {rank}")
+        self.first_layer = total - num_layers
+        self.rank = rank
+        self.streams = nn.Parameter(torch.zeros(num_streams, cfg.hidden_size, dtype=dtype))
+        self.lora_a = nn.ParameterDict()
+        self.lora_b = nn.ParameterDict()
+        for layer in range(self.first_layer, total):
+            for name, (n_in, n_out) in lora_targets(cfg, layer).items():
+                key = _key(layer, name)
+                self.lora_a[key] = nn.Parameter(torch.randn(rank, n_in, dtype=dtype) / n_in ** 0.5)
+                self.lora_b[key] = nn.Parameter(torch.zeros(n_out, rank, dtype=dtype))
+
+    @property
+    def num_streams(self) -> int:
+        return self.streams.shape[0]
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    @contextlib.contextmanager
+    def active(self, model: CausalLM) -> Iterator[None]:
+        """Within: the top layers' projections add their adapters' output (the stream pass)."""
+        handles = []
+        for key in self.lora_a:
+            layer, name = _unkey(key)
+            module = model.layers[layer].get_submodule(name)
+            handles.append(module.register_forward_hook(self._hook(key)))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _hook(self, key: str) -> Callable[..., torch.Tensor]:
+        a, b = self.lora_a[key], self.lora_b[key]
+
+        def add(_module: nn.Module, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+            x = inputs[0]
+            return out + F.linear(F.linear(x.to(a.dtype), a), b).to(out.dtype)
+        return add
+
+
+def _key(layer: int, name: str) -> str:
+    return f"{layer}:{name.replace('.', '/')}"  # ParameterDict keys may not hold dots
+
+
+def _unkey(key: str) -> tuple[int, str]:
+    layer, name = key.split(":")
+    return int(layer), name.replace("/", ".")
+
+
+@dataclass
+class StreamSegment:
+    """One sequence's stream rows: `anchors` [m] positions t (each with num_streams rows, stream j
+    at t + j, rows ordered anchor-major) over the main stream's KV `main[layer]` (positions
+    0..T-1, T > every anchor)."""
+
+    anchors: torch.Tensor  # [m] long
+    main: Callable[[int], KV]
+
+
+@dataclass
+class StreamAttention:
+    """Attention metadata for stream rows laid out segment after segment: row (t, j) sees the main
+    stream's keys <= t (within the layer's window from its own position t + j) and the rows
+    (t, j' <= j). Writes nothing (training: autograd runs through it; decoding: no KV is kept)."""
+
+    segments: list[StreamSegment]
+    num_streams: int
+    scale: float | None = None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
+        if len(self.segments) > 1 and all(len(s.anchors) == 1 for s in self.segments):
+            return self._decode(layer, q, k, v, window)
+        outs, start = [], 0
+        for seg in self.segments:
+            rows = slice(start, start + len(seg.anchors) * self.num_streams)
+            main_k, main_v = seg.main(layer)
+            outs.append(self._one(seg.anchors, q[rows], k[rows], v[rows], main_k, main_v, window))
+            start = rows.stop
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+        """One anchor per segment (decoding a batch): one padded attention call for all of them
+        instead of one per request."""
+        g, dev = self.num_streams, q.device
+        b, heads, hd = len(self.segments), q.shape[1], q.shape[2]
+        mains = [s.main(layer) for s in self.segments]
+        longest = max(m[0].shape[0] for m in mains)
+        keys = q.new_zeros((b, longest + g, k.shape[1], hd))  # [B, T + g, kv_heads, hd]
+        values = torch.zeros_like(keys)
+        for i, (mk, mv) in enumerate(mains):
+            keys[i, :mk.shape[0]] = mk
+            values[i, :mv.shape[0]] = mv
+        keys[:, longest:] = k.view(b, g, -1, hd)
+        values[:, longest:] = v.view(b, g, -1, hd)
+        anchor = torch.stack([s.anchors[0] for s in self.segments]).to(dev)[:, None, None]  # [B, 1, 1]
+        stream = torch.arange(g, device=dev)[None, :, None]  # [1, g, 1]: j - 1
+        pos = torch.arange(longest, device=dev)[None, None, :]
+        sees_main = pos <= anchor
+        if window:
+            sees_main = sees_main & (pos > anchor + stream + 1 - window)
+        sees_streams = (stream.transpose(1, 2) <= stream).expand(b, g, g)
+        mask = torch.cat([sees_main.expand(b, g, longest), sees_streams], dim=2).unsqueeze(1)  # [B, 1, g, T + g]
+        out = F.scaled_dot_product_attention(q.view(b, g, heads, hd).transpose(1, 2), keys.transpose(1, 2),
+                                             values.transpose(1, 2), attn_mask=mask,
+                                             enable_gqa=k.shape[1] != heads, scale=self.scale)  # [B, heads, g, hd]
+        return out.transpose(1, 2).reshape(b * g, heads, hd)
+
+    def _one(self, anchors: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, main_k: torch.Tensor,
+             main_v: torch.Tensor, window: int) -> torch.Tensor:
+        g, dev = self.num_streams, q.device
+        m, heads, hd = anchors.shape[0], q.shape[1], q.shape[2]
+        anchor = anchors.repeat_interleave(g)[:, None]  # [m g, 1] each row's t
+        stream = torch.arange(g, device=dev).repeat(m)[:, None]  # [m g, 1] j - 1
+        keys = torch.arange(main_k.shape[0], device=dev)[None, :]  # [1, T]
+        sees_main = keys <= anchor
+        if window:
+            sees_main &= keys > anchor + stream + 1 - window  # query position t + j
+        row_anchor = torch.arange(m, device=dev).repeat_interleave(g)
+        sees_streams = (row_anchor[:, None] == row_anchor[None, :]) & (stream.T <= stream)  # [m g, m g]
+        mask = torch.cat([sees_main, sees_streams], dim=1)  # [m g, T + m g]
+        keys_all = torch.cat([main_k, k]).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, T + m g, hd]
+        values_all = torch.cat([main_v, v]).transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys_all.to(q.dtype),
+                                             values_all.to(q.dtype), attn_mask=mask,
+                                             enable_gqa=keys_all.shape[1] != heads, scale=self.scale)
+        return out[0].transpose(0, 1).reshape(m * g, heads, hd)
+
+
+def run_streams(model: CausalLM, adapter: StreamAdapter, start: torch.Tensor, segments: list[StreamSegment]
+                ) -> torch.Tensor:
+    """The stream rows of `segments` from the residual stream entering layer `first_layer` at their
+    anchors (`start` [sum m, hidden], segment after segment): final-normed hidden states
+    [sum m x num_streams, hidden], stream j of an anchor at row anchor * num_streams + j - 1."""
+    g = adapter.num_streams
+    h = (start.unsqueeze(1) + adapter.streams.to(start.dtype)).reshape(-1, start.shape[-1])  # [m g, hidden]
+    anchors = torch.cat([s.anchors for s in segments])
+    positions = (anchors[:, None] + torch.arange(1, g + 1, device=anchors.device)).reshape(-1)
+    ropes = model.step_ropes(positions.clamp(max=model.max_positions - 1))
+    attn = StreamAttention(segments, g, model.config.attn_scale)
+    residual = None
+    with adapter.active(model):
+        for i in range(adapter.first_layer, model.config.num_hidden_layers):
+            h, residual = model.layers[i](h, residual, ropes, attn)
+    return model.final_norm(h, residual)
+
+
+@dataclass
+class CaptureKV:
+    """Wraps attention metadata and keeps the keys and values it is given for layers >= `first`
+    (after rotary: what a KV cache holds). Training reads the main stream's KV from it."""
+
+    inner: object
+    first: int
+    kv: dict[int, KV]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
+        if layer >= self.first:
+            self.kv[layer] = (k.detach(), v.detach())
+        return self.inner.attend(layer, q, k, v, window)  # type: ignore[attr-defined]
+
+
+# ---- files -------------------------------------------------------------------------------------
+
+def save_streams(path: str | Path, adapter: StreamAdapter, base_model: str, cfg: ModelConfig,
+                 extra: dict[str, str] | None = None, vocab: torch.Tensor | None = None) -> None:
+    tensors = {"streams": adapter.streams.detach().float().contiguous()}
+    for key in adapter.lora_a:
+        tensors[f"lora_a.{key}"] = adapter.lora_a[key].detach().float().contiguous()
+        tensors[f"lora_b.{key}"] = adapter.lora_b[key].detach().float().contiguous()
+    if vocab is not None:
+        tensors["vocab"] = vocab.to(torch.int64).contiguous()
+    meta = {"kind": KIND, "num_streams": str(adapter.num_streams), "first_layer": str(adapter.first_layer),
+            "rank": str(adapter.rank), "base_model": base_model, "hidden_size": str(cfg.hidden_size),
+            "num_layers": str(cfg.num_hidden_layers), **(extra or {})}
+    tmp = Path(f"{path}.tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)  # nothing half-written under the real name
+
+
+def load_streams(path: str | Path, model: CausalLM) -> tuple[StreamAdapter, dict[str, str], DraftVocab | None]:
+    """The adapter in `path` for `model`, its metadata and draft vocabulary; UserError for a file
+    of another kind or another model's shape."""
+    path = Path(path)
+    meta, tensors = read_heads_file(path, KIND)
+    cfg = model.config
+    if meta.get("hidden_size") != str(cfg.hidden_size) or meta.get("num_layers") != str(cfg.num_hidden_layers):
+        raise UserError(f"{str(path)!r} was trained for a model of hidden size {meta.get('hidden_size')} and "
+                        f"{meta.get('num_layers')} layers; this one has {cfg.hidden_size} and {cfg.num_hidden_layers}")
+    adapter = StreamAdapter(cfg, int(meta["num_streams"]), cfg.num_hidden_layers - int(meta["first_layer"]),
+                            int(meta["rank"]))
+    expected = {"streams": adapter.streams, **{f"lora_a.{k}": p for k, p in adapter.lora_a.items()},
+                **{f"lora_b.{k}": p for k, p in adapter.lora_b.items()}}
+    with torch.no_grad():
+        for name, param in expected.items():
+            got = tensors.get(name)
+            if got is None or got.shape != param.shape:
+                raise UserError(f"{str(path)!r}: {name} is {None if got is None else tuple(got.shape)}, this model "
+                                f"needs {tuple(param.shape)} (trained for another model?)")
+            param.copy_(got)
+    adapter = adapter.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)
+    return adapter, meta, stored_draft_vocab(path, tensors.get("vocab"), model)
+
+
+# ---- decoding ----------------------------------------------------------------------------------
+
+class StreamingProposer:
+    """Drafts from the stream rows at the position that produced each request's newest token."""
+
+    name = KIND
+
+    def __init__(self, model: CausalLM, adapter: StreamAdapter, kv_caches: list, layer_group: list[int],
+                 block_size: int, vocab: DraftVocab | None = None) -> None:
+        self.model = model
+        self.adapter = adapter
+        self.kv_caches = kv_caches  # the target's paged KV, per layer (model/paged_attention.py layout)
+        self.layer_group = layer_group
+        self.block_size = block_size
+        self.vocab = vocab
+        self.capture_layer = adapter.first_layer  # the runner keeps the residual stream entering it
+        layers = model.config.num_hidden_layers
+        self.draft_cost = (layers - adapter.first_layer) / layers / adapter.num_streams  # refined from timings
+        self._start: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position t, residual stream at t)
+
+    @property
+    def max_drafts(self) -> int:
+        return self.adapter.num_streams
+
+    def observe(self, request_id: str, hidden: torch.Tensor, position: int) -> None:
+        """`hidden`: the residual stream entering `capture_layer` at `position`, the row that produced
+        the request's newest token (whose KV is in the cache)."""
+        self._start[request_id] = (position, hidden)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        out = [Draft([]) for _ in requests]
+        # a start from the row before t_last; anything else (a preempted, restarted request) waits
+        have = [i for i, r in enumerate(requests)
+                if r.request_id in self._start and self._start[r.request_id][0] == r.last_pos - 1]
+        if not have:
+            return out
+        g = self.adapter.num_streams
+        segments = [self._segment(requests[i]) for i in have]
+        start = torch.stack([self._start[requests[i].request_id][1] for i in have])  # [B, hidden]
+        hidden = run_streams(self.model, self.adapter, start, segments)  # [B g, hidden]
+        logits = self.vocab.logits(hidden) if self.vocab is not None else self.model.compute_logits(hidden)
+        for row, i in enumerate(have):
+            r = requests[i]
+            picks = [pick_draft_token(logits[row * g + j], r) for j in range(min(g, r.num_drafts))]
+            qs = [q for _, q in picks if q is not None]
+            out[i] = Draft([t for t, _ in picks], torch.stack(qs) if qs else None)
+        return out
+
+    def _segment(self, r: DraftRequest) -> StreamSegment:
+        return self._segment_at(r.last_pos - 1, r.block_ids)
+
+    def _segment_at(self, t: int, tables: list[list[int]]) -> StreamSegment:
+        """Stream rows at position t of the sequence whose block tables are `tables`."""
+        anchors = torch.tensor([t], device=self.model.device)
+        cache: dict[int, KV] = {}
+
+        def main(layer: int) -> KV:
+            if layer not in cache:
+                cache[layer] = self._gather(layer, tables[self.layer_group[layer]], t + 1)
+            return cache[layer]
+        return StreamSegment(anchors, main)
+
+    def _gather(self, layer: int, table: list[int], length: int) -> KV:
+        """Positions 0..length-1 of one sequence's keys and values in `layer`: [length, kv_heads, hd]
+        each. Blocks a sliding window has dropped (NO_BLOCK) are read as block 0: the window's mask
+        never lets a stream row see them."""
+        k_cache, v_cache = self.kv_caches[layer]  # [blocks, kv, hd, bs], [blocks, kv, bs, hd]
+        ids = torch.tensor([max(b, 0) for b in table[: -(-length // self.block_size)]], device=k_cache.device)
+        keys = k_cache[ids].permute(0, 3, 1, 2).reshape(-1, k_cache.shape[1], k_cache.shape[2])[:length]
+        values = v_cache[ids].permute(0, 2, 1, 3).reshape(-1, v_cache.shape[1], v_cache.shape[3])[:length]
+        return keys, values
+
+    def release(self, request_id: str) -> None:
+        self._start.pop(request_id, None)
+
+
+@register(KIND)
+def build(ctx: ProposerContext) -> StreamingProposer:
+    assert ctx.config.heads is not None  # SpecConfig requires them
+    adapter, _, vocab = load_streams(ctx.config.heads, ctx.target)
+    runner = ctx.runner
+    runner.capture_layer = adapter.first_layer
+    return StreamingProposer(ctx.target, adapter, runner.kv_caches, runner.layer_group, runner.block_size, vocab)

@@ -1,0 +1,176 @@
+"""Training Speculative Streaming's stream embeddings and adapters on the target's own text.
+
+The main stream is frozen, so everything the streams read from it is computed once per sequence
+(`StreamFeatures`: the residual stream entering layer L - Ns at every position and the top
+layers' keys and values). A training step then runs only stream rows: for each anchor t of a
+sequence's generated part, gamma rows through the top Ns layers with the adapters on; stream j's
+loss is the cross-entropy of token x[t+1+j] over the draft vocabulary (the LM head rows drafts are
+chosen among), the streams weighted equally. On the target's greedy continuations x[t+1+j] is
+exactly what greedy verification will compare stream j's draft with. A held-out tenth of the
+sequences gives each stream's top-1 agreement, the acceptance a chain of drafts can expect.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from brisk.model.attention import WholeSequences
+from brisk.model.base import CausalLM
+from brisk.speculative.streaming import KV, CaptureKV, StreamAdapter, StreamSegment, run_streams
+from brisk.speculative.train import IGNORE
+
+
+@dataclass(frozen=True)
+class StreamTraining:
+    num_streams: int = 4
+    num_layers: int = 4  # Ns: the top layers the streams run through
+    rank: int = 8
+    epochs: int = 2
+    lr: float = 2e-3  # the adapters
+    # the stream embeddings are added to the residual stream, whose rows are hundreds in norm on
+    # SmolLM2 (RMS ~60 at layer 26): at the adapters' rate they would barely move in a few hundred steps
+    stream_lr: float = 5e-2
+    batch_size: int = 4  # sequences a step
+    seed: int = 0
+
+
+@dataclass
+class StreamFeatures:
+    """One sequence as the streams see it."""
+
+    ids: list[int]
+    prompt_len: int
+    start: torch.Tensor  # [n, hidden]: the residual stream entering the first stream layer
+    kv: dict[int, KV]  # top layer -> keys, values [n, kv_heads, head_dim]
+
+    def anchors(self) -> torch.Tensor:
+        """Positions t whose stream 1 has a target: the last prompt token .. n - 3."""
+        return torch.arange(self.prompt_len - 1, len(self.ids) - 2)
+
+    def targets(self, anchors: torch.Tensor, num_streams: int) -> torch.Tensor:
+        """[m, num_streams]: x[t + 1 + j] for j = 1..num_streams, IGNORE past the end."""
+        ids = torch.tensor(self.ids + [IGNORE] * (num_streams + 2))
+        return ids[anchors[:, None] + 1 + torch.arange(1, num_streams + 1)]
+
+
+@torch.no_grad()
+def stream_features(model: CausalLM, sequences: list[tuple[list[int], int]], first_layer: int) -> list[StreamFeatures]:
+    """One frozen forward per sequence (no KV cache: `WholeSequences`)."""
+    out = []
+    for ids, prompt_len in sequences:
+        if len(ids) - prompt_len < 3:
+            continue
+        t = torch.tensor(ids, device=model.device)
+        positions = torch.arange(len(ids), device=model.device)
+        attn = CaptureKV(WholeSequences([len(ids)], scale=model.config.attn_scale), first_layer, {})
+        h, residual = model.run_layers(model.embed(t), None, positions, attn, 0, first_layer)
+        start = h if residual is None else h + residual
+        model.run_layers(h, residual, positions, attn, first_layer, model.config.num_hidden_layers)
+        out.append(StreamFeatures(ids, prompt_len, start.float(), {i: (k.float(), v.float()) for i, (k, v) in attn.kv.items()}))
+    return out
+
+
+class _Head:
+    """The frozen LM head rows of the draft vocabulary and the token -> row map."""
+
+    def __init__(self, model: CausalLM, vocab: torch.Tensor | None) -> None:
+        size = model.config.vocab_size
+        self.vocab = torch.arange(size) if vocab is None else vocab.cpu()
+        with torch.no_grad():
+            self.weight = model.head_rows(self.vocab.to(model.device)).cpu()  # [N, hidden]
+        self.index = torch.full((size,), IGNORE, dtype=torch.long)
+        self.index[self.vocab] = torch.arange(len(self.vocab))
+        self.cap = model.config.final_logit_softcapping
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = F.linear(hidden.float(), self.weight)
+        return out if not self.cap else torch.tanh(out / self.cap) * self.cap
+
+    def rows(self, targets: torch.Tensor) -> torch.Tensor:
+        return torch.where(targets == IGNORE, targets, self.index[targets.clamp(min=0)])
+
+
+def _batch(model: CausalLM, adapter: StreamAdapter, batch: list[StreamFeatures]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final hidden states of every stream row of `batch` [rows, hidden] and their targets [rows]."""
+    g = adapter.num_streams
+    segments, starts, targets = [], [], []
+    for f in batch:
+        anchors = f.anchors()
+        segments.append(StreamSegment(anchors, lambda layer, kv=f.kv: kv[layer]))
+        starts.append(f.start[anchors])
+        targets.append(f.targets(anchors, g).reshape(-1))
+    return run_streams(model, adapter, torch.cat(starts), segments), torch.cat(targets)
+
+
+@torch.no_grad()
+def agreement(model: CausalLM, adapter: StreamAdapter, head: _Head, data: list[StreamFeatures]) -> list[float]:
+    """Per stream: how often its top-1 is the target (a target outside the draft vocabulary is a miss)."""
+    g = adapter.num_streams
+    hits, seen = torch.zeros(g), torch.zeros(g)
+    for f in data:
+        hidden, targets = _batch(model, adapter, [f])
+        pred = head.vocab[head.logits(hidden).argmax(-1)].view(-1, g)
+        targets = targets.view(-1, g)
+        valid = targets != IGNORE
+        hits += ((pred == targets) & valid).sum(0)
+        seen += valid.sum(0)
+    return [round(float(h / max(1.0, s)), 4) for h, s in zip(hits, seen)]
+
+
+def train_streams(model: CausalLM, train: list[StreamFeatures], held_out: list[StreamFeatures], cfg: StreamTraining,
+                  vocab: torch.Tensor | None = None,
+                  log: Callable[[dict[str, object]], None] = lambda _: None,
+                  progress: bool = False) -> tuple[StreamAdapter, dict[str, object]]:
+    """Fit the stream embeddings and adapters (the model stays as it is); returns them and a
+    report: parameters added, held-out top-1 agreement per stream before and after."""
+    torch.manual_seed(cfg.seed)
+    model.requires_grad_(False)
+    adapter = StreamAdapter(model.config, cfg.num_streams, cfg.num_layers, cfg.rank).to(model.device)
+    head = _Head(model, vocab)
+    lora = [p for name, p in adapter.named_parameters() if name != "streams"]
+    opt = torch.optim.AdamW([{"params": lora, "lr": cfg.lr}, {"params": [adapter.streams], "lr": cfg.stream_lr}],
+                            weight_decay=0.0)
+    steps = cfg.epochs * -(-len(train) // cfg.batch_size)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / max(1, steps)))
+    rng = random.Random(cfg.seed)
+    order = list(range(len(train)))
+    params = sum(p.numel() for p in model.parameters())
+    report: dict[str, object] = {"sequences": len(train), "held_out_sequences": len(held_out),
+                                 "extra_params": adapter.num_params(),
+                                 "extra_params_fraction": round(adapter.num_params() / params, 5),
+                                 "before": agreement(model, adapter, head, held_out)}
+    log({"epoch": 0, "held_out_top1": report["before"]})
+    started = time.perf_counter()
+    bar = tqdm(total=steps, desc="streams", unit="step", disable=not progress)
+    for epoch in range(1, cfg.epochs + 1):
+        rng.shuffle(order)
+        total, count = 0.0, 0
+        for first in range(0, len(order), cfg.batch_size):
+            hidden, targets = _batch(model, adapter, [train[i] for i in order[first:first + cfg.batch_size]])
+            rows = head.rows(targets)
+            if bool((rows == IGNORE).all()):
+                continue
+            loss = F.cross_entropy(head.logits(hidden), rows, ignore_index=IGNORE)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            total += float(loss.detach())
+            count += 1
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", epoch=epoch, refresh=False)
+            bar.update()
+        top1 = agreement(model, adapter, head, held_out)
+        log({"epoch": epoch, "loss": round(total / max(1, count), 4), "held_out_top1": top1,
+             "seconds": round(time.perf_counter() - started, 1)})
+        report["after"] = top1
+    bar.close()
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    return adapter.eval().requires_grad_(False), report

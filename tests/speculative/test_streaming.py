@@ -1,0 +1,181 @@
+"""Speculative Streaming: stream rows see what they should, training teaches them the model's own
+continuations, and decoding with them is lossless (greedy identical, sampling distributed as the
+model's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from brisk.config import CacheConfig, SpecConfig
+from brisk.engine.speculative import build_speculator
+from brisk.request import SamplingParams
+from brisk.speculative.streaming import (
+    StreamAdapter,
+    StreamingProposer,
+    StreamSegment,
+    load_streams,
+    run_streams,
+    save_streams,
+)
+from brisk.speculative.train_streams import StreamTraining, stream_features, train_streams
+from tests.speculative.conftest import CFG, VOCAB, run, tiny_engine, tiny_model
+from tests.speculative.test_tiny_engine_spec import _exact_marginals, second_and_third_tokens
+from tests.speculative.test_verify import _chi2_pvalue_ok
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def _random_adapter(seed: int = 0) -> StreamAdapter:
+    torch.manual_seed(seed)
+    adapter = StreamAdapter(CFG, num_streams=3, num_layers=1, rank=4)
+    with torch.no_grad():
+        for p in adapter.parameters():
+            p.normal_(0, 0.3)
+    return adapter.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def trained() -> tuple[object, StreamAdapter, dict[str, object], list[tuple[list[int], int]]]:
+    """A tiny model, streams trained on its own greedy continuations, the report, the sequences."""
+    model = tiny_model(7)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, VOCAB, (4,), generator=g).tolist() for _ in range(160)]
+    outs = run(tiny_engine(model, blocks=256, seqs=32), prompts, GREEDY)
+    sequences = [(p + outs[f"r{i}"], len(p)) for i, p in enumerate(prompts)]
+    cfg = StreamTraining(num_streams=3, num_layers=1, rank=4, epochs=8, lr=2e-2, batch_size=8)
+    first = CFG.num_hidden_layers - cfg.num_layers
+    adapter, report = train_streams(model, stream_features(model, sequences[16:], first),
+                                    stream_features(model, sequences[:16], first), cfg)
+    return model, adapter, report, sequences
+
+
+def test_stream_rows_see_only_the_past_and_earlier_streams() -> None:
+    model = tiny_model(3)
+    adapter = _random_adapter()
+    ids = torch.randint(1, VOCAB, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    changed = ids[:9] + [(t % (VOCAB - 1)) + 1 for t in ids[9:]]  # every token after position 8 differs
+    f, g = stream_features(model, [(ids, 2), (changed, 2)], first_layer=1)
+    anchors = torch.tensor([3, 8])
+    out = [run_streams(model, adapter, x.start[anchors], [StreamSegment(anchors, lambda layer, x=x: x.kv[layer])])
+           for x in (f, g)]
+    torch.testing.assert_close(out[0], out[1], rtol=0, atol=1e-6)  # nothing after t = 8 is read
+    # stream j does not read streams after it: a 1-stream adapter gives stream 1's rows exactly
+    one = StreamAdapter(CFG, 1, 1, 4)
+    one.load_state_dict({**adapter.state_dict(), "streams": adapter.streams[:1]})
+    first = run_streams(model, one, f.start[anchors], [StreamSegment(anchors, lambda layer: f.kv[layer])])
+    torch.testing.assert_close(first, out[0].view(2, 3, -1)[:, 0], rtol=1e-5, atol=1e-5)
+    # and a main key past the anchor would change them: the mask is what hides it
+    assert not torch.allclose(out[0].view(2, 3, -1)[0], out[0].view(2, 3, -1)[1])
+
+
+def test_decoding_reads_the_paged_cache_as_training_read_the_sequence() -> None:
+    """The proposer's stream rows (main KV gathered from the engine's blocks) equal the training
+    pass's (main KV captured from a whole-sequence forward) at the same position."""
+    model = tiny_model(4)
+    adapter = _random_adapter(1)
+    prompt = torch.randint(1, VOCAB, (11,), generator=torch.Generator().manual_seed(2)).tolist()
+    engine = tiny_engine(model)
+    engine.add_request("r0", prompt, SamplingParams(max_tokens=8, temperature=0.0))
+    while not engine._seqs["r0"].request.output_token_ids:
+        engine.step()
+    ids = engine._seqs["r0"].request.all_token_ids  # the prompt's KV is in the cache, the newest token's not yet
+    f = stream_features(model, [(ids, 4)], first_layer=1)[0]
+    t = len(ids) - 2  # the row that produced the newest token
+    want = run_streams(model, adapter, f.start[[t]], [StreamSegment(torch.tensor([t]), lambda layer: f.kv[layer])])
+    runner = engine.runner
+    proposer = StreamingProposer(model, adapter, runner.kv_caches, runner.layer_group, runner.block_size)
+    seg = proposer._segment_at(t, engine.scheduler.kv.get_block_ids("r0"))
+    got = run_streams(model, adapter, f.start[[t]], [seg])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_runner_keeps_the_residual_stream_and_the_same_logits() -> None:
+    model = tiny_model(5)
+    prompt = torch.randint(1, VOCAB, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    outs = []
+    for capture in (None, 1):
+        engine = tiny_engine(model)
+        engine.runner.capture_layer = capture
+        engine.add_request("r0", prompt, SamplingParams(max_tokens=8, temperature=0.0))
+        sched = engine.scheduler.schedule()
+        outs.append(engine.runner.execute(sched.scheduled))
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, rtol=0, atol=0)
+    assert outs[0].captured is None
+    f = stream_features(model, [(prompt, 1)], first_layer=1)[0]
+    torch.testing.assert_close(outs[1].captured, f.start[-1:], rtol=1e-5, atol=1e-5)
+
+
+def test_training_teaches_the_streams_the_model_s_continuations(trained) -> None:  # type: ignore[no-untyped-def]
+    _, adapter, report, _ = trained
+    before, after = report["before"], report["after"]
+    # a random model's continuations are hard to guess ahead: stream 1 learns most (0.10 -> 0.23 when
+    # written), the later streams guess further ahead and gain less
+    assert after[0] > before[0] + 0.08 and sum(after) > sum(before) + 0.05, (before, after)
+    assert report["extra_params"] == adapter.num_params() < 0.2 * sum(p.numel() for p in tiny_model(0).parameters())
+
+
+def test_streaming_decoding_is_greedy_identical_and_accepts_drafts(trained, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    model, adapter, _, sequences = trained
+    prompts = [ids[:n] for ids, n in sequences[16:40]] + [[5, 9, 2, 11, 3, 3, 7]]  # prompts it trained on
+    expected = run(tiny_engine(model, budget=12), prompts, GREEDY)
+    rates = []
+    for name, streams in (("trained", adapter), ("untrained", StreamAdapter(CFG, 3, 1, 4))):
+        path = tmp_path / f"{name}.safetensors"
+        save_streams(path, streams, "tiny", CFG)
+        engine = tiny_engine(model, budget=12)  # prompts arrive in chunks beside speculating decodes
+        cfg = SpecConfig(method="streaming", heads=str(path), num_speculative_tokens=3)
+        engine.spec = build_speculator(cfg, engine.runner, CacheConfig(block_size=4, num_kv_blocks=64), 64, None,
+                                       True, 0)
+        assert run(engine, prompts, GREEDY) == expected, name
+        assert engine.spec.stats.num_draft_tokens > 100
+        assert engine.scheduler.kv.num_free_blocks == engine.num_blocks
+        rates.append(engine.spec.stats.acceptance_rate)
+    # what training taught reaches decoding: the stream rows there read the state training read
+    assert rates[0] > rates[1] + 0.05, rates
+
+
+def test_sampled_tokens_follow_the_model_s_distribution(trained, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    model, adapter, _, _ = trained
+    path = tmp_path / "streams.safetensors"
+    save_streams(path, adapter, "tiny", CFG)
+    prompt = [3, 5, 7]
+    engine = tiny_engine(model, blocks=512, budget=256, seqs=64)
+    cfg = SpecConfig(method="streaming", heads=str(path), num_speculative_tokens=2)
+    engine.spec = build_speculator(cfg, engine.runner, CacheConfig(block_size=4, num_kv_blocks=512), 512, None,
+                                   True, 0)
+    n = 2000
+    counts = second_and_third_tokens(engine, prompt, SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True), n)
+    assert engine.spec.stats.num_draft_tokens > n  # drafts from the streams really were verified
+    assert engine.scheduler.kv.num_free_blocks == engine.num_blocks
+    exact = _exact_marginals(model, prompt)
+    assert _chi2_pvalue_ok(counts[0], exact[0], n)
+    assert _chi2_pvalue_ok(counts[1], exact[1], n)
+
+
+def test_streams_file_round_trips_and_refuses_other_files(tmp_path: Path) -> None:
+    model = tiny_model(0)
+    adapter = _random_adapter(2)
+    path = tmp_path / "s.safetensors"
+    save_streams(path, adapter, "tiny", CFG, vocab=torch.tensor([3, 1, 2]))
+    loaded, meta, vocab = load_streams(path, model)
+    assert meta["kind"] == "streaming" and loaded.first_layer == 1 and loaded.num_streams == 3
+    assert vocab is not None and sorted(vocab.token_ids.tolist()) == [1, 2, 3]
+    for a, b in zip(adapter.parameters(), loaded.parameters()):
+        assert torch.equal(a, b)
+    assert not list(tmp_path.glob("*.tmp"))
+    with pytest.raises(ValueError, match="not found"):
+        load_streams(tmp_path / "missing.safetensors", model)
+    (tmp_path / "junk.safetensors").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="not a heads file"):
+        load_streams(tmp_path / "junk.safetensors", model)
+    from brisk.speculative.heads import ResidualHeads, save_heads
+    save_heads(tmp_path / "medusa.safetensors", ResidualHeads(CFG.hidden_size, 2), "medusa", "tiny")
+    with pytest.raises(ValueError, match="holds medusa heads, not streaming heads"):
+        load_streams(tmp_path / "medusa.safetensors", model)
+    with pytest.raises(ValueError, match="needs \"heads\""):
+        SpecConfig(method="streaming")
+    with pytest.raises(ValueError, match="1..1 top layers"):
+        StreamAdapter(CFG, 2, 2)
