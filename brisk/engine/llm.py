@@ -139,6 +139,9 @@ class LLM:
             if dequantize or quant is not None:
                 raise UserError("Probe Pruning cuts float weights per batch of prompts: it cannot combine with "
                                  "quantization or --dequantize yet (static pruning, method \"structured\", can)")
+            if spec is not None and spec.method == "streaming":
+                raise UserError("Speculative Streaming's adapters fit the whole model's layers, and Probe Pruning "
+                                "runs a narrower model per batch: use one of them (or another speculative method)")
             loaded, self._probe = load_probe(model, prune, dtype=dtype, device=device, max_model_len=max_model_len)
             self.pruning = self._probe.report()
         elif prune is not None:

@@ -205,7 +205,7 @@ class Speculator:
         its newest token and that row's position: its final hidden state (Medusa), or the
         residual stream the runner captured (Speculative Streaming: `capture_layer`)."""
         observe = getattr(self.proposer, "observe", None)  # None without a proposer too
-        if observe is None:
+        if observe is None or not out.sample_ids:  # a step of prompt chunks alone samples nothing
             return
         source = out.captured if getattr(self.proposer, "capture_layer", None) is not None else out.hidden
         assert source is not None, "the runner captures the layer the proposer reads (capture_layer)"
@@ -214,7 +214,8 @@ class Speculator:
             first, count = out.rows[rid]
             offset = verified[rid].num_accepted if rid in verified else count - 1
             start, n = computed[rid]
-            observe(rid, source[first + offset], start + n - count + offset)  # rows are the step's last `count`
+            # a copy: a view would keep the whole step's tensor alive as long as the request runs
+            observe(rid, source[first + offset].clone(), start + n - count + offset)  # rows: the step's last `count`
 
     def release(self, request_id: str, finished: bool) -> None:
         if self.proposer is not None:

@@ -234,7 +234,7 @@ class PagedModelRunner:
         index, rows = inputs.logit_rows()
         if not index:
             return StepLogits(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), {}, [],
-                              hidden[:0])
+                              hidden[:0], None if captured is None else captured[:0])
         picked = pick_rows(hidden, index)
         logits = (head or self.model.compute_logits)(picked)  # [len(index), vocab]
         return StepLogits(logits, rows, inputs.sample_ids, picked,

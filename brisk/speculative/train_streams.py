@@ -34,10 +34,11 @@ class StreamTraining:
     rank: int = 8
     epochs: int = 2
     lr: float = 2e-3  # the adapters
-    # the stream embeddings are added to the residual stream, whose rows are hundreds in norm on
-    # SmolLM2 (RMS ~60 at layer 26): at the adapters' rate they would barely move in a few hundred steps
+    # the stream embeddings and the token map are added to the residual stream, whose rows are
+    # hundreds in norm on SmolLM2 (RMS ~60 at layer 26): at the adapters' rate they would barely
+    # move in a few hundred steps
     stream_lr: float = 5e-2
-    batch_size: int = 4  # sequences a step
+    batch_size: int = 1  # sequences a step: one answer is already ~140 anchors x num_streams rows
     seed: int = 0
 
 
@@ -52,12 +53,12 @@ class StreamFeatures:
 
     def anchors(self) -> torch.Tensor:
         """Positions t whose stream 1 has a target: the last prompt token .. n - 3."""
-        return torch.arange(self.prompt_len - 1, len(self.ids) - 2)
+        return torch.arange(self.prompt_len - 1, len(self.ids) - 2, device=self.start.device)
 
     def targets(self, anchors: torch.Tensor, num_streams: int) -> torch.Tensor:
         """[m, num_streams]: x[t + 1 + j] for j = 1..num_streams, IGNORE past the end."""
         ids = torch.tensor(self.ids + [IGNORE] * (num_streams + 2))
-        return ids[anchors[:, None] + 1 + torch.arange(1, num_streams + 1)]
+        return ids[anchors.cpu()[:, None] + 1 + torch.arange(1, num_streams + 1)]
 
 
 @torch.no_grad()
@@ -73,7 +74,7 @@ def stream_features(model: CausalLM, sequences: list[tuple[list[int], int]], fir
         h, residual = model.run_layers(model.embed(t), None, positions, attn, 0, first_layer)
         start = h if residual is None else h + residual
         model.run_layers(h, residual, positions, attn, first_layer, model.config.num_hidden_layers)
-        out.append(StreamFeatures(ids, prompt_len, start.float(), {i: (k.float(), v.float()) for i, (k, v) in attn.kv.items()}))
+        out.append(StreamFeatures(ids, prompt_len, start, attn.kv))  # the model's dtype and device
     return out
 
 
@@ -84,7 +85,7 @@ class _Head:
         size = model.config.vocab_size
         self.vocab = torch.arange(size) if vocab is None else vocab.cpu()
         with torch.no_grad():
-            self.weight = model.head_rows(self.vocab.to(model.device)).cpu()  # [N, hidden]
+            self.weight = model.head_rows(self.vocab.to(model.device))  # [N, hidden] float32, on the model's device
         self.index = torch.full((size,), IGNORE, dtype=torch.long)
         self.index[self.vocab] = torch.arange(len(self.vocab))
         self.cap = model.config.final_logit_softcapping
@@ -103,7 +104,8 @@ def _batch(model: CausalLM, adapter: StreamAdapter, batch: list[StreamFeatures])
     segments, starts, targets = [], [], []
     for f in batch:
         anchors = f.anchors()
-        segments.append(StreamSegment(anchors, lambda layer, kv=f.kv: kv[layer]))
+        segments.append(StreamSegment(anchors, torch.tensor(f.ids, device=anchors.device)[anchors + 1],
+                                      lambda layer, kv=f.kv: kv[layer]))
         starts.append(f.start[anchors])
         targets.append(f.targets(anchors, g).reshape(-1))
     return run_streams(model, adapter, torch.cat(starts), segments), torch.cat(targets)
@@ -116,7 +118,7 @@ def agreement(model: CausalLM, adapter: StreamAdapter, head: _Head, data: list[S
     hits, seen = torch.zeros(g), torch.zeros(g)
     for f in data:
         hidden, targets = _batch(model, adapter, [f])
-        pred = head.vocab[head.logits(hidden).argmax(-1)].view(-1, g)
+        pred = head.vocab[head.logits(hidden).argmax(-1).cpu()].view(-1, g)
         targets = targets.view(-1, g)
         valid = targets != IGNORE
         hits += ((pred == targets) & valid).sum(0)
@@ -134,14 +136,20 @@ def train_streams(model: CausalLM, train: list[StreamFeatures], held_out: list[S
     model.requires_grad_(False)
     adapter = StreamAdapter(model.config, cfg.num_streams, cfg.num_layers, cfg.rank).to(model.device)
     head = _Head(model, vocab)
-    lora = [p for name, p in adapter.named_parameters() if name != "streams"]
-    opt = torch.optim.AdamW([{"params": lora, "lr": cfg.lr}, {"params": [adapter.streams], "lr": cfg.stream_lr}],
+    # what adds to the residual stream itself (stream embeddings, the token map's output side) at
+    # stream_lr, the adapters inside the layers at lr
+    direct = {"streams", "token_a", "token_b"}
+    lora = [p for name, p in adapter.named_parameters() if name not in direct]
+    opt = torch.optim.AdamW([{"params": lora, "lr": cfg.lr},
+                             {"params": [p for n, p in adapter.named_parameters() if n in direct], "lr": cfg.stream_lr}],
                             weight_decay=0.0)
     steps = cfg.epochs * -(-len(train) // cfg.batch_size)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / max(1, steps)))
     rng = random.Random(cfg.seed)
     order = list(range(len(train)))
-    params = sum(p.numel() for p in model.parameters())
+    cfg_m = model.config  # weights counted from the config: a quantized model keeps them in buffers
+    params = sum(cfg_m.layer_params(i) for i in range(cfg_m.num_hidden_layers)) + \
+        cfg_m.vocab_size * cfg_m.hidden_size * (1 if cfg_m.tie_word_embeddings else 2)
     report: dict[str, object] = {"sequences": len(train), "held_out_sequences": len(held_out),
                                  "extra_params": adapter.num_params(),
                                  "extra_params_fraction": round(adapter.num_params() / params, 5),
@@ -154,7 +162,7 @@ def train_streams(model: CausalLM, train: list[StreamFeatures], held_out: list[S
         total, count = 0.0, 0
         for first in range(0, len(order), cfg.batch_size):
             hidden, targets = _batch(model, adapter, [train[i] for i in order[first:first + cfg.batch_size]])
-            rows = head.rows(targets)
+            rows = head.rows(targets).to(hidden.device)
             if bool((rows == IGNORE).all()):
                 continue
             loss = F.cross_entropy(head.logits(hidden), rows, ignore_index=IGNORE)

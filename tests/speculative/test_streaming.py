@@ -56,16 +56,17 @@ def test_stream_rows_see_only_the_past_and_earlier_streams() -> None:
     model = tiny_model(3)
     adapter = _random_adapter()
     ids = torch.randint(1, VOCAB, (20,), generator=torch.Generator().manual_seed(1)).tolist()
-    changed = ids[:9] + [(t % (VOCAB - 1)) + 1 for t in ids[9:]]  # every token after position 8 differs
+    changed = ids[:10] + [(t % (VOCAB - 1)) + 1 for t in ids[10:]]  # every token after position 9 differs
     f, g = stream_features(model, [(ids, 2), (changed, 2)], first_layer=1)
     anchors = torch.tensor([3, 8])
-    out = [run_streams(model, adapter, x.start[anchors], [StreamSegment(anchors, lambda layer, x=x: x.kv[layer])])
+    nxt = torch.tensor(ids)[anchors + 1]  # x[t+1]: the token each anchor's row produced
+    out = [run_streams(model, adapter, x.start[anchors], [StreamSegment(anchors, nxt, lambda layer, x=x: x.kv[layer])])
            for x in (f, g)]
-    torch.testing.assert_close(out[0], out[1], rtol=0, atol=1e-6)  # nothing after t = 8 is read
+    torch.testing.assert_close(out[0], out[1], rtol=0, atol=1e-6)  # nothing after t + 1 = 9 is read
     # stream j does not read streams after it: a 1-stream adapter gives stream 1's rows exactly
     one = StreamAdapter(CFG, 1, 1, 4)
     one.load_state_dict({**adapter.state_dict(), "streams": adapter.streams[:1]})
-    first = run_streams(model, one, f.start[anchors], [StreamSegment(anchors, lambda layer: f.kv[layer])])
+    first = run_streams(model, one, f.start[anchors], [StreamSegment(anchors, nxt, lambda layer: f.kv[layer])])
     torch.testing.assert_close(first, out[0].view(2, 3, -1)[:, 0], rtol=1e-5, atol=1e-5)
     # and a main key past the anchor would change them: the mask is what hides it
     assert not torch.allclose(out[0].view(2, 3, -1)[0], out[0].view(2, 3, -1)[1])
@@ -84,10 +85,11 @@ def test_decoding_reads_the_paged_cache_as_training_read_the_sequence() -> None:
     ids = engine._seqs["r0"].request.all_token_ids  # the prompt's KV is in the cache, the newest token's not yet
     f = stream_features(model, [(ids, 4)], first_layer=1)[0]
     t = len(ids) - 2  # the row that produced the newest token
-    want = run_streams(model, adapter, f.start[[t]], [StreamSegment(torch.tensor([t]), lambda layer: f.kv[layer])])
+    want = run_streams(model, adapter, f.start[[t]],
+                       [StreamSegment(torch.tensor([t]), torch.tensor([ids[t + 1]]), lambda layer: f.kv[layer])])
     runner = engine.runner
     proposer = StreamingProposer(model, adapter, runner.kv_caches, runner.layer_group, runner.block_size)
-    seg = proposer._segment_at(t, engine.scheduler.kv.get_block_ids("r0"))
+    seg = proposer._segment_at(t, ids[t + 1], engine.scheduler.kv.get_block_ids("r0"))
     got = run_streams(model, adapter, f.start[[t]], [seg])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -137,6 +139,20 @@ def test_streaming_decoding_is_greedy_identical_and_accepts_drafts(trained, tmp_
     assert rates[0] > rates[1] + 0.05, rates
 
 
+def test_a_prompt_longer_than_a_step_streams_in_chunks(tmp_path: Path) -> None:
+    """Steps of prompt chunks alone sample nothing: no row to observe, and decoding goes on."""
+    model = tiny_model(6)
+    path = tmp_path / "s.safetensors"
+    save_streams(path, _random_adapter(3), "tiny", CFG)
+    prompt = torch.randint(1, VOCAB, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    expected = run(tiny_engine(model, budget=8), [prompt], GREEDY)
+    engine = tiny_engine(model, budget=8)
+    cfg = SpecConfig(method="streaming", heads=str(path), num_speculative_tokens=3)
+    engine.spec = build_speculator(cfg, engine.runner, CacheConfig(block_size=4, num_kv_blocks=64), 64, None, True, 0)
+    assert run(engine, [prompt], GREEDY) == expected
+    assert engine.spec.stats.num_draft_tokens > 0
+
+
 def test_sampled_tokens_follow_the_model_s_distribution(trained, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     model, adapter, _, _ = trained
     path = tmp_path / "streams.safetensors"
@@ -175,6 +191,12 @@ def test_streams_file_round_trips_and_refuses_other_files(tmp_path: Path) -> Non
     save_heads(tmp_path / "medusa.safetensors", ResidualHeads(CFG.hidden_size, 2), "medusa", "tiny")
     with pytest.raises(ValueError, match="holds medusa heads, not streaming heads"):
         load_streams(tmp_path / "medusa.safetensors", model)
+    from safetensors.torch import load_file, save_file
+    old = load_file(str(path))
+    save_file(old, str(tmp_path / "old.safetensors"), metadata={"kind": "streaming", "hidden_size": "32",
+                                                                "num_layers": "2", "rank": "4"})
+    with pytest.raises(ValueError, match="lacks num_streams, first_layer, token_rank .*brisk train-heads"):
+        load_streams(tmp_path / "old.safetensors", model)
     with pytest.raises(ValueError, match="needs \"heads\""):
         SpecConfig(method="streaming")
     with pytest.raises(ValueError, match="1..1 top layers"):
