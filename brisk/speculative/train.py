@@ -76,37 +76,46 @@ def _at(ids: list[int], i: int, missing: int) -> int:
     return ids[i] if i < len(ids) else missing
 
 
-class _Trainer:
-    """The heads, the frozen LM head rows they project onto (the draft vocabulary), the frozen
-    embeddings sequential heads read, and the target ids mapped into the vocabulary."""
+class DraftRows:
+    """The frozen LM head rows drafts are chosen among (the draft vocabulary; None: every token),
+    float32 on `device` (default: the model's), and the map from target ids to those rows."""
 
-    def __init__(self, model: CausalLM, heads: ResidualHeads, vocab: torch.Tensor | None) -> None:
+    def __init__(self, model: CausalLM, vocab: torch.Tensor | None, device: torch.device | None = None) -> None:
         vocab_size = model.config.vocab_size
         self.vocab = torch.arange(vocab_size) if vocab is None else vocab.cpu()
         with torch.no_grad():
-            self.head_weight = model.head_rows(self.vocab.to(model.device)).cpu()  # [N, hidden]
-            # sequential heads read token embeddings; the others never do
-            self.embed = model.embed(torch.arange(vocab_size, device=model.device)).float().cpu() \
-                if heads.sequential else None
+            self.weight = model.head_rows(self.vocab.to(model.device)).to(device or model.device)  # [N, hidden]
         self.index = torch.full((vocab_size,), IGNORE, dtype=torch.long)  # token id -> row, or IGNORE
         self.index[self.vocab] = torch.arange(len(self.vocab))
-        self.heads = heads
-
-    def logits(self, hidden: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-        """[B, hidden], [B, K] -> [B, K, N] (teacher-forced chain for sequential heads)."""
-        if not self.heads.sequential:
-            return F.linear(self.heads(hidden), self.head_weight)
-        assert self.embed is not None
-        g, outs = hidden, []
-        for k in range(self.heads.num_heads):
-            g = self.heads.head(k, g, self.embed[inputs[:, k]])
-            outs.append(F.linear(g, self.head_weight))
-        return torch.stack(outs, dim=1)
 
     def rows(self, targets: torch.Tensor) -> torch.Tensor:
         """Target ids -> rows of the draft vocabulary (IGNORE stays IGNORE, and so does a token
         outside the vocabulary: no draft could ever propose it)."""
         return torch.where(targets == IGNORE, targets, self.index[targets.clamp(min=0)])
+
+
+class _Trainer(DraftRows):
+    """The heads, the frozen LM head rows they project onto (the draft vocabulary), the frozen
+    embeddings sequential heads read, and the target ids mapped into the vocabulary."""
+
+    def __init__(self, model: CausalLM, heads: ResidualHeads, vocab: torch.Tensor | None) -> None:
+        super().__init__(model, vocab, torch.device("cpu"))
+        with torch.no_grad():
+            # sequential heads read token embeddings; the others never do
+            self.embed = model.embed(torch.arange(model.config.vocab_size, device=model.device)).float().cpu() \
+                if heads.sequential else None
+        self.heads = heads
+
+    def logits(self, hidden: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """[B, hidden], [B, K] -> [B, K, N] (teacher-forced chain for sequential heads)."""
+        if not self.heads.sequential:
+            return F.linear(self.heads(hidden), self.weight)
+        assert self.embed is not None
+        g, outs = hidden, []
+        for k in range(self.heads.num_heads):
+            g = self.heads.head(k, g, self.embed[inputs[:, k]])
+            outs.append(F.linear(g, self.weight))
+        return torch.stack(outs, dim=1)
 
     @torch.no_grad()
     def agreement(self, data: Features) -> list[float]:

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from brisk.model.attention import WholeSequences
 from brisk.model.base import CausalLM
 from brisk.speculative.streaming import KV, CaptureKV, StreamAdapter, StreamSegment, run_streams
-from brisk.speculative.train import IGNORE
+from brisk.speculative.train import IGNORE, DraftRows
 
 
 @dataclass(frozen=True)
@@ -78,24 +78,16 @@ def stream_features(model: CausalLM, sequences: list[tuple[list[int], int]], fir
     return out
 
 
-class _Head:
-    """The frozen LM head rows of the draft vocabulary and the token -> row map."""
+class _Head(DraftRows):
+    """The draft vocabulary's rows as the streams' logits, softcapped like the model's."""
 
     def __init__(self, model: CausalLM, vocab: torch.Tensor | None) -> None:
-        size = model.config.vocab_size
-        self.vocab = torch.arange(size) if vocab is None else vocab.cpu()
-        with torch.no_grad():
-            self.weight = model.head_rows(self.vocab.to(model.device))  # [N, hidden] float32, on the model's device
-        self.index = torch.full((size,), IGNORE, dtype=torch.long)
-        self.index[self.vocab] = torch.arange(len(self.vocab))
+        super().__init__(model, vocab)
         self.cap = model.config.final_logit_softcapping
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         out = F.linear(hidden.float(), self.weight)
         return out if not self.cap else torch.tanh(out / self.cap) * self.cap
-
-    def rows(self, targets: torch.Tensor) -> torch.Tensor:
-        return torch.where(targets == IGNORE, targets, self.index[targets.clamp(min=0)])
 
 
 def _batch(model: CausalLM, adapter: StreamAdapter, batch: list[StreamFeatures]) -> tuple[torch.Tensor, torch.Tensor]:
