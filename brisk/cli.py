@@ -145,26 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _read_prompts(path: Path, chat: bool, system: str | None) -> list[dict[str, object]]:
     """Lines of text, or JSONL objects with "prompt" (text) or "messages" (a conversation)."""
-    try:
-        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    except OSError as exc:
-        raise UserError(f"cannot read --prompts-file {path}: {exc.strerror}") from None
-    items: list[dict[str, object]] = []
-    for i, line in enumerate(lines, 1):
-        if line.lstrip().startswith("{"):
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
-            if not isinstance(obj, dict) or not ({"prompt", "messages"} & obj.keys()):
-                raise UserError(f"{path}:{i}: a JSON line needs a 'prompt' or 'messages' field")
-            if "messages" not in obj and not isinstance(obj["prompt"], str):
-                raise UserError(f"{path}:{i}: 'prompt' must be a string")
-            items.append(obj)
-        else:
-            items.append({"prompt": line})
-    if not items:
-        raise UserError(f"--prompts-file {path} has no prompts")
+    from brisk.engine.prompts_file import read_prompts_file
+
+    items = [item for _, item in read_prompts_file(path)]
     for item in items:
         if "prompt" in item and chat:
             item["messages"] = ([{"role": "system", "content": system}] if system else []) + [

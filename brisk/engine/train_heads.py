@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from brisk.engine.llm import LLM
+from brisk.engine.prompts_file import read_prompts_file
 from brisk.errors import UserError
 from brisk.request import SamplingParams
 from brisk.speculative.heads import save_heads
@@ -147,23 +148,16 @@ def _frequent_tokens(train: list[tuple[list[int], int]], held_out: list[tuple[li
 
 
 def _read_prompts(path: Path) -> list[str]:
-    """One prompt per line; a line starting with `{` is a JSON object whose "prompt" is the prompt
-    (prompts with line breaks), as `brisk generate --prompts-file` reads them."""
-    if not path.is_file():
-        raise UserError(f"prompts file {str(path)!r} not found (one prompt per line, or JSON lines with \"prompt\")")
+    """The prompts of a prompts file (engine/prompts_file.py): plain lines or JSON lines with
+    "prompt"; train-heads answers single prompts, so a "messages" line is refused."""
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.lstrip().startswith("{"):
-            prompts.append(line.strip())
-            continue
-        try:
-            prompt = json.loads(line).get("prompt")
-        except (json.JSONDecodeError, AttributeError) as exc:
-            raise UserError(f"prompts file {str(path)!r} line {number}: not a JSON object ({exc})") from None
+    for number, item in read_prompts_file(path):
+        prompt = item.get("prompt")
         if not isinstance(prompt, str):
-            raise UserError(f"prompts file {str(path)!r} line {number}: a JSON line needs a \"prompt\" string")
-        prompts.append(prompt)
-    prompts = [p for p in prompts if p.strip()]
+            raise UserError(f"prompts file {str(path)!r} line {number}: a JSON line needs a \"prompt\" string "
+                            "(train-heads answers single prompts, not \"messages\" conversations)")
+        if prompt.strip():
+            prompts.append(prompt.strip())
     if not prompts:
         raise UserError(f"prompts file {str(path)!r} has no prompts (one per line)")
     return prompts

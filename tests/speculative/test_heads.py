@@ -104,5 +104,5 @@ def test_prompts_file_takes_plain_lines_and_json_lines(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="line 1: a JSON line needs a \"prompt\" string"):
         _read_prompts(path)
     path.write_text('{not json\n', encoding="utf-8")
-    with pytest.raises(ValueError, match="line 1: not a JSON object"):
+    with pytest.raises(ValueError, match=":1: not valid JSON"):
         _read_prompts(path)
