@@ -207,8 +207,7 @@ class Speculator:
         observe = getattr(self.proposer, "observe", None)  # None without a proposer too
         if observe is None or not out.sample_ids:  # a step of prompt chunks alone samples nothing
             return
-        source = out.captured if getattr(self.proposer, "capture_layer", None) is not None else out.hidden
-        assert source is not None, "the runner captures the layer the proposer reads (capture_layer)"
+        source = out.hidden if out.captured is None else out.captured  # the runner keeps what its proposer reads
         computed = {s.request_id: (s.start_pos, len(s.token_ids)) for s in steps}
         for rid in out.sample_ids:
             first, count = out.rows[rid]
