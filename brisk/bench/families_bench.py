@@ -109,7 +109,7 @@ def bench_families(families: list[str], new_tokens: int, repeats: int, prompt_le
     runs: dict[str, list[float]] = {f: [] for f in families}
     for f in families:  # warm-up: the plan is built on the first decode step
         _decode_tok_s(engines[f], prompt, 4, f"warm-{f}")
-        plan[f] = bool(getattr(engines[f].runner.model, "_decode_plan", None))
+        plan[f] = engines[f].runner.plans.current is not None
     for r in range(repeats):
         for f in (families if r % 2 == 0 else families[::-1]):
             runs[f].append(_decode_tok_s(engines[f], prompt, new_tokens, f"{f}-{r}"))

@@ -252,8 +252,7 @@ class ProbePruner:
         if reuse is not None and reuse.config == new_cfg:
             # The same widths (every batch at one ratio): write into the idle compact model's own
             # tensors instead of fresh ones (no page faults on ~60% of the layers' bytes per batch).
-            reuse.unpack_weights()
-            reuse.drop_decode_plan()
+            reuse.unpack_weights()  # and modules_changed: the runtime's plan over them goes
             own = dict(reuse.state_dict())
             with torch.no_grad():
                 for name, dim, index in cuts:

@@ -62,7 +62,7 @@ class LLM:
     `pack_weights` (CPU: keep oneDNN-packed copies of the weights for batched rows, ~1.3-2x faster
     prefill and batched decode for as much memory again as the weights; default True),
     `enforce_eager` (run decode steps through the Python modules instead of the C++ decode plan,
-    model/decode_plan.py, and on CUDA without CUDA graphs, runtime/decode_graphs.py: the same
+    runtime/decode_plan.py, and on CUDA without CUDA graphs, runtime/decode_graphs.py: the same
     numbers, slower; default False),
     `quantization` ("int8", "int4", "w8a8", "ternary", "gguf": swap the Linears for quantized ones at
     load, see quant/; a quantized .gguf file keeps its own blocks by default, as "gguf"),
@@ -129,7 +129,7 @@ class LLM:
                 "quantization_config": quantization_config, "tensor_parallel_size": tensor_parallel_size,
                 "pipeline_parallel_size": pipeline_parallel_size, "parallel_timeout_s": parallel_timeout_s,
                 "pipeline_micro_batches": pipeline_micro_batches, "block_size": block_size,
-                "pack_weights": pack_weights, "dequantize": dequantize}), cache)
+                "pack_weights": pack_weights, "dequantize": dequantize, "enforce_eager": enforce_eager}), cache)
             # Until the engine holds the cluster (below), a failure here must not leave workers behind.
             self._finalizer = weakref.finalize(self, self._cluster.close)
             loaded = self._cluster.loaded
@@ -166,15 +166,12 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.source.name
         draft = None if spec is None or spec.method != "draft" else self._load_draft(spec, dtype, device)
-        for m in (self.model, draft):
-            if m is not None:
-                m.use_decode_plan = not enforce_eager
         # Under Probe Pruning every batch gets an engine of its own (_probe_batch): the dense model's
         # holds one sequence's KV, not the cache's worth
         dense_cache = cache if self._probe is None or not self._probe.active else \
             dataclasses.replace(cache, num_kv_blocks=-(-self.max_model_len // cache.block_size) + 1)
         self.engine = LLMEngine(loaded.model, loaded.tokenizer, dense_cache, sched, seed, pack_weights, spec, draft,
-                                None if self._cluster is None else self._cluster.runner)
+                                None if self._cluster is None else self._cluster.runner, eager=enforce_eager)
         self._engine_args = (cache, sched, seed, pack_weights, spec, draft)  # Probe Pruning's engines per batch
         self._idle_engine = self.engine  # ...and the dense model's, held while the next one is built
         self._spare: CausalLM | None = None  # the compact model, allocated at load, refilled by every batch
@@ -204,10 +201,8 @@ class LLM:
         e = self.engine
         draft = None if spec is None or spec.method != "draft" else \
             other._load_draft(spec, self.config.dtype, self.config.device)
-        if draft is not None:
-            draft.use_decode_plan = self.model.use_decode_plan
         other.engine = LLMEngine(self.model, self.tokenizer, e.cache_config, e.scheduler_config, self.config.seed,
-                                 e.runner.packed_weight_bytes > 0, spec, draft)
+                                 e.runner.packed_weight_bytes > 0, spec, draft, eager=e.eager)
         other._ids = itertools.count()
         other._stream_buffers = {}
         other._failures = {}
@@ -319,7 +314,6 @@ class LLM:
         decision = self._probe.decide(prompts)
         self.engine = self._idle_engine  # the last batch's engine and KV go before the next is built
         compact = self._spare = self._probe.compact_model(decision.plan, reuse=self._spare)
-        compact.use_decode_plan = self._dense_model.use_decode_plan
         cache, sched, seed, pack, spec, draft = self._engine_args
         block = cache.block_size
         need = sum(p.n * -(-(len(ids) + (p.max_tokens or self.max_model_len)) // block) for ids, p in zip(prompts, params))
@@ -329,7 +323,7 @@ class LLM:
         # packing a compact model costs ~0.1 s: worth it from a few hundred prompt tokens.
         pack = pack and sum(len(ids) for ids in prompts) >= PROBE_PACK_MIN_TOKENS
         self.engine = LLMEngine(compact, self.tokenizer, dataclasses.replace(cache, num_kv_blocks=room), sched, seed,
-                                pack, spec, draft)
+                                pack, spec, draft, eager=self._idle_engine.eager)
         self.model = compact
         decision.seconds = time.perf_counter() - started  # decision pass, compact model and engine together
         self.last_probe = decision

@@ -1,8 +1,9 @@
 """LLMEngine: the step loop joining scheduler, runner, sampler and detokenizer.
 
-    add_request ──► Scheduler.schedule() ──► PagedModelRunner.execute() ──► sample()
-                         ▲                                                      │
-                         └──── update_from_output (append, stop checks) ◄───────┘
+    add_request ──► Scheduler.schedule() ──► runner.execute_model(StepBatch) ──► RunnerOutput
+                         ▲                  (forward, sample / verify:          (sampled ids,
+                         │                   runtime/step.py)                    logprobs)  │
+                         └──── update_from_output (append, stop checks) ◄───────────────────┘
                                     │
                                     └─► detokenize, stop strings ─► RequestOutput (deltas)
 
@@ -16,10 +17,8 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
 
@@ -37,20 +36,13 @@ from brisk.errors import UserError
 from brisk.loader.tokenizer import Tokenizer
 from brisk.model.base import CausalLM
 from brisk.request import FinishReason, Request, RequestStatus, SamplingParams
-from brisk.runtime.paged_runner import (
-    PagedModelRunner,
-    StepLogits,
-    kv_block_bytes,
-    model_kv_groups,
-)
+from brisk.runtime.paged_runner import PagedModelRunner, kv_block_bytes, model_kv_groups
 from brisk.runtime.parallel_runner import ParallelRunner
+from brisk.runtime.step import Runner, StepBatch
 from brisk.runtime.virtual_kv import VirtualKV
-from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs
-from brisk.sample.sampler import SamplingBatch, sample
+from brisk.sample.logprobs import TokenLogprobs
 from brisk.sample.structured import Constraint, GrammarCompiler
 from brisk.speculative.base import Draft
-
-_T = TypeVar("_T")
 
 
 @dataclass
@@ -91,7 +83,7 @@ def num_kv_blocks(cache: CacheConfig, block_bytes: int) -> int:
 
 
 def _virtual_layout(model: CausalLM, cache: CacheConfig, scheduler: SchedulerConfig,
-                    pack_weights: bool) -> tuple[PagedModelRunner, VirtualKVManager]:
+                    pack_weights: bool, eager: bool) -> tuple[PagedModelRunner, VirtualKVManager]:
     """A row of `max_model_len` tokens per sequence slot, every layer its own (one KV group);
     tiles of `block_size` tokens, doubled until a tile is whole pages."""
     probe = VirtualKV.tile_for(model, cache.block_size)
@@ -99,7 +91,7 @@ def _virtual_layout(model: CausalLM, cache: CacheConfig, scheduler: SchedulerCon
     tensors = VirtualKV(model, rows, row_tiles, probe, cache.kv_huge_pages)
     budget = num_kv_blocks(cache, tensors.bytes_per_tile)
     groups = (KVGroup(0, tuple(range(model.config.num_hidden_layers))),)
-    runner = PagedModelRunner(model, rows * row_tiles, probe, pack_weights, groups, virtual=tensors)
+    runner = PagedModelRunner(model, rows * row_tiles, probe, pack_weights, groups, virtual=tensors, eager=eager)
     return runner, VirtualKVManager(rows, row_tiles, probe, budget, cache.enable_prefix_caching)
 
 
@@ -107,33 +99,36 @@ class LLMEngine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, cache: CacheConfig,
                  scheduler: SchedulerConfig, seed: int = 0, pack_weights: bool = True,
                  speculative: SpecConfig | None = None, draft_model: CausalLM | None = None,
-                 runner: ParallelRunner | None = None) -> None:
+                 runner: ParallelRunner | None = None, eager: bool = False) -> None:
         """`speculative`: speculative decoding (spec/); `draft_model` is the loaded draft for method
         "draft" (the caller loads it: the engine never reads files). `runner`: a parallel runner
-        over worker processes (engine/workers/) instead of this process's own."""
+        over worker processes (engine/workers/) instead of this process's own. `eager`
+        (`enforce_eager`): the runners run every step module by module (no C++ decode plan, no
+        CUDA graphs)."""
         self.model = model
+        self.eager = eager
         self.tokenizer = tokenizer
         self.cache_config = cache
         self.scheduler_config = scheduler
-        self.runner: PagedModelRunner | ParallelRunner
+        self.runner: Runner  # runtime/step.py's protocol: this process's runner or a parallel one
         self.virtual_kv: VirtualKVManager | None = None  # kv_layout "virtual": rows committed on demand
         kv: KVManager
         if runner is not None:
             cache.check_multi_process()
             self.num_blocks, self.runner = runner.num_blocks, runner
         elif cache.kv_layout == "virtual":
-            self.runner, self.virtual_kv = _virtual_layout(model, cache, scheduler, pack_weights)
+            self.runner, self.virtual_kv = _virtual_layout(model, cache, scheduler, pack_weights, eager)
             self.num_blocks = self.virtual_kv.budget
         else:
             groups = model_kv_groups(model, scheduler.max_model_len)  # which layers share a block table
             self.num_blocks = num_kv_blocks(cache, kv_block_bytes(model, cache.block_size, groups))
-            self.runner = PagedModelRunner(model, self.num_blocks, cache.block_size, pack_weights, groups)
+            self.runner = PagedModelRunner(model, self.num_blocks, cache.block_size, pack_weights, groups, eager=eager)
         kv = self.virtual_kv or KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching,
                                                [g.window for g in self.runner.groups])
         self.scheduler = Scheduler(scheduler, kv)
         # without a speculative method, constrained requests still draft what their grammar forces
         self.spec = Speculator(None, None) if speculative is None else build_speculator(
-            speculative, self.runner, cache, self.num_blocks, draft_model, pack_weights, seed)
+            speculative, self.runner, cache, self.num_blocks, draft_model, pack_weights, seed, eager)
         if self.virtual_kv is not None:
             self._memory().release_all()  # the speculator's start-up measurement wrote scratch KV into row 0
         self._seeds = random.Random(seed)  # seeds for sampled requests that bring none
@@ -228,8 +223,7 @@ class LLMEngine:
     def check(self) -> None:
         """Raise if the engine can no longer run a step (a parallel worker has ended); cheap, for
         idle loops."""
-        if isinstance(self.runner, ParallelRunner):
-            self.runner.check()
+        self.runner.check()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -271,47 +265,31 @@ class LLMEngine:
         return [self._output(g) for g in sorted(touched, key=lambda g: self._groups[g].arrival_time)]
 
     def _compute(self, sched: SchedulerOutput) -> dict[str, list[int]]:
-        """Drafts (if speculating), one forward, sampling and verification: the new tokens of
-        every request that reached the end of its known tokens. Logprobs are recorded here."""
+        """Drafts (if speculating), then the runner's step (forward, sampling, verification): the
+        new tokens of every request that reached the end of its known tokens, recorded here with
+        their logprobs."""
         steps, drafts = sched.scheduled, {}
-        grammars: dict[str, Constraint | None] = {}  # the proposer's forced tokens, the verifier's masks
         if any(s.num_spec_slots for s in sched.scheduled):
-            requests, generators = self._requests(), self._generators()
-            grammars = self._constraints()
-            steps, drafts = self.spec.fill(sched, requests, generators, grammars)
+            steps, drafts = self.spec.fill(sched, self._requests(), self._generators(), self._constraints())
         prompt_rows = frozenset(s.request_id for s in sched.scheduled
                                 if self._wants_prompt_logprobs(s.request_id, s.start_pos))
-        started = time.perf_counter()
         masks = self._masks_ahead(steps, drafts)
-        try:
-            out = self.runner.execute(steps, prompt_rows | frozenset(drafts))
-        finally:
-            if masks is not None:
-                masks.result()  # the matchers are the engine thread's again (an error surfaces here)
+        out = self.runner.execute_model(StepBatch(steps, self._seqs, drafts, prompt_rows,
+                                                  None if masks is None else masks.result))
         if all(s.num_tokens == 1 for s in sched.scheduled):  # decode-only steps
-            self.spec.observe_forward(time.perf_counter() - started, drafts)
-        for step in sched.scheduled:
-            if step.request_id in prompt_rows:
-                self._record_prompt_logprobs(self._seqs[step.request_id], step.start_pos, out.of(step.request_id))
-        plain = [rid for rid in out.sample_ids if rid not in drafts]
-        sampled: dict[str, list[int]] = {}
-        if plain:
-            for sid, (tok, lp) in self._isolating(lambda ids: self._sample(out, ids), plain).items():
-                sampled[sid] = [tok]
-                if lp is not None:
-                    self._seqs[sid].logprobs.append(lp)
-        verified = self._isolating(lambda ids: self.spec.verify(out, {i: drafts[i] for i in ids}, requests,
-                                                                generators, grammars),
-                                   list(drafts)) if drafts else {}
-        self.spec.observe_hidden(out, verified, steps)
-        for sid, res in verified.items():
-            sampled[sid] = res.token_ids
+            self.spec.observe_forward(out.forward_seconds, drafts)
+        self._failed.update(out.failed)
+        self.spec.observe_verified(drafts, out.num_accepted)
+        self.spec.observe_hidden(out, steps)
+        for sid, tokens in out.prompt_logprobs.items():
+            self._seqs[sid].prompt_logprobs.update(tokens)  # a recompute after preemption rewrites the same
+        for sid, lps in out.logprobs.items():
+            self._seqs[sid].logprobs.extend(lps)
+        for sid, accepted in out.num_accepted.items():
             seq = self._seqs[sid]
             seq.num_draft_tokens += len(drafts[sid].token_ids)
-            seq.num_accepted_tokens += res.num_accepted
-            if res.logprobs is not None:
-                seq.logprobs.extend(res.logprobs)
-        return sampled
+            seq.num_accepted_tokens += accepted
+        return out.token_ids
 
     def _masks_ahead(self, steps: list[ScheduledRequest], drafts: dict[str, Draft]) -> Future[None] | None:
         """Start filling the next masks of this step's constrained rows (with drafts: their
@@ -330,33 +308,6 @@ class LLMEngine:
                 constraint.prefetch(draft)
 
         return self._masks.submit(fill)
-
-    def _sample(self, out: StepLogits, seq_ids: list[str]) -> dict[str, tuple[int, TokenLogprobs | None]]:
-        result = sample(out.last_rows(seq_ids), self._sampling_batch(seq_ids))
-        return dict(zip(seq_ids, zip(result.token_ids, result.logprobs)))
-
-    def _isolating(self, run: Callable[[list[str]], dict[str, _T]], seq_ids: list[str]) -> dict[str, _T]:
-        """`run` over the step's rows at once; if it raises, over one row at a time, so a request whose
-        parameters break the batch fails alone (kept in `_failed`, ended after the step) and its
-        neighbours keep their tokens. Each row depends only on its own logits and generator, so a
-        greedy row gets exactly what the batch would have given it, and so does a sampled one when
-        the batch failed before drawing (the sampler builds every tensor first); a verifier that
-        failed part-way may have drawn for earlier rows, which then draw again: still exact
-        samples, though a seeded row's can differ from an unfailed step's."""
-        try:
-            return run(seq_ids)
-        except Exception as e:  # the culprit is found below; a fatal error is not retried
-            if getattr(e, "fatal", False):
-                raise
-        results: dict[str, _T] = {}
-        for sid in seq_ids:
-            try:
-                results.update(run([sid]))
-            except Exception as e:  # this row's own failure, reported to its request only
-                if getattr(e, "fatal", False):
-                    raise
-                self._failed[sid] = e
-        return results
 
     def _end_failed(self) -> None:
         """End the requests whose rows failed this step; their errors wait in `failures`."""
@@ -394,29 +345,6 @@ class LLMEngine:
         seq = self._seqs[seq_id]
         return (seq.index == 0 and seq.request.sampling_params.prompt_logprobs is not None
                 and start_pos < seq.request.num_prompt_tokens - 1)
-
-    def _record_prompt_logprobs(self, seq: _Seq, start: int, logits: torch.Tensor) -> None:
-        """Rows of positions start.. predict prompt tokens start+1..; keep those inside the prompt."""
-        prompt = seq.request.prompt_token_ids
-        count = min(logits.shape[0], len(prompt) - 1 - start)
-        if count <= 0:
-            return
-        n = seq.request.sampling_params.prompt_logprobs or 0
-        for offset, lp in enumerate(prompt_logprobs(logits[:count], prompt[start + 1:start + 1 + count], n)):
-            seq.prompt_logprobs[start + 1 + offset] = lp  # a recompute after preemption rewrites the same
-
-    def _sampling_batch(self, row_ids: list[str]) -> SamplingBatch:
-        seqs = [self._seqs[sid] for sid in row_ids]
-        banned = [s.request.banned_token_ids() for s in seqs]
-        penalties = any(s.request.sampling_params.uses_history for s in seqs)
-        return SamplingBatch(
-            params=[s.request.sampling_params for s in seqs],
-            generators=[s.generator for s in seqs],
-            output_token_ids=[s.request.output_token_ids for s in seqs] if penalties else [],
-            prompt_token_ids=[s.request.prompt_token_ids for s in seqs] if penalties else [],
-            banned_token_ids=banned if any(banned) else [],
-            constraints=[s.constraint for s in seqs] if any(s.constraint for s in seqs) else [],
-        )
 
     def _on_tokens(self, seq: _Seq) -> None:
         """Detokenize the tokens appended this step (one, or several after speculation), in order.
@@ -516,7 +444,7 @@ class LLMEngine:
                 "prefix_hit_rate": s.prefix_hit_rate, "num_preemptions": s.num_preemptions,
                 "num_kv_blocks": self.num_blocks, "peak_kv_usage": self.peak_kv_usage,
                 **self.spec.info(),
-                **(self.runner.info() if isinstance(self.runner, ParallelRunner) else {})}
+                **self.runner.info()}
 
     def reset_peak_stats(self) -> None:
         self.peak_kv_usage = self.scheduler.kv_usage

@@ -3,7 +3,9 @@
     plan()   before schedule(): Request.num_spec_wanted from the length controller
     fill()   after schedule(): ask the proposer for drafts into the reserved slots; the runner
              then scores [t_last, d1..dk] of those requests in the same forward as everything else
-    verify() after the forward: accepted tokens per request (spec/verify.py), counted per method
+    observe_verified() after the runner's step verified the drafts (runtime/step.py): acceptance
+             counted per method, the length controller told what was kept
+    observe_hidden() proposers that read the target's hidden rows (Medusa, streaming) get them
     release() a request finished, was aborted or preempted: the proposer drops its state
 
 Lossless by construction: the verifier emits what the target would have; drafts only decide how
@@ -24,13 +26,13 @@ from brisk.core.outputs import ScheduledRequest, SchedulerOutput
 from brisk.errors import UserError
 from brisk.model.base import CausalLM
 from brisk.request import Request
-from brisk.runtime.paged_runner import PagedModelRunner, StepLogits
+from brisk.runtime.paged_runner import PagedModelRunner
 from brisk.runtime.parallel_runner import ParallelRunner
+from brisk.runtime.step import RunnerOutput
 from brisk.sample.structured import Constraint
 from brisk.speculative.base import Draft, DraftRequest, Proposer
 from brisk.speculative.length import DraftLength
 from brisk.speculative.registry import method as proposer_method
-from brisk.speculative.verify import VerifyOutput, verify
 
 # Cost of verifying one more token in a decode step, as a fraction of the step, when nothing was
 # measured (tests); the engine measures the real curve at start-up (measure_verify_costs).
@@ -184,34 +186,27 @@ class Speculator:
         if self.measure_costs and self._draft_seconds.value is not None and self._plain_seconds.value:
             self.length.draft_cost = self._draft_seconds.value / self._plain_seconds.value
 
-    def verify(self, out: StepLogits, drafts: dict[str, Draft], requests: dict[str, Request],
-               generators: dict[str, torch.Generator | None],
-               constraints: dict[str, Constraint | None] | None = None) -> dict[str, VerifyOutput]:
-        """Each request's accepted drafts and next token; `constraints`: grammars by request id
-        (structured outputs), against which the drafts are checked."""
-        ids = list(drafts)
-        grammars = [(constraints or {}).get(rid) for rid in ids]
-        results = verify([out.of(rid) for rid in ids], [requests[rid] for rid in ids],
-                         [drafts[rid] for rid in ids], [generators[rid] for rid in ids], grammars)
-        for rid, res in zip(ids, results):
-            self.stats.add(len(drafts[rid].token_ids), res.num_accepted)
+    def observe_verified(self, drafts: dict[str, Draft], num_accepted: dict[str, int]) -> None:
+        """The step's verification (runtime/step.py): acceptance statistics and the draft-length
+        controller learn from each verified request's kept drafts."""
+        for rid, accepted in num_accepted.items():
+            self.stats.add(len(drafts[rid].token_ids), accepted)
             if self.length is not None and rid not in self._forced:  # forced drafts teach nothing of the proposer
-                self.length.observe(rid, len(drafts[rid].token_ids), res.num_accepted, self._classes.get(rid))
-        return dict(zip(ids, results))
+                self.length.observe(rid, len(drafts[rid].token_ids), accepted, self._classes.get(rid))
 
-    def observe_hidden(self, out: StepLogits, verified: dict[str, VerifyOutput],
-                       steps: list[ScheduledRequest]) -> None:
+    def observe_hidden(self, out: RunnerOutput, steps: list[ScheduledRequest]) -> None:
         """Proposers that read the target's hidden state get, per request, the row that produced
         its newest token and that row's position: its final hidden state (Medusa), or the
         residual stream the runner captured (Speculative Streaming: `capture_layer`)."""
         observe = getattr(self.proposer, "observe", None)  # None without a proposer too
-        if observe is None or not out.sample_ids:  # a step of prompt chunks alone samples nothing
+        logits = out.logits
+        if observe is None or logits is None or not logits.sample_ids:  # prompt chunks alone sample nothing
             return
-        source = out.hidden if out.captured is None else out.captured  # the runner keeps what its proposer reads
+        source = logits.hidden if logits.captured is None else logits.captured  # what its proposer reads
         computed = {s.request_id: (s.start_pos, len(s.token_ids)) for s in steps}
-        for rid in out.sample_ids:
-            first, count = out.rows[rid]
-            offset = verified[rid].num_accepted if rid in verified else count - 1
+        for rid in logits.sample_ids:
+            first, count = logits.rows[rid]
+            offset = out.num_accepted.get(rid, count - 1)
             start, n = computed[rid]
             # a copy: a view would keep the whole step's tensor alive as long as the request runs
             observe(rid, source[first + offset].clone(), start + n - count + offset)  # rows: the step's last `count`
@@ -246,10 +241,11 @@ class _Context:
     cache: CacheConfig
     num_blocks: int
     pack_weights: bool
+    eager: bool  # enforce_eager: the draft's runner too runs module by module
 
     def draft_runtime(self, model: CausalLM) -> tuple[PagedModelRunner, KVCacheManager]:
         # as many tokens of draft KV as the target has: every running request can draft
-        runner = PagedModelRunner(model, self.num_blocks, self.cache.block_size, self.pack_weights)
+        runner = PagedModelRunner(model, self.num_blocks, self.cache.block_size, self.pack_weights, eager=self.eager)
         kv = KVCacheManager(self.num_blocks, self.cache.block_size, self.cache.enable_prefix_caching,
                             [g.window for g in runner.groups])
         return runner, kv
@@ -257,13 +253,13 @@ class _Context:
 
 def build_speculator(config: SpecConfig, runner: PagedModelRunner | ParallelRunner, cache: CacheConfig,
                      num_blocks: int, draft_model: CausalLM | None, pack_weights: bool,
-                     seed: int) -> Speculator:
+                     seed: int, eager: bool = False) -> Speculator:
     """The proposer `config.method` names (speculative.registry), wired to what it needs from the
     engine. Over parallel workers only methods that need nothing from other ranks draft."""
     method = proposer_method(config.method)
     if not method.parallel and not isinstance(runner, PagedModelRunner):
         raise UserError(f"speculative method {config.method!r} needs a single-process engine; use ngram")
-    ctx = _Context(config, runner.model, runner, draft_model, cache, num_blocks, pack_weights)
+    ctx = _Context(config, runner.model, runner, draft_model, cache, num_blocks, pack_weights, eager)
     return Speculator(config, method.build(ctx), measure_verify_costs(runner, config.max_tokens), seed=seed)
 
 
@@ -282,7 +278,7 @@ def measure_verify_costs(runner: PagedModelRunner | ParallelRunner, max_k: int, 
         return default  # accelerators (launch-bound, flat) and tiny caches keep the default
 
     def seconds(n: int) -> float:
-        step = _Scratch([0] * n, context, blocks)
+        step = _scratch([0] * n, context, blocks)
         runner.execute([step], frozenset({step.request_id}))  # warm-up of this shape
         times = []
         for _ in range(repeats):
@@ -291,7 +287,7 @@ def measure_verify_costs(runner: PagedModelRunner | ParallelRunner, max_k: int, 
             times.append(time.perf_counter() - started)
         return min(times)  # interference only ever adds time
 
-    runner.execute([_Scratch([0] * context, 0, blocks)])  # a context to attend over
+    runner.execute([_scratch([0] * context, 0, blocks)])  # a context to attend over
     base = seconds(1)
     points = sorted({k for k in (1, 2, 4, 8, max_k) if k <= max_k})
     measured = {0: 0.0, **{k: max(0.0, seconds(1 + k) / base - 1.0) for k in points}}
@@ -304,10 +300,6 @@ def measure_verify_costs(runner: PagedModelRunner | ParallelRunner, max_k: int, 
     return costs
 
 
-@dataclasses.dataclass
-class _Scratch:
-    token_ids: list[int]
-    start_pos: int
-    block_ids: list[list[int]]
-    request_id: str = "scratch"
-    sample: bool = True
+def _scratch(token_ids: list[int], start_pos: int, block_ids: list[list[int]]) -> ScheduledRequest:
+    """A made-up request over scratch blocks (measure_verify_costs)."""
+    return ScheduledRequest("scratch", token_ids, start_pos, block_ids, sample=True)

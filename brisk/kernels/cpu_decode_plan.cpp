@@ -1,4 +1,4 @@
-// A decoder layer stack for decode-sized steps, run in C++ (model/decode_plan.py): Llama's layer,
+// A decoder layer stack for decode-sized steps, run in C++ (runtime/decode_plan.py): Llama's layer,
 // and Gemma 3's (norms after attention and MLP too, QK norm, GELU, sliding windows, two rotary
 // tables), which are the same steps with a few more row-wise pieces.
 //
@@ -236,7 +236,7 @@ void check_float_rows(const torch::Tensor& t, int64_t n, int64_t width, const ch
 
 class DecodePlan {
  public:
-  static constexpr int64_t kMaxRows = 8;  // model/decode_plan.py PLAN_MAX_ROWS
+  static constexpr int64_t kMaxRows = 8;  // runtime/decode_plan.py PLAN_MAX_ROWS
 
   // act: the MLP's activation, 0 silu (SwiGLU), 1 gelu with tanh (GeGLU)
   DecodePlan(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps, int64_t act)
@@ -500,7 +500,7 @@ class DecodePlan {
 };
 
 void bind_decode_plan(py::module& m) {
-  py::class_<DecodePlan>(m, "DecodePlan", "a decoder layer stack's decode steps in C++ (model/decode_plan.py)")
+  py::class_<DecodePlan>(m, "DecodePlan", "a decoder layer stack's decode steps in C++ (runtime/decode_plan.py)")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, int64_t>(), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"), py::arg("act") = 0)
       .def("add_layer", &DecodePlan::add_layer, py::arg("input_norm"), py::arg("post_norm"), py::arg("ops"),

@@ -1,7 +1,7 @@
 """The Linear ops the C++ decode plan runs (kernels/cpu_decode_plan.cpp `LinearOp::Kind`).
 
 Each Linear module describes its own op (`plan_op()`: model/layers.py's float Linear and quant/'s
-quantized ones), so the plan builder (model/decode_plan.py) asks the module instead of knowing
+quantized ones), so the plan builder (runtime/decode_plan.py) asks the module instead of knowing
 every format, and a new format adds its kernel op where its module lives.
 """
 

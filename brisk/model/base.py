@@ -26,7 +26,6 @@ from brisk.config import ModelConfig
 from brisk.errors import UserError
 from brisk.kernels import pack_supported, pack_weight
 from brisk.model.attention import AttentionMetadata, ContiguousAttention, SeqSpan
-from brisk.model.decode_plan import build_decode_plan, plan_applies, run_plan
 from brisk.model.layers import WHOLE, Embedding, Linear, RMSNorm, linear
 from brisk.model.rotary import partial_rotary_order, permute_heads, rope_tables
 
@@ -42,8 +41,7 @@ class CausalLM(Protocol):
     embed_tokens: nn.Module
     lm_head: nn.Module | None  # None: tied to embed_tokens
     norm: nn.Module
-    use_decode_plan: bool
-    modules_version: int
+    modules_version: int  # moves whenever the modules may have changed (runtime caches built over them go)
 
     @property
     def dtype(self) -> torch.dtype: ...
@@ -59,6 +57,7 @@ class CausalLM(Protocol):
                    attn_metadata: AttentionMetadata, start: int, end: int
                    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
     def final_norm(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor: ...
+    def step_ropes(self, positions: torch.Tensor) -> list[Rope]: ...
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor: ...
     def head_subset(self, ids: torch.Tensor) -> nn.Module: ...
@@ -67,7 +66,7 @@ class CausalLM(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
     def pack_weights(self) -> int: ...
     def unpack_weights(self) -> None: ...
-    def drop_decode_plan(self) -> None: ...
+    def modules_changed(self) -> None: ...
 
 
 # HF checkpoint names of projections that we stack into one Linear: name -> (our module, part).
@@ -102,10 +101,9 @@ class DecoderLM(nn.Module):
             self.register_buffer(names[1], sin.to(dtype), persistent=False)
             self._rope_names.append(names)
         self._tied_head_packed: torch.Tensor | None = None  # the tied LM head's packed weight
-        # decode steps in C++ (model/decode_plan.py): None until built, False where none applies
-        self.use_decode_plan = True
-        self._decode_plan: object | None = None
-        self.modules_version = 0  # moves whenever the modules may have changed (drop_decode_plan)
+        # moves whenever the modules may have changed (modules_changed): what the runtime built
+        # over them (the C++ decode plan, CUDA graphs) is built again
+        self.modules_version = 0
 
     # ---- what an architecture file provides -----------------------------------------------
     def make_layer(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
@@ -204,33 +202,19 @@ class DecoderLM(nn.Module):
         """Layers start..end-1 on (h, residual) [n, hidden] each: one pipeline stage's share of
         `forward`, whose (h, residual) travel to the next stage."""
         ropes = self.step_ropes(positions)
-        plan = self._plan_for(h, attn_metadata)
-        if plan is not None:
-            out = run_plan(plan, h, residual, ropes, attn_metadata, start, end)  # type: ignore[arg-type]
-            if out is not None:
-                return out
         layers = self.layers
         for i in range(start, end):
             h, residual = layers[i](h, residual, ropes, attn_metadata)
         return h, residual
 
-    def _plan_for(self, h: torch.Tensor, attn_metadata: AttentionMetadata) -> object | None:
-        """The C++ decode plan when this step can use it (built on first use)."""
-        if not self.use_decode_plan or self._decode_plan is False or not plan_applies(h, attn_metadata):
-            return None
-        if self._decode_plan is None:
-            self._decode_plan = build_decode_plan(self) or False
-        return self._decode_plan or None
-
     def load_state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        self.drop_decode_plan()  # the quantized modules replace their buffers (untiled, new values)
+        self.modules_changed()  # the quantized modules replace their buffers (untiled, new values)
         return super().load_state_dict(*args, **kwargs)
 
-    def drop_decode_plan(self) -> None:
-        """Forget the C++ decode plan: the modules it captured may change (rebuilt on next use).
-        `modules_version` moves too: a runner's CUDA graphs (runtime/decode_graphs.py) hold the
-        same pointers and are captured again."""
-        self._decode_plan = None
+    def modules_changed(self) -> None:
+        """Say that the modules may change: `modules_version` moves, so a runner's C++ decode plan
+        (runtime/decode_plan.py) and CUDA graphs (runtime/decode_graphs.py), which hold pointers
+        into them, are built again before their next step."""
         self.modules_version = getattr(self, "modules_version", 0) + 1
 
     def final_norm(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -287,9 +271,9 @@ class DecoderLM(nn.Module):
         return super()._apply(fn, recurse)
 
     def unpack_weights(self) -> None:
-        """Drop the packed copies and the decode plan (they go stale when weights change or the
-        model moves)."""
-        self.drop_decode_plan()
+        """Drop the packed copies; runtime plans over the modules go too (they go stale when
+        weights change or the model moves)."""
+        self.modules_changed()
         for m in self.modules():
             if hasattr(m, "packed"):
                 m.packed = None

@@ -25,7 +25,7 @@ from brisk.quant.base import FollowDtype
 from brisk.quant.grouped import GroupLinear
 from brisk.quant.methods import METHODS, Calibrated, Maker, QuantMethod, method
 
-__all__ = ["METHODS", "HeadEmbedding", "QuantMethod", "apply", "check_method", "drop_plan", "method", "quantizable",
+__all__ = ["METHODS", "HeadEmbedding", "QuantMethod", "apply", "check_method", "modules_changed", "method", "quantizable",
            "set_activations", "tie_head"]
 
 
@@ -62,7 +62,7 @@ def apply(model: nn.Module, cfg: QuantConfig | str, calibration_ids: list[int] |
     m = method(cfg)
     if m.make is None:
         raise UserError(f"{cfg.method} keeps a GGUF file's own blocks: load a .gguf model with it")
-    drop_plan(model)
+    modules_changed(model)
     with _made_on(next(model.parameters()).device):  # the Linears made here (tied head, scaled copies)
         return _apply(model, cfg, calibration_ids, m)
 
@@ -108,14 +108,15 @@ def set_activations(model: nn.Module, mode: str) -> None:
     for m in model.modules():
         if isinstance(m, GroupLinear):
             m.activations = mode
-    drop_plan(model)  # a C++ decode plan captured the old mode
+    modules_changed(model)  # a C++ decode plan captured the old mode
 
 
-def drop_plan(model: nn.Module) -> None:
-    """Forget `model`'s C++ decode plan (model/decode_plan.py): its modules are changing."""
-    drop = getattr(model, "drop_decode_plan", None)
-    if drop is not None:
-        drop()
+def modules_changed(model: nn.Module) -> None:
+    """Tell `model` (a `CausalLM`; any other module has nothing to tell) that its modules are
+    changing: a runner's decode plan and CUDA graphs over them are built again."""
+    changed = getattr(model, "modules_changed", None)
+    if changed is not None:
+        changed()
 
 
 def tie_head(model: nn.Module, head: nn.Module) -> None:

@@ -133,9 +133,9 @@ def attach_blocks(model: nn.Module, blocks: Blocks, bias_of: Callable[[str], tor
     `release(HF name)` lets go of a tensor's file pages once a module copied them (a GroupLinear, a
     tiled BlockLinear part).
     Returns the HF names now served (weights and their biases), which the float loader skips."""
-    from brisk.quant import drop_plan, quantizable, tie_head
+    from brisk.quant import modules_changed, quantizable, tie_head
 
-    drop_plan(model)
+    modules_changed(model)
     parts: dict[str, dict[int, str]] = {}
     for name in blocks:
         target = model.linear_part(name)  # type: ignore[operator]

@@ -17,7 +17,7 @@ capture that fails (an operator that syncs with the host, memory) warns once and
 eager: the engine's results never depend on graphs being available. The graphs end at the final
 hidden states: the LM head runs eagerly on the real rows only (a [batch, vocab] output per graph
 would hold GBs for a 128k vocabulary). Buckets are captured on first use, and captured again
-when the model's modules change (`modules_version`, moved by `drop_decode_plan`).
+when the model's modules change (`modules_version`, moved by `modules_changed`).
 """
 
 from __future__ import annotations

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from brisk.core.kv_cache_manager import NO_BLOCK
 from brisk.core.kv_groups import KVGroup, kv_groups, layer_slots
+from brisk.core.outputs import ScheduledRequest
 from brisk.model.attention import KVCache
 from brisk.model.base import CausalLM
 from brisk.model.paged_attention import (
@@ -25,18 +25,10 @@ from brisk.model.paged_attention import (
     padded_spans,
 )
 from brisk.runtime.decode_graphs import DecodeGraphs
+from brisk.runtime.decode_plan import DecodePlans
 from brisk.runtime.model_runner import sdpa_context
+from brisk.runtime.step import RunnerOutput, StepBatch, run_step
 from brisk.runtime.virtual_kv import VirtualKV
-
-
-class ScheduledStep(Protocol):
-    """What the runner needs of each scheduled request (core.outputs.ScheduledRequest)."""
-
-    request_id: str
-    token_ids: list[int]  # tokens to compute this step
-    start_pos: int  # tokens already in the cache
-    block_ids: list[list[int]]  # the request's block tables, one per KV group
-    sample: bool  # this step reaches the end of the known tokens: produce logits
 
 
 def model_kv_groups(model: CausalLM, max_model_len: int | None = None) -> tuple[KVGroup, ...]:
@@ -108,12 +100,14 @@ class StepInputs:
 class PagedModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, pack_weights: bool = True,
                  groups: tuple[KVGroup, ...] | None = None, virtual: VirtualKV | None = None,
-                 graphs: bool | None = None) -> None:
+                 graphs: bool | None = None, eager: bool = False) -> None:
         """`virtual`: the virtual layout's reserved tensors (runtime/virtual_kv.py) instead of a
         block pool; `num_blocks` is then its rows x tiles, and there is one KV group. `graphs`:
         replay pure-decode steps as CUDA graphs (runtime/decode_graphs.py); None: on CUDA unless
-        the model runs eagerly (`LLM(enforce_eager=True)` clears `model.use_decode_plan`)."""
+        `eager`. `eager` (`LLM(enforce_eager=True)`): every step runs module by module, without
+        the C++ decode plan (runtime/decode_plan.py) or CUDA graphs."""
         self.model = model
+        self.plans = DecodePlans(model, enabled=not eager)  # the CPU's decode steps in C++
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = model.device
@@ -122,7 +116,7 @@ class PagedModelRunner:
         assert virtual is None or len(self.groups) == 1, "the virtual layout gives every layer its own row"
         self.layer_group, _ = layer_slots(self.groups, model.config.num_hidden_layers)
         if graphs is None:
-            graphs = self.device.type == "cuda" and model.use_decode_plan
+            graphs = self.device.type == "cuda" and not eager
         graphs = graphs and virtual is None
         # with graphs, one block more than the pool hands out: the padding rows' KV lands there
         self.kv_caches = allocate_paged_kv(model, num_blocks + int(graphs), block_size, self.groups) \
@@ -145,11 +139,11 @@ class PagedModelRunner:
         # (StepLogits.captured); None: the forward runs whole
         self.capture_layer: int | None = None
 
-    def _uses_kernel(self, step: ScheduledStep) -> bool:
+    def _uses_kernel(self, step: ScheduledRequest) -> bool:
         """True: the step is one of the batched short spans laid out first."""
         return self.short_spans != "gather" and len(step.token_ids) <= KERNEL_MAX_QUERY
 
-    def prepare(self, steps: Sequence[ScheduledStep], all_rows_for: frozenset[str] = frozenset()) -> StepInputs:
+    def prepare(self, steps: Sequence[ScheduledRequest], all_rows_for: frozenset[str] = frozenset()) -> StepInputs:
         """Lay the batch out kernel spans first (see model/paged_attention.py) and build its tensors."""
         kernel = [s for s in steps if self._uses_kernel(s)]
         gather = [s for s in steps if not self._uses_kernel(s)]
@@ -209,8 +203,18 @@ class PagedModelRunner:
                           torch.tensor(positions, dtype=torch.long, device=dev), attn, sample_rows, sample_ids,
                           all_rows)
 
+    def execute_model(self, batch: StepBatch) -> RunnerOutput:
+        """One engine step: the forward, then the sampled ids (runtime/step.py)."""
+        return run_step(self, batch)
+
+    def check(self) -> None:
+        """Nothing ends under a single process but the process (the Runner protocol)."""
+
+    def info(self) -> dict[str, float]:
+        return {}
+
     @torch.inference_mode()
-    def execute(self, steps: Sequence[ScheduledStep], all_rows_for: frozenset[str] = frozenset(),
+    def execute(self, steps: Sequence[ScheduledRequest], all_rows_for: frozenset[str] = frozenset(),
                 head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StepLogits:
         """Run one forward; return float32 logits of each sampled request's last token and, for the
         requests in `all_rows_for`, of every token they computed this step (prompt logprobs,
@@ -228,7 +232,7 @@ class PagedModelRunner:
         captured = None
         with sdpa_context(self.device):
             if self.capture_layer is None:
-                hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn)  # [num_tokens, hidden]
+                hidden = self.plans.forward(inputs.input_ids, inputs.positions, inputs.attn)  # [num_tokens, hidden]
             else:
                 hidden, captured = self._forward_capturing(inputs)
         index, rows = inputs.logit_rows()
@@ -243,19 +247,19 @@ class PagedModelRunner:
     def _forward_capturing(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward in two runs of layers (the decode plan serves each), keeping the residual
         stream between them: final hidden states and that stream, [num_tokens, hidden] each."""
-        model, cut = self.model, self.capture_layer
-        h, residual = model.run_layers(model.embed(inputs.input_ids), None, inputs.positions, inputs.attn, 0, cut)
+        model, cut, layers = self.model, self.capture_layer, self.plans.run_layers
+        h, residual = layers(model.embed(inputs.input_ids), None, inputs.positions, inputs.attn, 0, cut)
         stream = h if residual is None else h + residual
-        h, residual = model.run_layers(h, residual, inputs.positions, inputs.attn, cut, model.config.num_hidden_layers)
+        h, residual = layers(h, residual, inputs.positions, inputs.attn, cut, model.config.num_hidden_layers)
         return model.final_norm(h, residual), stream
 
     @torch.inference_mode()
-    def exit_hidden(self, steps: Sequence[ScheduledStep], num_layers: int) -> torch.Tensor:
+    def exit_hidden(self, steps: Sequence[ScheduledRequest], num_layers: int) -> torch.Tensor:
         """Early exit: run the first `num_layers` layers (writing their KV) and return the normed
         hidden state of each step's last token, in step order: [len(steps), hidden]."""
         inputs = self.prepare(steps)
         with sdpa_context(self.device):
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, num_layers)  # [num_tokens, hidden]
+            hidden = self.plans.forward(inputs.input_ids, inputs.positions, inputs.attn, num_layers)  # [num_tokens, hidden]
         order = {rid: row for rid, row in zip(inputs.sample_ids, inputs.sample_rows)}
         return hidden[torch.tensor([order[s.request_id] for s in steps], device=self.device)]
 

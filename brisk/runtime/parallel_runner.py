@@ -28,27 +28,12 @@ from brisk.model.base import CausalLM
 from brisk.parallel.groups import ParallelFailure, ParallelState
 from brisk.parallel.pipeline import split_micro_batches
 from brisk.runtime.model_runner import sdpa_context
-from brisk.runtime.paged_runner import (
-    PagedModelRunner,
-    ScheduledStep,
-    StepInputs,
-    StepLogits,
-    pick_rows,
-)
+from brisk.core.outputs import ScheduledRequest
+from brisk.runtime.paged_runner import PagedModelRunner, StepInputs, StepLogits, pick_rows
+from brisk.runtime.step import RunnerOutput, StepBatch, run_step
 
 # Fewest tokens a pipeline micro-batch is cut to by default (see StageRunner.micro_batch_count).
 MIN_MICRO_BATCH_TOKENS = 64
-
-
-@dataclass(frozen=True)
-class StepSpec:
-    """A scheduled request as plain data (the ScheduledStep protocol): what travels to workers."""
-
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    block_ids: list[list[int]]  # one table per KV group
-    sample: bool
 
 
 @dataclass
@@ -66,9 +51,9 @@ class StageRunner:
     """This rank's share of a step: its layers, its shard of their weights, its KV."""
 
     def __init__(self, model: CausalLM, state: ParallelState, layers: range, num_blocks: int,
-                 block_size: int, pack_weights: bool = True) -> None:
+                 block_size: int, pack_weights: bool = True, eager: bool = False) -> None:
         # no CUDA graphs: a tensor-parallel step's collectives would have to be captured with it
-        self.local = PagedModelRunner(model, num_blocks, block_size, pack_weights, graphs=False)
+        self.local = PagedModelRunner(model, num_blocks, block_size, pack_weights, graphs=False, eager=eager)
         self.model = model
         self.state = state
         self.layers = layers
@@ -86,7 +71,7 @@ class StageRunner:
         return max(1, min(self.state.pp_size, num_tokens // MIN_MICRO_BATCH_TOKENS))
 
     @torch.inference_mode()
-    def run(self, steps: Sequence[ScheduledStep], all_rows_for: frozenset[str]) -> StepLogits | None:
+    def run(self, steps: Sequence[ScheduledRequest], all_rows_for: frozenset[str]) -> StepLogits | None:
         """Run this rank's part of the step; rank 0 returns the logits, the others None.
 
         The LM head lives with the embedding on the first stage (tied models share the table): the
@@ -132,8 +117,8 @@ class StageRunner:
             both = state.recv((2, n, model.config.hidden_size), model.dtype, state.peer(state.pp_rank - 1))
             h, residual = both[0], both[1]
         with sdpa_context(self.local.device):
-            h, residual = model.run_layers(h, residual, inputs.positions, inputs.attn, self.layers.start,
-                                           self.layers.stop)
+            h, residual = self.local.plans.run_layers(h, residual, inputs.positions, inputs.attn,
+                                                      self.layers.start, self.layers.stop)
         assert residual is not None, "every stage runs at least one layer"
         return h, residual
 
@@ -194,10 +179,15 @@ class ParallelRunner:
         if self.failure is not None:
             raise ParallelFailure(self.failure)
 
-    def execute(self, steps: Sequence[ScheduledStep], all_rows_for: frozenset[str] = frozenset()) -> StepLogits:
+    def execute_model(self, batch: StepBatch) -> RunnerOutput:
+        """One engine step on every rank; rank 0 samples (runtime/step.py)."""
+        return run_step(self, batch)
+
+    def execute(self, steps: Sequence[ScheduledRequest], all_rows_for: frozenset[str] = frozenset()) -> StepLogits:
         if self.failure is not None:
             raise ParallelFailure(self.failure)
-        plain = [StepSpec(s.request_id, list(s.token_ids), s.start_pos, [list(t) for t in s.block_ids], s.sample)
+        # plain copies travel to the workers (draft slots are the engine's business, not theirs)
+        plain = [ScheduledRequest(s.request_id, list(s.token_ids), s.start_pos, [list(t) for t in s.block_ids], s.sample)
                  for s in steps]
         try:
             self.state.broadcast_object(("step", plain, all_rows_for))

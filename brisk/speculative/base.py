@@ -36,17 +36,6 @@ class DraftRequest:
 
 
 @dataclass
-class DraftStep:
-    """One request's work in a draft pass: the runner's ScheduledStep protocol."""
-
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    block_ids: list[list[int]]  # one table per KV group
-    sample: bool = True
-
-
-@dataclass
 class Draft:
     """Proposed tokens (possibly fewer than asked, possibly none) and the distribution each was
     drawn from: `probs` [len(token_ids), vocab], or None when every token was chosen

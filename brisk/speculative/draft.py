@@ -27,7 +27,8 @@ from typing import Protocol
 import torch
 
 from brisk.request import Request, SamplingParams
-from brisk.speculative.base import Draft, DraftRequest, DraftStep, pick_draft_token
+from brisk.core.outputs import ScheduledRequest
+from brisk.speculative.base import Draft, DraftRequest, pick_draft_token
 from brisk.model.base import CausalLM
 from brisk.speculative.heads import DraftVocab, read_draft_vocab
 from brisk.speculative.registry import ProposerContext, register
@@ -85,7 +86,7 @@ class DraftModelProposer:
                 self.release(rid)
             raise
 
-    def _draft(self, requests: list[DraftRequest], steps: dict[str, DraftStep | None]) -> list[Draft]:
+    def _draft(self, requests: list[DraftRequest], steps: dict[str, ScheduledRequest | None]) -> list[Draft]:
         tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in requests}
         by_id = {r.request_id: r for r in requests}
@@ -115,7 +116,7 @@ class DraftModelProposer:
         return [Draft(tokens[r.request_id], torch.stack(probs[r.request_id]) if probs[r.request_id] else None)
                 for r in requests]
 
-    def _catch_up(self, r: DraftRequest) -> DraftStep | None:
+    def _catch_up(self, r: DraftRequest) -> ScheduledRequest | None:
         """Sync the shadow with the target's tokens and reserve slots for this step's passes;
         None when the draft's pool is full (the request then goes without drafts this step)."""
         shadow = self._shadows.get(r.request_id)
@@ -145,7 +146,7 @@ class DraftModelProposer:
             return None
         shadow.request.num_computed_tokens = len(shadow.cached)
         shadow.cached.extend(todo)
-        return DraftStep(r.request_id, list(todo), len(shadow.cached) - len(todo), blocks)
+        return ScheduledRequest(r.request_id, list(todo), len(shadow.cached) - len(todo), blocks, sample=True)
 
     def release(self, request_id: str) -> None:
         shadow = self._shadows.pop(request_id, None)

@@ -15,7 +15,8 @@ import torch
 
 from brisk.errors import UserError
 from brisk.model.base import CausalLM
-from brisk.speculative.base import Draft, DraftRequest, DraftStep, pick_draft_token
+from brisk.core.outputs import ScheduledRequest
+from brisk.speculative.base import Draft, DraftRequest, pick_draft_token
 from brisk.speculative.heads import DraftVocab, ResidualHeads, load_heads
 from brisk.speculative.registry import ProposerContext, register
 
@@ -43,7 +44,7 @@ class EarlyExitProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        steps = [DraftStep(r.request_id, [r.token_ids[-1]], r.last_pos, r.block_ids) for r in requests]
+        steps = [ScheduledRequest(r.request_id, [r.token_ids[-1]], r.last_pos, r.block_ids, sample=True) for r in requests]
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = list(range(len(requests)))
@@ -57,7 +58,8 @@ class EarlyExitProposer:
                 tokens[i].append(token)
                 if q is not None:
                     probs[i].append(q)
-                steps[i] = DraftStep(steps[i].request_id, [token], steps[i].start_pos + 1, steps[i].block_ids)
+                steps[i] = ScheduledRequest(steps[i].request_id, [token], steps[i].start_pos + 1, steps[i].block_ids,
+                                            sample=True)
             active = [i for i in active if len(tokens[i]) < requests[i].num_drafts]
         return [Draft(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 

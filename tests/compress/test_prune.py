@@ -157,7 +157,7 @@ def test_pruned_model_decodes_through_the_plan_batched_and_alone(pruned_dir: Pat
     each prompt its tokens alone."""
     llm = LLM(str(pruned_dir), num_kv_blocks=64, max_model_len=256)
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    assert llm.model._decode_plan not in (None, False)  # the plan served the decode steps
+    assert llm.engine.runner.plans.current is not None  # the plan served the decode steps
     alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     assert batched == alone
     eager = LLM(str(pruned_dir), num_kv_blocks=64, max_model_len=256, enforce_eager=True)
@@ -222,7 +222,7 @@ def test_2_4_directory_decodes_through_the_plan(sparse_dir: Path) -> None:
     llm = LLM(str(sparse_dir), num_kv_blocks=64, max_model_len=256)
     assert isinstance(llm.model.layers[0].mlp.down_proj, Sparse24Linear)
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    assert llm.model._decode_plan not in (None, False)
+    assert llm.engine.runner.plans.current is not None
     assert batched == [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     eager = LLM(str(sparse_dir), num_kv_blocks=64, max_model_len=256, enforce_eager=True)
     assert [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)] == batched
@@ -252,7 +252,7 @@ def test_2_4_with_int8_values(gguf_path: Path) -> None:
     down = llm.model.layers[0].mlp.down_proj
     assert isinstance(down, Sparse24Linear) and down.int8 and isinstance(llm.model.lm_head, Int8Linear)
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    assert llm.model._decode_plan not in (None, False)
+    assert llm.engine.runner.plans.current is not None
     assert batched == [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     with pytest.raises(ValueError, match="cannot combine with int4"):
         LLM(str(gguf_path), quantization="int4", pruning={"method": "2:4", "calibration": CALIBRATION})

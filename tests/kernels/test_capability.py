@@ -62,7 +62,7 @@ def test_the_native_isa_is_the_cpus() -> None:
 PROBE = """
 import json
 from brisk import kernels
-from brisk.model.decode_plan import plan_supported
+from brisk.runtime.decode_plan import plan_supported
 c = kernels.CAPS
 print(json.dumps({"isa": c.isa, "cpu": c.cpu_isa, "ext": kernels._C.isa(), "vnni": c.vnni,
                   "small_gemm_rows": kernels.SMALL_GEMM_MAX_ROWS, "plan": plan_supported(),
@@ -117,7 +117,7 @@ def test_lowered_paths_give_the_native_greedy_tokens(isa: str, quantization: str
 
 
 EXACTNESS = ["tests/model/test_kernels.py", "tests/model/test_reference.py::test_logits_match_hf_on_varied_prompts",
-             "tests/model/test_decode_plan.py", "tests/quant/test_int8.py", "tests/quant/test_int4.py"]
+             "tests/runtime/test_decode_plan.py", "tests/quant/test_int8.py", "tests/quant/test_int4.py"]
 # The portable path is ~4x slower: there the decode plan runs once per quantization (kernel-level
 # cross-ISA checks are in test_isa_paths.py, in-process).
 EXACTNESS_SKIP = {"avx2": "thread_count", "scalar": "thread_count or drops_the_plan or config or varied_prompts"}

@@ -86,7 +86,7 @@ def test_greedy_64_tokens_equal_hf_loading_the_same_gguf(gemma_path: Path, token
 
 def test_file_as_stored_runs_the_decode_plan_with_the_module_path_numbers(gemma_path: Path) -> None:
     from brisk.engine.llm import LLM
-    from brisk.model.decode_plan import plan_supported
+    from brisk.runtime.decode_plan import plan_supported
     from brisk.request import SamplingParams
 
     if not plan_supported():
@@ -95,11 +95,11 @@ def test_file_as_stored_runs_the_decode_plan_with_the_module_path_numbers(gemma_
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
     results = []
     for use_plan in (True, False):
-        llm.model.use_decode_plan = use_plan
+        llm.engine.runner.plans.enabled = use_plan
         outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
         results.append([(o.outputs[0].token_ids, [(s.logprob, s.top) for s in o.outputs[0].logprobs]) for o in outs])
         if use_plan:
-            assert llm.model._decode_plan, "the plan should serve the file as stored"
+            assert llm.engine.runner.plans.current, "the plan should serve the file as stored"
     assert results[0] == results[1]
 
 

@@ -19,7 +19,7 @@ from gguf import quants as gq
 
 from brisk import LLM, SamplingParams
 from brisk.loader.dequant import dequantize
-from brisk.model.decode_plan import plan_supported
+from brisk.runtime.decode_plan import plan_supported
 from brisk.model.layers import Linear
 from brisk.quant.gguf import BlockLinear
 from brisk.quant.grouped import GroupLinear
@@ -81,12 +81,12 @@ def test_decode_plan_gives_the_module_path_numbers(mix: str, kquant_file: Callab
     params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2)
 
     def run(plan: bool) -> list:
-        llm.model.use_decode_plan = plan
+        llm.engine.runner.plans.enabled = plan
         outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
         return [(o.outputs[0].token_ids, [(s.logprob, s.top) for s in o.outputs[0].logprobs]) for o in outs]
 
     with_plan = run(True)
-    assert llm.model._decode_plan, "the plan should serve a block-quantized model"
+    assert llm.engine.runner.plans.current, "the plan should serve a block-quantized model"
     assert with_plan == run(False)
 
 

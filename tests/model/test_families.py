@@ -208,7 +208,7 @@ def test_greedy_through_the_paged_engine_equals_hf(family: str, tmp_path: Path) 
 def test_decode_plan_gives_the_module_path_numbers_bit_for_bit(family: str, tmp_path: Path) -> None:
     """Gemma 3's post norms, QK norm, GELU, windows and two rotary tables, Qwen3's QK norm and
     Mistral's window in the C++ plan: the same tokens and log-probabilities as module by module."""
-    from brisk.model.decode_plan import plan_supported
+    from brisk.runtime.decode_plan import plan_supported
 
     if not plan_supported():
         pytest.skip("needs the AVX-512 kernels")
@@ -217,8 +217,8 @@ def test_decode_plan_gives_the_module_path_numbers_bit_for_bit(family: str, tmp_
     prompts = [IDS[:30], IDS[5:9], IDS[:30] + IDS[:3]]
     results = []
     for use_plan in (True, False):
-        ours.use_decode_plan = use_plan
         engine = _engine(ours, 64)
+        engine.runner.plans.enabled = use_plan
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, params)
         outs: dict[str, object] = {}
@@ -229,7 +229,7 @@ def test_decode_plan_gives_the_module_path_numbers_bit_for_bit(family: str, tmp_
                     outs[o.request_id] = (list(c.token_ids), [(s.logprob, s.top) for s in c.logprobs])
         results.append(outs)
         if use_plan:
-            assert ours._decode_plan, "the plan should serve this model"
+            assert engine.runner.plans.current, "the plan should serve this model"
     assert results[0] == results[1]
 
 

@@ -62,17 +62,18 @@ def test_micro_batches_are_contiguous_and_balanced_by_tokens() -> None:
 
 def test_torchrun_ranks_get_every_option_rank_0_gets(monkeypatch: pytest.MonkeyPatch) -> None:
     """cli.py builds torchrun's other ranks from the same LLM keywords as rank 0's LLM: an option
-    like --dequantize or --parallel-timeout reaches every rank (it once reached only rank 0)."""
+    like --dequantize, --parallel-timeout or --enforce-eager reaches every rank (they once reached only
+    rank 0)."""
     from brisk.cli import build_parser
     from brisk.cli_common import engine_kwargs
     from brisk.engine.workers import WorkerArgs, torchrun_rank
 
     args = build_parser().parse_args(["generate", "--model", "m.gguf", "--prompt", "x", "--dequantize", "-tp", "2",
                                       "--parallel-timeout", "7", "--block-size", "32", "--no-pack-weights",
-                                      "--dtype", "bfloat16"])
+                                      "--dtype", "bfloat16", "--enforce-eager"])
     worker = WorkerArgs.of_llm(args.model, {"dtype": args.dtype, **engine_kwargs(args)})
     assert worker == WorkerArgs("m.gguf", dtype="bfloat16", tensor_parallel_size=2, timeout_s=7.0, block_size=32,
-                                pack_weights=False, dequantize=True)
+                                pack_weights=False, dequantize=True, enforce_eager=True)
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert torchrun_rank() is None  # no RANK: not started by torchrun

@@ -140,13 +140,12 @@ def test_graphs_default_to_cuda_and_stay_off_when_eager() -> None:
     if torch.cuda.is_available():
         gpu = _model(LLAMA, "cuda")
         assert PagedModelRunner(gpu, 8, 4).graphs is not None
-        gpu.use_decode_plan = False  # LLM(enforce_eager=True)
-        assert PagedModelRunner(gpu, 8, 4).graphs is None
+        assert PagedModelRunner(gpu, 8, 4, eager=True).graphs is None  # LLM(enforce_eager=True)
 
 
 def test_changed_modules_are_captured_again() -> None:
     """Graphs hold pointers into the weights: after anything that may change the modules
-    (`drop_decode_plan`: .to(), load_state_dict, unpack_weights) the buckets are built again."""
+    (`modules_changed`: .to(), load_state_dict, unpack_weights) the buckets are built again."""
     model = _model(LLAMA, "cpu")
     runner = PagedModelRunner(model, 16, 4, graphs=True)
     graphs = runner.graphs
@@ -155,7 +154,7 @@ def test_changed_modules_are_captured_again() -> None:
     first = runner.execute([Step("a", [4], 3, [1])])
     assert set(graphs._graphs) == {(1, MIN_WIDTH)}
     held = graphs._graphs[(1, MIN_WIDTH)]
-    model.drop_decode_plan()
+    model.modules_changed()
     again = runner.execute([Step("a", [5], 4, [1, 2])])
     assert graphs._graphs[(1, MIN_WIDTH)] is not held, "captured again"
     assert again.logits.shape == first.logits.shape and graphs.replays == 2

@@ -27,6 +27,7 @@ class WorkerArgs:
     block_size: int = 16
     pack_weights: bool = True
     dequantize: bool = False  # a quantized .gguf as floats (tensor parallelism always: it slices floats)
+    enforce_eager: bool = False  # no C++ decode plan (module by module), on every rank
 
     @classmethod
     def of_llm(cls, model: str, options: dict[str, Any]) -> WorkerArgs:
@@ -50,7 +51,7 @@ _LLM_NAMES = {"dtype": "dtype", "device": "device", "max_model_len": "max_model_
               "quantization_config": "quantization_config", "tensor_parallel_size": "tensor_parallel_size",
               "pipeline_parallel_size": "pipeline_parallel_size", "timeout_s": "parallel_timeout_s",
               "micro_batches": "pipeline_micro_batches", "block_size": "block_size", "pack_weights": "pack_weights",
-              "dequantize": "dequantize"}
+              "dequantize": "dequantize", "enforce_eager": "enforce_eager"}
 
 
 def torchrun_rank() -> int | None:

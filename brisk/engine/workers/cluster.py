@@ -76,7 +76,8 @@ def start_cluster(args: WorkerArgs, cache: CacheConfig) -> Cluster:
         block_bytes = max(state.gather_objects(kv_block_bytes(loaded.model, args.block_size)))
         blocks = num_kv_blocks(cache, block_bytes)
         state.broadcast_object(blocks)
-        stage = StageRunner(loaded.model, state, layers, blocks, args.block_size, args.pack_weights)
+        stage = StageRunner(loaded.model, state, layers, blocks, args.block_size, args.pack_weights,
+                            eager=args.enforce_eager)
     except (RuntimeError, OSError) as e:  # a worker failed while starting: say which and how
         message = describe(e)
         stop()

@@ -44,6 +44,7 @@ def run_worker(args: WorkerArgs, rank: int, init: str | torch.distributed.Store)
         loaded, layers = build_rank(args, state)
         state.gather_objects(kv_block_bytes(loaded.model, args.block_size))
         blocks = state.broadcast_object()
-        serve_steps(StageRunner(loaded.model, state, layers, blocks, args.block_size, args.pack_weights))
+        serve_steps(StageRunner(loaded.model, state, layers, blocks, args.block_size, args.pack_weights,
+                                eager=args.enforce_eager))
     finally:
         shutdown_distributed()

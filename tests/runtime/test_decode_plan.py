@@ -1,4 +1,4 @@
-"""The C++ decode plan (model/decode_plan.py) computes exactly what the module path computes: the
+"""The C++ decode plan (runtime/decode_plan.py, held by the runner) computes exactly what the module path computes: the
 same tokens and the same log-probabilities, bit for bit, for every Linear kind it serves; models it
 cannot serve keep the module path; anything that may change the modules drops the plan."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from brisk import LLM, SamplingParams
-from brisk.model.decode_plan import plan_supported
+from brisk.runtime.decode_plan import plan_supported
 from brisk.quant import set_activations
 
 pytestmark = pytest.mark.skipif(not plan_supported(), reason="needs the AVX-512 kernels")
@@ -19,7 +19,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 
 def _outputs(llm: LLM, use_plan: bool) -> list[tuple[list[int], list[tuple[float, tuple]]]]:
-    llm.model.use_decode_plan = use_plan
+    llm.engine.runner.plans.enabled = use_plan
     params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     result = []
@@ -39,7 +39,7 @@ def test_plan_gives_the_module_path_numbers_bit_for_bit(quantization: str, confi
     llm = LLM("smollm2-135m", quantization=None if float_model else quantization, quantization_config=config,
               max_model_len=256, num_kv_blocks=64, dequantize=float_model)
     with_plan = _outputs(llm, True)
-    assert llm.model._decode_plan, "the plan should serve this model"
+    assert llm.engine.runner.plans.current, "the plan should serve this model"
     assert with_plan == _outputs(llm, False)
 
 
@@ -47,25 +47,27 @@ def test_models_without_kernels_keep_the_module_path(gguf_path: Path) -> None:
     llm = LLM("smollm2-135m", quantization="w8a8", max_model_len=256, num_kv_blocks=64)
     out = llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
-    assert llm.model._decode_plan is False  # W8A8 Linears have no single-kernel op in the plan
+    assert llm.engine.runner.plans.refused  # W8A8 Linears have no single-kernel op in the plan
 
 
 def test_enforce_eager_keeps_the_module_path(gguf_path: Path) -> None:
     llm = LLM("smollm2-135m", enforce_eager=True, max_model_len=256, num_kv_blocks=64)
     llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
-    assert llm.model._decode_plan is None and not llm.model.use_decode_plan
+    plans = llm.engine.runner.plans
+    assert plans.current is None and not plans.refused and not plans.enabled
 
 
 def test_changing_the_modules_drops_the_plan(gguf_path: Path) -> None:
     llm = LLM("smollm2-135m", quantization="int4", max_model_len=256, num_kv_blocks=64)
+    plans = llm.engine.runner.plans
     before = _outputs(llm, True)
-    assert llm.model._decode_plan
+    assert plans.current
     set_activations(llm.model, "int8")  # the plan had captured int16 activations (the default)
-    assert llm.model._decode_plan is None
+    assert plans.current is None
     after = _outputs(llm, True)
-    assert llm.model._decode_plan and after != before
+    assert plans.current and after != before
     llm.model.to(torch.float32)  # .to() may move or retype the weights: the plan goes
-    assert llm.model._decode_plan is None
+    assert plans.current is None
 
 
 def test_plan_numbers_do_not_depend_on_the_thread_count(gguf_path: Path) -> None:
@@ -87,7 +89,7 @@ def test_plan_numbers_do_not_depend_on_the_thread_count(gguf_path: Path) -> None
 def test_plan_rejects_bad_inputs_with_clear_errors(gguf_path: Path) -> None:
     llm = LLM("smollm2-135m", max_model_len=256, num_kv_blocks=64)
     llm.generate("Hello", SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
-    plan = llm.model._decode_plan
+    plan = llm.engine.runner.plans.current
     assert plan
     cfg = llm.model.config
     h = torch.zeros(1, cfg.hidden_size)

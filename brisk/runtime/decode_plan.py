@@ -6,12 +6,15 @@ to a C++ `DecodePlan` that runs the kernels the modules would call on the same r
 are identical (tested) and only the interpreter is gone; it runs a whole step in one OpenMP
 parallel region (the threads split each Linear's rows and meet at spin barriers), so the thread
 pool is not forked and joined around every kernel either. It is
-the CPU counterpart of capturing a CUDA graph: built on the first step it can serve (putting the
-quantized weights in their kernel layouts first, as their first kernel call would), and dropped
-whenever the modules may change (`DecoderLM.drop_decode_plan`: `.to()`, `load_weights`,
-`load_state_dict`, `quant.apply`, `quant.set_activations`). Code that edits modules in place
-otherwise (assigning `GroupLinear.activations`, forward hooks, which the plan never calls) must
-drop the plan itself or run with `use_decode_plan = False` (`LLM(enforce_eager=True)`).
+the CPU counterpart of capturing a CUDA graph, and like one it belongs to the runtime, not the
+model: each runner holds a `DecodePlans`, which builds the plan on the first step it can serve
+(putting the quantized weights in their kernel layouts first, as their first kernel call would) and
+builds it again whenever the model's `modules_version` has moved (`DecoderLM.modules_changed`:
+`.to()`, `load_weights`, `load_state_dict`, `quant.apply`, `quant.set_activations`). Code that
+edits modules in place otherwise (assigning `GroupLinear.activations`, forward hooks, which the
+plan never calls) must call `modules_changed` itself, or the runner runs eagerly
+(`LLM(enforce_eager=True)`). The model's own `run_layers` knows nothing of the plan: a runner's
+`DecodePlans.run_layers` tries the plan first and falls back to it.
 
 A plan exists only when every piece has its C++ kernel: float32 activations on an AVX-512 CPU,
 float / int4 / gguf (group and block) / int8 / 2:4 sparse Linears (W8A8, ternary and tensor-parallel Linears keep the module
@@ -28,6 +31,7 @@ import torch
 
 from brisk import kernels
 from brisk.kernels.plan_ops import LinearOp
+from brisk.model.base import CausalLM
 from brisk.model.layers import RMSNorm
 from brisk.model.paged_attention import HAVE_PAGED_KERNEL, PagedAttention
 
@@ -148,3 +152,51 @@ def run_plan(plan: Any, h: torch.Tensor, residual: torch.Tensor | None, ropes: l
     return plan.run(h.contiguous(), residual, cos, sin, caches,
                     meta.slot_blocks, meta.slot_offsets, meta.block_tables, meta.query_start, meta.kv_lens,
                     meta.scale, start, end, meta.layer_group or [])
+
+
+class DecodePlans:
+    """A runner's C++ decode plan over `model`: built on the first step it can serve, built again
+    after the model's modules change (`modules_version`), never while `enabled` is False
+    (`enforce_eager`)."""
+
+    def __init__(self, model: CausalLM, enabled: bool = True) -> None:
+        self.model = model
+        self.enabled = enabled
+        self._plan: Any = None  # the plan, or False where none applies to these modules
+        self._version: int | None = None  # modules_version the plan was built for
+
+    @property
+    def current(self) -> Any | None:
+        """The plan built for the model's modules as they are now; None when none was built since
+        they last changed, or none applies (`refused`)."""
+        return (self._plan or None) if self._version == self.model.modules_version else None
+
+    @property
+    def refused(self) -> bool:
+        """True: a plan was asked for these modules and some piece has no kernel."""
+        return self._plan is False and self._version == self.model.modules_version
+
+    def run_layers(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, attn: object,
+                   start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`model.run_layers`, through the plan when it serves this step."""
+        plan = self._for_step(h, attn)
+        if plan is not None:
+            out = run_plan(plan, h, residual, self.model.step_ropes(positions), attn, start, end)  # type: ignore[arg-type]
+            if out is not None:
+                return out
+        return self.model.run_layers(h, residual, positions, attn, start, end)  # type: ignore[arg-type]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: object,
+                num_layers: int | None = None) -> torch.Tensor:
+        """`model.forward` (embed, layers, final norm), its layers through `run_layers`."""
+        model = self.model
+        end = model.config.num_hidden_layers if num_layers is None else num_layers
+        return model.final_norm(*self.run_layers(model.embed(input_ids), None, positions, attn, 0, end))
+
+    def _for_step(self, h: torch.Tensor, attn: object) -> Any | None:
+        if not self.enabled or not plan_applies(h, attn):
+            return None
+        if self._version != self.model.modules_version:
+            self._plan = build_decode_plan(self.model) or False
+            self._version = self.model.modules_version  # read after: building may tile weights
+        return self._plan or None
