@@ -183,9 +183,6 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first schedule; -1 = not yet
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
-    # Speculative decoding: draft tokens the next decode step should make room for (set by the
-    # engine's length controller before each schedule; the scheduler may grant fewer).
-    num_spec_wanted: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Mapping
 
 from brisk.config import SchedulerConfig
 from brisk.core.kv_cache_manager import request_tokens
@@ -78,8 +79,11 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- schedule
 
-    def schedule(self) -> SchedulerOutput:
-        """Plan one step within `max_num_batched_tokens`; advances num_computed_tokens now."""
+    def schedule(self, drafts_wanted: Mapping[str, int] | None = None) -> SchedulerOutput:
+        """Plan one step within `max_num_batched_tokens`; advances num_computed_tokens now.
+        `drafts_wanted`: speculative decoding's draft tokens per running request id, which this
+        step's decodes make room for where budget and blocks allow (the engine's length
+        controller decides them before each step; the scheduler may grant fewer)."""
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         self._prompt_cap = self._prompt_token_cap()
@@ -88,7 +92,7 @@ class Scheduler:
         # the request just preempted).
         if not preempted:
             budget = self._schedule_waiting(budget, scheduled)
-            budget = self._schedule_drafts(budget, scheduled)
+            budget = self._schedule_drafts(budget, scheduled, drafts_wanted or {})
         out = SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted, self._finished_ids)
         self._finished_ids = []
         return out
@@ -117,13 +121,13 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_drafts(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _schedule_drafts(self, budget: int, scheduled: list[ScheduledRequest], wanted: Mapping[str, int]) -> int:
         """Phase 3: speculative draft slots for this step's decodes, from what the running and
         waiting requests left: drafts are optional, so they never take a token of the budget or a
         KV block that a decode or a prompt could use, and never cause a preemption."""
         for i, item in enumerate(scheduled):
             request = self._requests[item.request_id]
-            num_spec = self._num_spec_slots(request, item, budget)
+            num_spec = self._num_spec_slots(request, item, budget, wanted.get(item.request_id, 0))
             if num_spec == 0:
                 continue
             block_ids = self.kv.allocate_slots(request, num_spec)  # after the decode token's slot
@@ -133,14 +137,14 @@ class Scheduler:
             budget -= num_spec
         return budget
 
-    def _num_spec_slots(self, request: Request, item: ScheduledRequest, budget: int) -> int:
+    def _num_spec_slots(self, request: Request, item: ScheduledRequest, budget: int, wanted: int) -> int:
         """Draft slots for a decode step: what the engine asked for, within the step's budget, the
         request's max_tokens and the context (all drafts accepted plus the bonus token must fit)."""
-        if request.num_spec_wanted <= 0 or item.num_tokens != 1 or not item.sample:
+        if wanted <= 0 or item.num_tokens != 1 or not item.sample:
             return 0
         params = request.sampling_params
         room = min(params.max_tokens - request.num_output_tokens, self.max_seq_len - request.num_tokens) - 1
-        return max(0, min(request.num_spec_wanted, budget, room))
+        return max(0, min(wanted, budget, room))
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         """Phase 2: admit waiting requests first-come first-served while budget and seats last."""

@@ -234,8 +234,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return an output for every request that made progress."""
-        self.spec.plan(self.scheduler.running, self._constraints())
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self.spec.plan(self.scheduler.running, self._constraints()))
         self._sync_memory()  # this step's tiles committed before the forward writes them
         for rid in sched.preempted_ids:
             self.spec.release(rid, finished=False)

@@ -1,6 +1,6 @@
 """Speculative decoding inside the step loop: plan draft lengths, fill drafts, verify, count.
 
-    plan()   before schedule(): Request.num_spec_wanted from the length controller
+    plan()   before schedule(): draft tokens wanted per request, from the length controller
     fill()   after schedule(): ask the proposer for drafts into the reserved slots; the runner
              then scores [t_last, d1..dk] of those requests in the same forward as everything else
     observe_verified() after the runner's step verified the drafts (runtime/step.py): acceptance
@@ -92,7 +92,8 @@ class Speculator:
         self.proposer = proposer
         self.length: DraftLength | None = None  # the proposer's draft lengths
         if config is not None and proposer is not None:
-            max_k = min(config.max_tokens, getattr(proposer, "max_drafts", config.max_tokens))  # Medusa: one per head
+            cap = proposer.max_drafts  # Medusa: one per head; ngram: its lookup's longest
+            max_k = config.max_tokens if cap is None else min(config.max_tokens, cap)
             self.verify_costs = verify_costs or [VERIFY_COST * k for k in range(config.max_tokens + 1)]
             self.length = DraftLength(config, proposer.draft_cost, self.verify_costs, seed, max_k=max_k)
         self.stats = SpecStats()  # every draft, forced ones included
@@ -108,22 +109,26 @@ class Speculator:
         """The configured speculative method (None: forced drafts only)."""
         return None if self.config is None else self.config.method
 
-    def plan(self, running: list[Request], constraints: dict[str, Constraint] | None = None) -> None:
-        """Draft lengths for the requests that will decode next step: a constrained request's is
-        the number of tokens its grammar forces from here (`constraints`: grammars by request id)."""
+    def plan(self, running: list[Request], constraints: dict[str, Constraint] | None = None) -> dict[str, int]:
+        """Draft lengths for the requests that will decode next step, by request id (what
+        `Scheduler.schedule` makes room for): a constrained request's is the number of tokens its
+        grammar forces from here (`constraints`: grammars by request id)."""
         grammars = constraints or {}
+        wanted: dict[str, int] = {}
         for req in running:
             grammar = grammars.get(req.request_id)
-            req.num_spec_wanted = len(grammar.forced_tokens(MAX_FORCED)) if grammar is not None else self._wanted(req)
+            wanted[req.request_id] = len(grammar.forced_tokens(MAX_FORCED)) if grammar is not None else self._wanted(req)
+        return wanted
 
     def _wanted(self, req: Request) -> int:
         """The proposer's draft length for an unconstrained request (0 without a proposer)."""
         if self.length is None:
             return 0
-        classify = getattr(self.proposer, "draft_class", None)
-        if classify is None:
+        assert self.proposer is not None, "a length controller has its proposer"
+        found = self.proposer.draft_class(req.request_id, req.all_token_ids)
+        if found is None:
             return self.length.wanted(req.request_id)
-        cls, available = classify(req.request_id, req.all_token_ids)
+        cls, available = found
         self._classes[req.request_id] = cls
         return min(available, self.length.wanted(req.request_id, cls)) if available else 0
 
@@ -198,10 +203,9 @@ class Speculator:
         """Proposers that read the target's hidden state get, per request, the row that produced
         its newest token and that row's position: its final hidden state (Medusa), or the
         residual stream the runner captured (Speculative Streaming: `capture_layer`)."""
-        observe = getattr(self.proposer, "observe", None)  # None without a proposer too
         logits = out.logits
-        if observe is None or logits is None or not logits.sample_ids:  # prompt chunks alone sample nothing
-            return
+        if self.proposer is None or not self.proposer.observes_hidden or logits is None or not logits.sample_ids:
+            return  # prompt chunks alone sample nothing
         source = logits.hidden if logits.captured is None else logits.captured  # what its proposer reads
         computed = {s.request_id: (s.start_pos, len(s.token_ids)) for s in steps}
         for rid in logits.sample_ids:
@@ -209,7 +213,7 @@ class Speculator:
             offset = out.num_accepted.get(rid, count - 1)
             start, n = computed[rid]
             # a copy: a view would keep the whole step's tensor alive as long as the request runs
-            observe(rid, source[first + offset].clone(), start + n - count + offset)  # rows: the step's last `count`
+            self.proposer.observe(rid, source[first + offset].clone(), start + n - count + offset)  # rows: the step's last `count`
 
     def release(self, request_id: str, finished: bool) -> None:
         if self.proposer is not None:

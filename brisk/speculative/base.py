@@ -49,13 +49,13 @@ class Proposer(Protocol):
     """A source of draft tokens. `draft_cost`: one draft token's cost as a fraction of one target
     decode step (0 for a lookup), which the length controller weighs against acceptance.
 
-    Optional, for proposers that know before drafting how good a draft will be (ngram):
-    `draft_class(request_id, token_ids) -> (cls, available)`: a small int the length controller
-    keeps separate acceptance statistics for, and how many tokens it could propose now (0: none,
-    so no slots are reserved)."""
+    Proposers subclass this protocol, so the optional parts below keep their defaults unless a
+    proposer says otherwise (the engine calls them on every proposer, never asks whether they exist)."""
 
     name: str
     draft_cost: float
+    max_drafts: int | None = None  # most drafts one step can use (Medusa: one per head); None: no cap
+    observes_hidden: bool = False  # True: `observe` gets each request's newest row after every step
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         """One Draft per request, in order; never more than `num_drafts` tokens."""
@@ -64,6 +64,18 @@ class Proposer(Protocol):
     def release(self, request_id: str) -> None:
         """The request finished, was aborted or preempted: drop whatever is kept for it."""
         ...
+
+    def draft_class(self, request_id: str, token_ids: list[int]) -> tuple[int, int] | None:
+        """For proposers that know before drafting how good a draft will be (ngram): a small int
+        the length controller keeps separate acceptance statistics for, and how many tokens it
+        could propose now (0: none, so no slots are reserved). None: one class, any length."""
+        return None
+
+    def observe(self, request_id: str, hidden: torch.Tensor, position: int) -> None:
+        """With `observes_hidden`: the row of the target that produced the request's newest token
+        (its final hidden state, or the residual stream at the runner's `capture_layer`) and that
+        row's position."""
+        return None
 
 
 def pick_draft_token(logits: torch.Tensor, r: DraftRequest) -> tuple[int, torch.Tensor | None]:

@@ -28,7 +28,7 @@ import torch
 
 from brisk.request import Request, SamplingParams
 from brisk.core.outputs import ScheduledRequest
-from brisk.speculative.base import Draft, DraftRequest, pick_draft_token
+from brisk.speculative.base import Draft, DraftRequest, Proposer, pick_draft_token
 from brisk.model.base import CausalLM
 from brisk.speculative.heads import DraftVocab, read_draft_vocab
 from brisk.speculative.registry import ProposerContext, register
@@ -63,7 +63,7 @@ class _Shadow:
     cached: list[int] = field(default_factory=list)  # the tokens whose KV the draft cache holds, in order
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     name = "draft"
 
     def __init__(self, runner: DraftRunner, kv: DraftKV, draft_cost: float, vocab: DraftVocab | None = None) -> None:

@@ -16,7 +16,7 @@ import torch
 from brisk.errors import UserError
 from brisk.model.base import CausalLM
 from brisk.core.outputs import ScheduledRequest
-from brisk.speculative.base import Draft, DraftRequest, pick_draft_token
+from brisk.speculative.base import Draft, DraftRequest, Proposer, pick_draft_token
 from brisk.speculative.heads import DraftVocab, ResidualHeads, load_heads
 from brisk.speculative.registry import ProposerContext, register
 
@@ -27,7 +27,7 @@ class ExitRunner(Protocol):
     def exit_hidden(self, steps: list, num_layers: int) -> torch.Tensor: ...
 
 
-class EarlyExitProposer:
+class EarlyExitProposer(Proposer):
     name = "early_exit"
 
     def __init__(self, model: CausalLM, runner: ExitRunner, exit_layer: int,

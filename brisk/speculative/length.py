@@ -60,7 +60,7 @@ def expected_run_tokens(p1: float, p2: float, k: int) -> float:
 
 
 class DraftLength:
-    """Per-request draft lengths (plain Python: the engine sets Request.num_spec_wanted from it).
+    """Per-request draft lengths (plain Python: the engine passes them to Scheduler.schedule).
     `cls`: the proposer's draft class for this step (None: a proposer without classes)."""
 
     def __init__(self, cfg: SpecConfig, draft_cost: float, verify_costs: list[float], seed: int = 0,

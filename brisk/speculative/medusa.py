@@ -14,14 +14,14 @@ from __future__ import annotations
 import torch
 
 from brisk.model.base import CausalLM
-from brisk.speculative.base import Draft, DraftRequest, pick_draft_token
+from brisk.speculative.base import Draft, DraftRequest, Proposer, pick_draft_token
 from brisk.speculative.heads import DraftVocab, ResidualHeads, load_heads
 from brisk.speculative.registry import ProposerContext, register
 
 
-class MedusaProposer:
+class MedusaProposer(Proposer):
     name = "medusa"
-    wants_hidden = True  # the engine hands over each request's newest hidden state (observe)
+    observes_hidden = True  # the engine hands over each request's newest hidden state (observe)
 
     def __init__(self, model: CausalLM, heads: ResidualHeads, vocab: DraftVocab | None = None) -> None:
         self.model = model

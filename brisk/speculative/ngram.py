@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from brisk.speculative.base import Draft, DraftRequest
+from brisk.speculative.base import Draft, DraftRequest, Proposer
 from brisk.speculative.registry import ProposerContext, register
 
 
@@ -32,7 +32,7 @@ def ngram_match(tokens: list[int] | np.ndarray, n_min: int, n_max: int, k: int) 
     return 0, []
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Draft class: the matched suffix's length n (a 4-token match predicts far better than a
     1-token one). The match found when the engine plans a step is kept for that step's proposal."""
 

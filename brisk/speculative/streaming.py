@@ -49,7 +49,7 @@ from torch import nn
 from brisk.config import ModelConfig
 from brisk.errors import UserError
 from brisk.model.base import CausalLM
-from brisk.speculative.base import Draft, DraftRequest, pick_draft_token
+from brisk.speculative.base import Draft, DraftRequest, Proposer, pick_draft_token
 from brisk.speculative.heads import DraftVocab, read_heads_file, stored_draft_vocab
 from brisk.speculative.registry import ProposerContext, register
 
@@ -308,10 +308,11 @@ def load_streams(path: str | Path, model: CausalLM) -> tuple[StreamAdapter, dict
 
 # ---- decoding ----------------------------------------------------------------------------------
 
-class StreamingProposer:
+class StreamingProposer(Proposer):
     """Drafts from the stream rows at the position that produced each request's newest token."""
 
     name = KIND
+    observes_hidden = True  # the residual stream at capture_layer of each request's newest row (observe)
 
     def __init__(self, model: CausalLM, adapter: StreamAdapter, kv_caches: list, layer_group: list[int],
                  block_size: int, vocab: DraftVocab | None = None) -> None:

@@ -39,9 +39,9 @@ def test_no_match_reserves_no_slots_and_a_match_is_proposed_as_planned() -> None
     spec = Speculator(SpecConfig(method="ngram", num_speculative_tokens=4), proposer, COSTS[:5])
     nothing = Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=8))
     copying = Request("b", [1, 2, 3, 9, 9, 1, 2], SamplingParams(max_tokens=8))
-    spec.plan([nothing, copying])
-    assert nothing.num_spec_wanted == 0
-    assert copying.num_spec_wanted == 4 and spec._classes["b"] == 2
+    wanted = spec.plan([nothing, copying])
+    assert wanted["a"] == 0
+    assert wanted["b"] == 4 and spec._classes["b"] == 2
     # fill proposes what followed the match ("1 2" before: "3 9 9 1"), cut to the slots given
     ask = DraftRequest("b", copying.all_token_ids, 3, [[]], copying.sampling_params, None)
     assert proposer.propose([ask])[0].token_ids == [3, 9, 9]
