@@ -86,12 +86,7 @@ def weight_bytes(model: CausalLM) -> int:
 
 def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: int | None,
              quant: dict[str, Any] | None = None, device: str = "cpu", score_from: int = 1) -> dict[str, Any]:
-    if window < 2:
-        raise UserError(f"--window must be >= 2 tokens, got {window}")
-    if not 1 <= score_from < window:
-        raise UserError(f"--score-from must be a position inside the window (1 to {window - 1}), got {score_from}")
-    if not text.is_file():
-        raise UserError(f"--text {text} is not a file")
+    _check_args(text, window, score_from)
     started = time.perf_counter()
     llm = LLM(model_ref, dtype=dtype, max_model_len=max(window, 256), num_kv_blocks=96,  # KV only for the decode timing
               device=device, **(quant or {}))
@@ -108,19 +103,63 @@ def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: in
     pruning = llm.pruning or pruning_of(Path(model_ref))  # pruned at load, or a `brisk prune` directory
     if pruning is not None and llm.pruning is None:
         pruning = {**pruning, "directory": True}
-    reference = None
     probe = llm._probe if llm._probe is not None and llm._probe.active else None
+    reference = _reference(llm, model_ref, dtype, device, window, pruning, probe)
+    start = time.perf_counter()
+    total, probe_seconds = _score(llm, ids, window, score_from, reference, probe)
+    elapsed = time.perf_counter() - start
+    decode = _decode_tokens_per_s(llm)  # under Probe Pruning llm.model is then the compact model it decided
+    result: dict[str, Any] = {
+        "bench": "ppl", "model": model_ref, "dtype": dtype, "device": device, "quantization": llm.quantization.describe() if llm.quantization else None, "text": str(text),
+        "window": window, "score_from": score_from,
+        "tokens_scored": total.tokens, "perplexity": round(math.exp(total.nll_sum / total.tokens), 4),
+        "nll_per_token": round(total.nll_sum / total.tokens, 5),
+        "kl_vs_float32": round(total.kl_sum / total.tokens, 6) + 0.0 if reference is not None else 0.0,
+        "top1_agreement_vs_float32": round(total.top1_agree / total.tokens, 5) if reference is not None else 1.0,
+        "weight_mib": round(weight_bytes(llm.model) / 2**20, 1),
+        "params": pruning["params"] if pruning is not None else model_params(llm.model_config),  # 2:4: nonzero
+        "pruning": None if pruning is None else _pruning_report(pruning, probe is not None, score_from, load_seconds,
+                                                                probe_seconds),
+        "scoring_tokens_per_s": round(total.tokens / elapsed, 1),
+        "decode_tokens_per_s": decode,
+    }
+    if probe is not None:  # what generation's decision (on the prompt) cost, beside the decode figure;
+        # the dense model stays loaded beside the compact one (the decisions run on it)
+        result["pruning"]["generate_decision_seconds"] = round(llm.last_probe.seconds, 4)  # type: ignore[index,union-attr]
+        result["pruning"]["dense_weight_mib"] = round(weight_bytes(reference) / 2**20, 1)  # type: ignore[arg-type]
+    return result
+
+
+def _check_args(text: Path, window: int, score_from: int) -> None:
+    if window < 2:
+        raise UserError(f"--window must be >= 2 tokens, got {window}")
+    if not 1 <= score_from < window:
+        raise UserError(f"--score-from must be a position inside the window (1 to {window - 1}), got {score_from}")
+    if not text.is_file():
+        raise UserError(f"--text {text} is not a file")
+
+
+def _reference(llm: LLM, model_ref: str, dtype: str, device: str, window: int, pruning: dict[str, Any] | None,
+               probe: Any) -> CausalLM | None:
+    """The float32 model the scores are compared with; None when the model scored is that already."""
     if probe is not None:
-        reference = llm._dense_model
-    elif dtype != "float32" or llm.quantization is not None or pruning is not None:
-        # a .gguf's blocks as floats: the exactness reference; a pruned model's is the model it was cut from
-        dense_ref = pruning.get("source", model_ref) if pruning is not None else model_ref
-        reference = load_model(dense_ref, dtype="float32", device=device, max_model_len=max(window, 256),
-                               dequantize=True).model
-        reference.pack_weights()
+        return llm._dense_model
+    if dtype == "float32" and llm.quantization is None and pruning is None:
+        return None
+    # a .gguf's blocks as floats: the exactness reference; a pruned model's is the model it was cut from
+    dense_ref = pruning.get("source", model_ref) if pruning is not None else model_ref
+    reference = load_model(dense_ref, dtype="float32", device=device, max_model_len=max(window, 256),
+                           dequantize=True).model
+    reference.pack_weights()
+    return reference
+
+
+def _score(llm: LLM, ids: list[int], window: int, score_from: int, reference: CausalLM | None,
+           probe: Any) -> tuple[WindowScore, float]:
+    """Every window of `ids` scored (and its KL / top-1 against `reference`); with Probe Pruning,
+    the seconds its decisions took."""
     total = WindowScore()
     probe_seconds = 0.0
-    start = time.perf_counter()
     compact = None
     for i in range(0, len(ids) - 1, window):
         chunk = ids[i:i + window]
@@ -143,33 +182,19 @@ def eval_ppl(model_ref: str, dtype: str, text: Path, window: int, max_tokens: in
         total.kl_sum += s.kl_sum
         total.top1_agree += s.top1_agree
         total.tokens += s.tokens
-    elapsed = time.perf_counter() - start
-    decode = _decode_tokens_per_s(llm)  # under Probe Pruning llm.model is then the compact model it decided
-    result: dict[str, Any] = {
-        "bench": "ppl", "model": model_ref, "dtype": dtype, "device": device, "quantization": llm.quantization.describe() if llm.quantization else None, "text": str(text),
-        "window": window, "score_from": score_from,
-        "tokens_scored": total.tokens, "perplexity": round(math.exp(total.nll_sum / total.tokens), 4),
-        "nll_per_token": round(total.nll_sum / total.tokens, 5),
-        "kl_vs_float32": round(total.kl_sum / total.tokens, 6) + 0.0 if reference is not None else 0.0,
-        "top1_agreement_vs_float32": round(total.top1_agree / total.tokens, 5) if reference is not None else 1.0,
-        "weight_mib": round(weight_bytes(llm.model) / 2**20, 1),
-        "params": pruning["params"] if pruning is not None else model_params(llm.model_config),  # 2:4: nonzero
-        "pruning": None if pruning is None else {
-            "method": pruning["method"], "ratio": pruning["ratio"], "layer_weights_removed": pruning["layer_weights_removed"],
-            "params_dense": pruning["params_dense"], "seconds": pruning["seconds"],
-            "load_seconds": round(load_seconds, 2),
-            **({} if probe is None else {"dense_layers": pruning["dense_layers"], "layer_ratio": pruning["layer_ratio"],
-                                         "probe_tokens": pruning["probe_tokens"],
-                                         "probe_sequences": pruning["probe_sequences"],
-                                         "decision": "per window: each window is the batch whose probe decides "
-                                                     "its heads and channels" if score_from == 1 else
-                                                     f"per window, on its first {score_from} tokens (not scored)",
-                                         "decision_seconds": round(probe_seconds, 2)})},
-        "scoring_tokens_per_s": round(total.tokens / elapsed, 1),
-        "decode_tokens_per_s": decode,
-    }
-    if probe is not None:  # what generation's decision (on the prompt) cost, beside the decode figure;
-        # the dense model stays loaded beside the compact one (the decisions run on it)
-        result["pruning"]["generate_decision_seconds"] = round(llm.last_probe.seconds, 4)  # type: ignore[index,union-attr]
-        result["pruning"]["dense_weight_mib"] = round(weight_bytes(reference) / 2**20, 1)  # type: ignore[arg-type]
-    return result
+    return total, probe_seconds
+
+
+def _pruning_report(pruning: dict[str, Any], probe: bool, score_from: int, load_seconds: float,
+                    probe_seconds: float) -> dict[str, Any]:
+    """The result's "pruning" entry: what was cut, and for Probe Pruning how windows were decided."""
+    report = {"method": pruning["method"], "ratio": pruning["ratio"],
+              "layer_weights_removed": pruning["layer_weights_removed"], "params_dense": pruning["params_dense"],
+              "seconds": pruning["seconds"], "load_seconds": round(load_seconds, 2)}
+    if probe:
+        report.update({"dense_layers": pruning["dense_layers"], "layer_ratio": pruning["layer_ratio"],
+                       "probe_tokens": pruning["probe_tokens"], "probe_sequences": pruning["probe_sequences"],
+                       "decision": "per window: each window is the batch whose probe decides its heads and channels"
+                       if score_from == 1 else f"per window, on its first {score_from} tokens (not scored)",
+                       "decision_seconds": round(probe_seconds, 2)})
+    return report

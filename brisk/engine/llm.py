@@ -30,7 +30,7 @@ from brisk.engine.llm_engine import LLMEngine, num_kv_blocks
 from brisk.engine.outputs import RequestOutput
 from brisk.engine.workers import Cluster, WorkerArgs, start_cluster
 from brisk.errors import UserError
-from brisk.loader.load import load_model
+from brisk.loader.load import LoadedModel, load_model
 from brisk.loader.resolve import DEFAULT_MODEL
 from brisk.model.base import CausalLM
 from brisk.request import SamplingParams
@@ -109,53 +109,25 @@ class LLM:
         quant = None if quantization is None else QuantConfig.parse(quantization, quantization_config)
         prune = None if pruning is None else PruneConfig.parse(pruning)
         spec = None if speculative_config is None else SpecConfig.parse(speculative_config)
-        parallel = ParallelConfig(tensor_parallel_size, pipeline_parallel_size, parallel_timeout_s,
-                                  pipeline_micro_batches)
+        self.parallel = ParallelConfig(tensor_parallel_size, pipeline_parallel_size, parallel_timeout_s,
+                                       pipeline_micro_batches)
         self._cluster: Cluster | None = None
-        if parallel.world_size > 1 and prune is not None:
-            raise UserError("pruning at load runs in a single process: write the pruned model once with `brisk "
-                             "prune ... --out DIR`, then run DIR with tensor/pipeline parallelism")
         self.pruning: dict[str, Any] | None = None  # what pruning at load did (compress/prune.py's report)
         self._probe: ProbePruner | None = None  # Probe Pruning: decides per batch (compress/probe.py)
         self.last_probe: Decision | None = None  # ...what it decided for the last batch
-        if parallel.world_size > 1:
-            cache.check_multi_process()  # before any worker starts
-            if spec is not None and spec.method != "ngram":
-                raise UserError(f"speculative method {spec.method!r} runs in a single process for now (its drafts "
-                                 "need hidden states or KV of their own); with tensor/pipeline parallelism use "
-                                 '{"method": "ngram"}')
-            self._cluster = start_cluster(WorkerArgs.of_llm(model, {
+        if self.parallel.world_size > 1:
+            _check_parallel(cache, prune, spec)  # before any worker starts
+            # what every rank is told: the same keywords as this LLM's
+            self._start_cluster(WorkerArgs.of_llm(model, {
                 "dtype": dtype, "device": device, "max_model_len": max_model_len, "quantization": quantization,
                 "quantization_config": quantization_config, "tensor_parallel_size": tensor_parallel_size,
                 "pipeline_parallel_size": pipeline_parallel_size, "parallel_timeout_s": parallel_timeout_s,
                 "pipeline_micro_batches": pipeline_micro_batches, "block_size": block_size,
                 "pack_weights": pack_weights, "dequantize": dequantize, "enforce_eager": enforce_eager}), cache)
-            # Until the engine holds the cluster (below), a failure here must not leave workers behind.
-            self._finalizer = weakref.finalize(self, self._cluster.close)
+            assert self._cluster is not None
             loaded = self._cluster.loaded
-        elif prune is not None and prune.method == "probe":
-            from brisk.compress.probe import load_probe
-
-            if dequantize or quant is not None:
-                raise UserError("Probe Pruning cuts float weights per batch of prompts: it cannot combine with "
-                                 "quantization or --dequantize yet (static pruning, method \"structured\", can)")
-            if spec is not None and spec.method == "streaming":
-                raise UserError("Speculative Streaming's adapters fit the whole model's layers, and Probe Pruning "
-                                "runs a narrower model per batch: use one of them (or another speculative method)")
-            loaded, self._probe = load_probe(model, prune, dtype=dtype, device=device, max_model_len=max_model_len)
-            self.pruning = self._probe.report()
-        elif prune is not None:
-            from brisk.compress.prune import load_pruned
-
-            if dequantize:
-                raise UserError("pruning scores and cuts float weights (a .gguf file is dequantized for it): drop "
-                                 "--dequantize")
-            loaded, self.pruning = load_pruned(model, prune, dtype=dtype, device=device, max_model_len=max_model_len,
-                                               quant=quant)
         else:
-            loaded = load_model(model, dtype=dtype, device=device, max_model_len=max_model_len, quant=quant,
-                                dequantize=dequantize)
-        self.parallel = parallel
+            loaded = self._load(model, quant, prune, spec, dequantize)
         self.quantization = loaded.quantization
         self.max_model_len = max_model_len or loaded.config.max_position_embeddings
         sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
@@ -165,13 +137,57 @@ class LLM:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.source.name
-        draft = None if spec is None or spec.method != "draft" else self._load_draft(spec, dtype, device)
+        self._build_engine(loaded, cache, sched, seed, pack_weights, spec, enforce_eager)
+        self._ids = itertools.count()
+        # Outputs of open streams, kept when another call (a generate) runs the steps that make them.
+        self._stream_buffers: dict[str, list[RequestOutput]] = {}
+        self._failures: dict[str, Exception] = {}  # request id -> the error that ended it alone
+
+    def _start_cluster(self, args: WorkerArgs, cache: CacheConfig) -> None:
+        """Start the worker processes; rank 0 (this process) loads its share with them."""
+        self._cluster = start_cluster(args, cache)
+        # Until the engine holds the cluster (_build_engine), a failure must not leave workers behind.
+        self._finalizer = weakref.finalize(self, self._cluster.close)
+
+    def _load(self, model: str, quant: QuantConfig | None, prune: PruneConfig | None, spec: SpecConfig | None,
+              dequantize: bool) -> LoadedModel:
+        """The model in this process: as stored or quantized, pruned at load, or Probe Pruning's
+        dense model (its compact models come per batch)."""
+        cfg = self.config
+        where = {"dtype": cfg.dtype, "device": cfg.device, "max_model_len": cfg.max_model_len}
+        if prune is not None and prune.method == "probe":
+            from brisk.compress.probe import load_probe
+
+            if dequantize or quant is not None:
+                raise UserError("Probe Pruning cuts float weights per batch of prompts: it cannot combine with "
+                                 "quantization or --dequantize yet (static pruning, method \"structured\", can)")
+            if spec is not None and spec.method == "streaming":
+                raise UserError("Speculative Streaming's adapters fit the whole model's layers, and Probe Pruning "
+                                "runs a narrower model per batch: use one of them (or another speculative method)")
+            loaded, self._probe = load_probe(model, prune, **where)
+            self.pruning = self._probe.report()
+            return loaded
+        if prune is not None:
+            from brisk.compress.prune import load_pruned
+
+            if dequantize:
+                raise UserError("pruning scores and cuts float weights (a .gguf file is dequantized for it): drop "
+                                 "--dequantize")
+            loaded, self.pruning = load_pruned(model, prune, quant=quant, **where)
+            return loaded
+        return load_model(model, quant=quant, dequantize=dequantize, **where)
+
+    def _build_engine(self, loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig, seed: int,
+                      pack_weights: bool, spec: SpecConfig | None, eager: bool) -> None:
+        """The engine over the loaded model (and the draft model speculation "draft" loads)."""
+        cfg = self.config
+        draft = None if spec is None or spec.method != "draft" else self._load_draft(spec, cfg.dtype, cfg.device)
         # Under Probe Pruning every batch gets an engine of its own (_probe_batch): the dense model's
         # holds one sequence's KV, not the cache's worth
         dense_cache = cache if self._probe is None or not self._probe.active else \
             dataclasses.replace(cache, num_kv_blocks=-(-self.max_model_len // cache.block_size) + 1)
         self.engine = LLMEngine(loaded.model, loaded.tokenizer, dense_cache, sched, seed, pack_weights, spec, draft,
-                                None if self._cluster is None else self._cluster.runner, eager=enforce_eager)
+                                None if self._cluster is None else self._cluster.runner, eager=eager)
         self._engine_args = (cache, sched, seed, pack_weights, spec, draft)  # Probe Pruning's engines per batch
         self._idle_engine = self.engine  # ...and the dense model's, held while the next one is built
         self._spare: CausalLM | None = None  # the compact model, allocated at load, refilled by every batch
@@ -184,10 +200,6 @@ class LLM:
             # The workers live as long as the engine (a server may keep the engine and drop the LLM).
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self.engine, self._cluster.close)
-        self._ids = itertools.count()
-        # Outputs of open streams, kept when another call (a generate) runs the steps that make them.
-        self._stream_buffers: dict[str, list[RequestOutput]] = {}
-        self._failures: dict[str, Exception] = {}  # request id -> the error that ended it alone
 
     def with_speculation(self, speculative_config: dict[str, Any] | str | None) -> LLM:
         """The same loaded model and tokenizer behind a fresh engine with other speculative
@@ -383,3 +395,15 @@ class LLM:
             text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, params, use_tqdm)
+
+
+def _check_parallel(cache: CacheConfig, prune: PruneConfig | None, spec: SpecConfig | None) -> None:
+    """What tensor/pipeline parallelism cannot run (yet), refused before any worker starts."""
+    if prune is not None:
+        raise UserError("pruning at load runs in a single process: write the pruned model once with `brisk "
+                         "prune ... --out DIR`, then run DIR with tensor/pipeline parallelism")
+    cache.check_multi_process()
+    if spec is not None and spec.method != "ngram":
+        raise UserError(f"speculative method {spec.method!r} runs in a single process for now (its drafts "
+                         "need hidden states or KV of their own); with tensor/pipeline parallelism use "
+                         '{"method": "ngram"}')
