@@ -43,6 +43,14 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="brisk", description="brisk: fast exact-attention LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_generate_parser, _eval_parser, _serve_parser, _env_parser,
+                _quantize_parser, _prune_parser, _convert_parser,
+                add_bench_parsers, _add_train_heads, add_distill_parser):
+        add(sub)
+    return parser
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     gen = sub.add_parser("generate", help="generate text from a prompt, streaming it")
     add_model(gen)
@@ -63,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--choice", action="append", default=None, help="output is one of these (repeatable)")
     add_engine(gen)
 
+
+def _eval_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ev = sub.add_parser("eval", help="quality evaluations")
     esub = ev.add_subparsers(dest="eval", required=True)
     ppl = esub.add_parser("ppl", help="perplexity on a text file, with KL and top-1 agreement vs float32")
@@ -80,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "the whole window, as the paper's perplexity does)")
     ppl.add_argument("--json", action="store_true", help="print only the JSON line")
 
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
     add_model(srv)
     add_engine(srv)
@@ -96,11 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how the model writes tool calls (default: read from its chat template; a template "
                           "without tools gets brisk's hermes-style default prompt)")
 
+
+def _env_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     env = sub.add_parser("env", help="this machine and what brisk runs on it (ISA, kernels, threads, torch), for bug "
                                      "reports")
     env.add_argument("--json", action="store_true", help="one JSON line instead of aligned lines")
     env.add_argument("--no-bandwidth", action="store_true", help="skip the ~0.3 s memory-bandwidth measurement")
 
+
+def _quantize_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     qz = sub.add_parser("quantize", help="write a quantized copy of a model that loads without re-quantizing")
     qz.add_argument("model", help="built-in name, .gguf file or HF directory")
     qz.add_argument("--method", required=True,
@@ -110,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--out", required=True, type=Path, help="output directory (load it with --model DIR)")
     qz.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the rest")
 
+
+def _prune_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     pr = sub.add_parser("prune", help="write a pruned copy of a model (fewer heads, channels or layers) as a directory")
     pr.add_argument("model", help="built-in name, .gguf file or HF directory")
     pr.add_argument("--method", required=True, choices=[m for m in PRUNE_METHODS if m != "probe"],
@@ -132,16 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", required=True, type=Path, help="output directory (load it with --model DIR)")
     pr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
+
+def _convert_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     conv = sub.add_parser("convert", help="write a model as an HF-format safetensors directory")
     conv.add_argument("model", help="built-in name, .gguf file or HF directory")
     conv.add_argument("--out", required=True, type=Path, help="output directory")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-
-    add_bench_parsers(sub)
-    _add_train_heads(sub)
-    add_distill_parser(sub)
-    return parser
-
 
 def _read_prompts(path: Path, chat: bool, system: str | None) -> list[dict[str, object]]:
     """Lines of text, or JSONL objects with "prompt" (text) or "messages" (a conversation)."""

@@ -23,6 +23,13 @@ from brisk.errors import UserError
 def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
     bsub = bench.add_subparsers(dest="bench", required=True)
+    for add in (_latency_parser, _throughput_parser, _serve_parser, _prefix_parser,
+                _mixed_parser, _spec_parser, _structured_parser, _kv_parser,
+                _prune_parser, _families_parser, _parallel_parser):
+        add(bsub)
+
+
+def _latency_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     lat = bsub.add_parser("latency", help="single-stream TTFT and decode tokens/s (optionally beside HF transformers)")
     add_model(lat)
     lat.add_argument("--dtype-list", default=None, help="comma-separated dtypes to run in one go, e.g. float32,bfloat16")
@@ -40,6 +47,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     add_quant(lat, "quantize brisk's model at load")
     add_spec(lat)
 
+
+def _throughput_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     thr = bsub.add_parser("throughput", help="offline batched throughput on a seeded chat-like workload")
     add_model(thr)
     add_engine(thr)
@@ -57,6 +66,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                      help="python of a venv with vllm installed, for --compare vllm (env BRISK_VLLM_PYTHON)")
     thr.add_argument("--hf-batch-size", type=int, default=None, help="HF generate() batch (default: all prompts)")
 
+
+def _serve_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     srvb = bsub.add_parser("serve", help="Poisson load against any OpenAI-compatible server (brisk, vLLM, llama.cpp)")
     srvb.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     srvb.add_argument("--model", default=None, help="model name to send (default: none; brisk serves one)")
@@ -70,6 +81,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     srvb.add_argument("--api-key", default=os.environ.get("BRISK_API_KEY"))
     srvb.add_argument("--plot", type=Path, default=None, help="write a PNG of the latency distributions here")
 
+
+def _prefix_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     pre = bsub.add_parser("prefix", help="time to first token with a cached long prefix vs a cold cache")
     add_model(pre)
     add_engine(pre)
@@ -78,6 +91,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     pre.add_argument("--repeats", type=int, default=3)
     pre.add_argument("--seed", type=int, default=0)
 
+
+def _mixed_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     mix = bsub.add_parser("mixed", help="inter-token latency of running decodes while long prompts arrive")
     add_model(mix)
     add_engine(mix)
@@ -87,6 +102,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     mix.add_argument("--steps", type=int, default=40)
     mix.add_argument("--seed", type=int, default=0)
 
+
+def _spec_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     spb = bsub.add_parser("spec", help="speculative decoding: every method beside plain decoding, batch 1")
     add_model(spb)
     add_quant(spb, "quantize the target at load")
@@ -110,6 +127,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     spb.add_argument("--max-tokens", type=int, default=128, help="tokens per reply (default 128)")
     spb.add_argument("--workloads", default="input_grounded,open_chat", help="comma-separated workloads")
 
+
+def _structured_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     stb = bsub.add_parser("structured", help="a batch under a JSON schema beside the same batch free, interleaved")
     add_model(stb)
     add_engine(stb)
@@ -118,6 +137,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     stb.add_argument("--fields", type=int, default=20, help="fields of the record schema (default 20)")
     stb.add_argument("--repeats", type=int, default=3, help="free/constrained run pairs (default 3)")
 
+
+def _kv_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     kvb = bsub.add_parser("kv", help="KV layouts side by side (paged blocks, virtual rows): prefill and decode "
                                      "tokens/s, committed vs used bytes, page-fault waits")
     add_model(kvb)
@@ -133,6 +154,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     kvb.add_argument("--block-size", type=int, default=16, help="tokens per KV block / tile (default 16)")
     add_quant(kvb, "quantize the model at load")
 
+
+def _prune_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     prb = bsub.add_parser("prune", help="pruned models beside their dense model: decode and batched tokens/s, "
                                         "parameters and weight bytes, interleaved")
     add_model(prb)
@@ -146,6 +169,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     prb.add_argument("--batch", type=int, default=16, help="requests of the batched workload (default 16)")
     add_quant(prb, "quantize every model at load (dense and pruned alike)")
 
+
+def _families_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     fam = bsub.add_parser("families", help="every architecture at one shape with random weights: decode tokens/s "
                                            "per weight byte against Llama's, interleaved")
     fam.add_argument("--families", default="llama,qwen3,phi3,mistral,gemma3",
@@ -154,6 +179,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     fam.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5)")
     fam.add_argument("--layers", type=int, default=30, help="decoder layers of the shape (default 30: SmolLM2-135M's)")
 
+
+def _parallel_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     par = bsub.add_parser("parallel", help="tensor x pipeline parallel grids beside one process: tokens/s, bytes/token")
     add_model(par)
     par.add_argument("--grid", default="1x1,2x1,3x1,1x2", help="TxP configurations (default 1x1,2x1,3x1,1x2)")

@@ -144,6 +144,12 @@ def _install_errors(app: FastAPI) -> None:
 
 
 def _install_routes(app: FastAPI, state: ServerState) -> None:
+    _install_info_routes(app, state)
+    _install_generation_routes(app, state)
+
+
+def _install_info_routes(app: FastAPI, state: ServerState) -> None:
+    """The chat page, health, models, metrics, tokenize and detokenize."""
     page = resources.files("brisk.server").joinpath("static/index.html").read_text(encoding="utf-8")
 
     @app.get("/", response_class=HTMLResponse)
@@ -177,6 +183,10 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(req: DetokenizeRequest) -> Response:
         state.check_model(req.model)
         return await state.run_cpu(_detokenize, state, req)
+
+
+def _install_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """/v1/completions and /v1/chat/completions, whole or streamed."""
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
