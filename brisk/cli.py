@@ -157,6 +157,7 @@ def _convert_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     conv.add_argument("--out", required=True, type=Path, help="output directory")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
+
 def _read_prompts(path: Path, chat: bool, system: str | None) -> list[dict[str, object]]:
     """Lines of text, or JSONL objects with "prompt" (text) or "messages" (a conversation)."""
     from brisk.engine.prompts_file import read_prompts_file

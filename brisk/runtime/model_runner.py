@@ -53,6 +53,7 @@ class ModelRunner:
         self.max_len = max_len
         self.device = model.device
         self.kv_caches = allocate_contiguous_kv(model.config, max_seqs, max_len, model.dtype, self.device)
+
     @torch.inference_mode()
     def execute(self, steps: list[SeqStep]) -> torch.Tensor:
         """Run one forward over all steps; return float32 logits of each step's last token `[len(steps), vocab]`."""
