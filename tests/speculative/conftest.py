@@ -11,7 +11,7 @@ from brisk.engine.llm_engine import LLMEngine
 from brisk.engine.speculative import Speculator
 from brisk.loader.tokenizer import Tokenizer
 from brisk.model.llama import LlamaForCausalLM
-from brisk.speculative.base import Draft, DraftRequest
+from brisk.speculative.base import Draft, DraftRequest, Proposer
 
 VOCAB = 16
 CFG = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -41,7 +41,7 @@ def tiny_engine(model: LlamaForCausalLM, spec: SpecConfig | None = None, blocks:
                      speculative=spec)
 
 
-class FixedProposer:
+class FixedProposer(Proposer):
     """Drafts drawn from a fixed distribution `q` over the vocabulary, whatever the context: a
     deliberately wrong draft. With `point_mass`, the draws are handed over as deterministic."""
 
@@ -65,7 +65,7 @@ class FixedProposer:
         self.released.append(request_id)
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """Drafts the known greedy continuation of each request (from a plain run): always right."""
 
     name = "oracle"
