@@ -194,6 +194,8 @@ class DecodePlans:
         return model.final_norm(*self.run_layers(model.embed(input_ids), None, positions, attn, 0, end))
 
     def _for_step(self, h: torch.Tensor, attn: object) -> Any | None:
+        if self._plan and self._version != self.model.modules_version:
+            self._plan = self._version = None  # stale: let go of the old weights it holds at once
         if not self.enabled or not plan_applies(h, attn):
             return None
         if self._version != self.model.modules_version:
