@@ -29,9 +29,11 @@ def add_distill_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     ds.add_argument("--text", type=Path, default=None,
                     help="training text: windows of --seq-len tokens; its first --eval-tokens tokens are held out")
     ds.add_argument("--prompts-file", type=Path, default=None,
-                    help="one prompt a line: the teacher's sampled continuations to --seq-len tokens are the data")
+                    help="prompts as `brisk generate --prompts-file` reads them (one a line, or JSON lines with "
+                         "'prompt' or 'messages', a conversation rendered by the teacher's chat template): the "
+                         "teacher's sampled continuations to --seq-len tokens are the data")
     ds.add_argument("--chat", action="store_true",
-                    help="each line of --prompts-file is a user turn rendered by the teacher's chat template "
+                    help="each prompt of --prompts-file is a user turn rendered by the teacher's chat template "
                          "(for a chat model's draft)")
     ds.add_argument("--loss", default=None, choices=DISTILL_LOSSES,
                     help=f"fkl: KL(teacher||student); rkl: KL(student||teacher) (MiniLLM); tvd: total variation "

@@ -91,21 +91,19 @@ def _windows(ids: list[int], size: int) -> list[list[int]]:
 
 def prompts_corpus(teacher_ref: str, tokenizer: Tokenizer, path: Path, cfg: DistillConfig,
                    held_out: list[list[int]] | None, chat: bool = False, cache: Path | None = None) -> Corpus:
-    """The teacher's sampled continuations of each prompt of `path` (one a line) up to `seq_len`
-    tokens, written by brisk's engine. `held_out`: evaluation windows from a text (else the last
-    5% of the sequences). `cache`: a JSON file keeping the continuations, reused when the teacher,
-    prompts, template use, `seq_len` and seed are the same (a resumed run does not generate again)."""
+    """The teacher's sampled continuations of each prompt of `path` up to `seq_len` tokens, written
+    by brisk's engine. `path` is a prompts file as `brisk generate` reads it (engine/prompts_file.py:
+    a prompt a line, or JSON lines with "prompt" or "messages"; a conversation is rendered by the
+    teacher's chat template, and so is every prompt under `chat`). `held_out`: evaluation windows
+    from a text (else the last 5% of the sequences). `cache`: a JSON file keeping the continuations,
+    reused when the teacher, prompts, template use, `seq_len` and seed are the same (a resumed run
+    does not generate again)."""
+    from brisk.engine.prompts_file import read_prompts_file  # the one prompts-file format
+
     if not path.is_file():
         raise UserError(f"distill prompts file {path} is not a file")
-    prompts = [line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
-    if chat:
-        if tokenizer.chat_template is None:
-            raise UserError(f"--chat renders the prompts of {path} with the teacher's chat template, and the teacher "
-                             "has none: drop --chat (each line is then raw text to continue)")
-        ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]),
-                                add_special_tokens=False) for p in prompts]
-    else:
-        ids = [tokenizer.encode(p) for p in prompts]
+    prompts = [item for _, item in read_prompts_file(path)]
+    ids = [_prompt_ids(tokenizer, item, chat, path) for item in prompts]
     long = [i for i, p in enumerate(ids) if len(p) >= cfg.seq_len]
     if not prompts or long:
         raise UserError(f"distill prompts file {path}: " + (f"prompt {long[0] + 1} has {len(ids[long[0]])} tokens, "
@@ -132,6 +130,21 @@ def prompts_corpus(teacher_ref: str, tokenizer: Tokenizer, path: Path, cfg: Dist
     kind = "chat prompts" if chat else "prompts"
     return Corpus(seqs, held_out, f"{path} ({len(prompts)} {kind}, the teacher's continuations to {cfg.seq_len} tokens)",
                   lens)
+
+
+def _prompt_ids(tokenizer: Tokenizer, item: dict[str, object], chat: bool, path: Path) -> list[int]:
+    """One prompts-file item as token ids: raw text to continue, or a conversation (a "messages"
+    line, or any prompt under `chat` as a user turn) rendered by the chat template."""
+    messages = item.get("messages")
+    if messages is None and not chat:
+        return tokenizer.encode(str(item["prompt"]).strip())
+    if tokenizer.chat_template is None:
+        raise UserError(f"the prompts of {path} are conversations for the teacher's chat template (--chat, or "
+                         "\"messages\" lines), and the teacher has none: give plain prompts without --chat "
+                         "(each is then raw text to continue)")
+    if messages is None:
+        messages = [{"role": "user", "content": str(item["prompt"]).strip()}]
+    return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
 
 
 def _teacher_continuations(teacher_ref: str, prompts: list[list[int]], cfg: DistillConfig) -> list[list[int]]:

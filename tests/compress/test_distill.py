@@ -319,6 +319,12 @@ def test_chat_prompts_are_templated_kept_and_continued_on_policy_from_their_end(
     second = t.tokenizer.encode("w1 w6 w2 w4", add_special_tokens=False)
     assert corpus.train[0][:len(rendered)] == rendered and corpus.prompt_lens == [len(rendered), len(second)]
     assert "chat prompts" in corpus.source and cache.is_file()
+    # the prompts-file format `brisk generate` reads: a "messages" line is rendered by the template too
+    lines = tmp_path / "prompts.jsonl"
+    lines.write_text('{"messages": [{"role": "user", "content": "w3 w5"}]}\n{"prompt": "w6"}\nw7 w8 w9\n')
+    assert prompts_corpus(str(chat_teacher), t.tokenizer, lines, CFG, None).prompt_lens[0] == len(rendered)
+    with pytest.raises(ValueError, match="chat template"):  # a conversation needs a template
+        prompts_corpus(str(teacher), load_model(str(teacher)).tokenizer, lines, CFG, None)
 
     def no_generation(*args, **kwargs):
         raise AssertionError("the kept continuations were generated again")
