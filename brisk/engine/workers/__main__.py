@@ -36,6 +36,9 @@ def main() -> None:
         args = WorkerArgs(**spec["args"])
         run_worker(args, spec["rank"], local_store(spec["rank"], args.parallel.world_size, spec["port"]))
     except (RuntimeError, OSError) as e:
+        # Told apart by text: gloo (torch 2.13) raises a plain RuntimeError, not one of
+        # torch.distributed's DistError types, when a peer is gone ("Connection closed by peer"
+        # from all_reduce, recv and broadcast_object_list alike; checked 2026-12-05)
         if "Connection" not in str(e) and "Timed out" not in str(e) and "timeout" not in str(e).lower():
             raise  # a real error of this worker: its traceback tells rank 0's user what happened
         # another rank went away (rank 0 reports which): one line, not a traceback per survivor
