@@ -86,12 +86,12 @@ def build_engine(device: str, dtype: torch.dtype, weights: str = "float", eager:
     if weights != "float":
         swap_linears(model, weights, dtype)
     model = model.to(device=device, dtype=dtype).eval()
-    model.use_decode_plan = not eager  # what LLM(enforce_eager=...) sets: no CUDA graphs either
     backend = Backend(models.WordLevel({"w0": 0, "w1": 1}, unk_token="w1"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = Tokenizer(backend, bos_token_id=None, eos_token_id=0, add_bos=False, chat_template=None)
     return LLMEngine(model, tok, CacheConfig(block_size=16, num_kv_blocks=1024),
-                     SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=2048))
+                     SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=2048),
+                     eager=eager)  # what LLM(enforce_eager=...) passes: no CUDA graphs either
 
 
 def decode_steps(engine: LLMEngine, batch: int, new_tokens: int) -> list[float]:
