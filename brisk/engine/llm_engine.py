@@ -38,7 +38,7 @@ from brisk.model.base import CausalLM
 from brisk.request import FinishReason, Request, RequestStatus, SamplingParams
 from brisk.runtime.paged_runner import PagedModelRunner, kv_block_bytes, model_kv_groups
 from brisk.runtime.parallel_runner import ParallelRunner
-from brisk.runtime.step import Runner, StepBatch
+from brisk.runtime.step import Runner, RunnerOutput, StepBatch
 from brisk.runtime.virtual_kv import VirtualKV
 from brisk.sample.logprobs import TokenLogprobs
 from brisk.sample.structured import Constraint, GrammarCompiler
@@ -141,7 +141,6 @@ class LLMEngine:
         # ...only where a core is left over: on 2 cores with torch on both, the thread slowed the
         # forward more than it saved (BENCHMARKS.md, structured outputs), so masks fill inline
         self._mask_thread = (os.cpu_count() or 1) > torch.get_num_threads()
-        self._failed: dict[str, Exception] = {}  # sequence id -> the error its row raised this step
         self.failures: dict[str, Exception] = {}  # request id -> the error that ended it (take_failures)
 
     def _memory(self) -> VirtualKV:
@@ -244,18 +243,17 @@ class LLMEngine:
         self.peak_kv_usage = max(self.peak_kv_usage, self.scheduler.kv_usage)
         started = time.perf_counter()
         try:
-            sampled = self._compute(sched)
+            out = self._compute(sched)
         except BaseException as e:
-            self._failed.clear()
             self._abort_failed_step(sched)
             if getattr(e, "fatal", False):  # a parallel worker is gone: nothing can run any more
                 for group in list(self._groups):
                     self.abort_request(group)
             raise
-        self._end_failed()
+        self._end_failed(out.failed)
         self.scheduler.observe_step(sched, time.perf_counter() - started)
         touched: set[str] = set()
-        for req in self.scheduler.update_from_output(sched, sampled):
+        for req in self.scheduler.update_from_output(sched, out.token_ids):
             self._on_tokens(self._seqs[req.request_id])
             touched.add(self._seqs[req.request_id].group)
             if req.is_finished():
@@ -263,10 +261,10 @@ class LLMEngine:
         self._sync_memory()
         return [self._output(g) for g in sorted(touched, key=lambda g: self._groups[g].arrival_time)]
 
-    def _compute(self, sched: SchedulerOutput) -> dict[str, list[int]]:
+    def _compute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Drafts (if speculating), then the runner's step (forward, sampling, verification): the
         new tokens of every request that reached the end of its known tokens, recorded here with
-        their logprobs."""
+        their logprobs, and the rows that failed alone."""
         steps, drafts = sched.scheduled, {}
         if any(s.num_spec_slots for s in sched.scheduled):
             steps, drafts = self.spec.fill(sched, self._requests(), self._generators(), self._constraints())
@@ -277,7 +275,6 @@ class LLMEngine:
                                                   None if masks is None else masks.result))
         if all(s.num_tokens == 1 for s in sched.scheduled):  # decode-only steps
             self.spec.observe_forward(out.forward_seconds, drafts)
-        self._failed.update(out.failed)
         self.spec.observe_verified(drafts, out.num_accepted)
         self.spec.observe_hidden(out, steps)
         for sid, tokens in out.prompt_logprobs.items():
@@ -288,7 +285,7 @@ class LLMEngine:
             seq = self._seqs[sid]
             seq.num_draft_tokens += len(drafts[sid].token_ids)
             seq.num_accepted_tokens += accepted
-        return out.token_ids
+        return out
 
     def _masks_ahead(self, steps: list[ScheduledRequest], drafts: dict[str, Draft]) -> Future[None] | None:
         """Start filling the next masks of this step's constrained rows (with drafts: their
@@ -308,13 +305,13 @@ class LLMEngine:
 
         return self._masks.submit(fill)
 
-    def _end_failed(self) -> None:
-        """End the requests whose rows failed this step; their errors wait in `failures`."""
-        for sid, error in self._failed.items():
+    def _end_failed(self, failed: dict[str, Exception]) -> None:
+        """End the requests whose rows failed this step (sequence id -> its error); their errors
+        wait in `failures`."""
+        for sid, error in failed.items():
             seq = self._seqs.get(sid)
             if seq is not None and self.abort_request(seq.group):
                 self.failures[seq.group] = error
-        self._failed.clear()
 
     def take_failures(self) -> dict[str, Exception]:
         """Requests ended by an error of their own since the last call (request id -> the error);
