@@ -16,7 +16,7 @@ plan never calls) must call `modules_changed` itself, or the runner runs eagerly
 (`LLM(enforce_eager=True)`). The model's own `run_layers` knows nothing of the plan: a runner's
 `DecodePlans.run_layers` tries the plan first and falls back to it.
 
-A plan exists only when every piece has its C++ kernel: float32 activations on an AVX-512 CPU,
+A plan exists only when every piece has its C++ kernel: float32 activations on the CPU (AVX-512, AVX2 or portable kernels),
 float / int4 / gguf (group and block) / int8 / 2:4 sparse Linears (W8A8, ternary and tensor-parallel Linears keep the module
 path), the paged KV cache; it runs steps of at most `PLAN_MAX_ROWS` tokens served by the paged
 kernel (decode batches, speculative verify steps), never long prefill chunks.
