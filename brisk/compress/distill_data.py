@@ -144,7 +144,7 @@ def _prompt_ids(tokenizer: Tokenizer, item: dict[str, object], chat: bool, path:
                          "(each is then raw text to continue)")
     if messages is None:
         messages = [{"role": "user", "content": str(item["prompt"]).strip()}]
-    return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    return tokenizer.encode_chat(messages)  # type: ignore[arg-type]
 
 
 def _teacher_continuations(teacher_ref: str, prompts: list[list[int]], cfg: DistillConfig) -> list[list[int]]:
