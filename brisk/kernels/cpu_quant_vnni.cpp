@@ -212,13 +212,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void vnni_tile(c
 
 // Tiles [t0, t1) of 4 weight rows: every block of x rows runs over a tile while it is in L1, so
 // the weights are read from memory once whatever the batch. `Kernel::tile<MB>` is one
-// tile's kernel for MB rows of x (vnni_tile, a16_tile).
+// tile's kernel for MB rows of x (vnni_tile, a16_tile); MB = 8 where `Kernel::kWide` (a kernel
+// whose accumulators are one register an x row).
 template <typename Kernel, typename A>
 void tile_range(const GroupWeights& w, const A& x, float* y, int64_t m_rows, int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t r = 4 * t;
     const int nrows = static_cast<int>(std::min<int64_t>(4, w.out - r));
     int64_t m0 = 0;
+    if constexpr (Kernel::kWide) for (; m0 + 8 <= m_rows; m0 += 8) Kernel::template tile<8>(w, x, y, m0, r, nrows);
     for (; m0 + 4 <= m_rows; m0 += 4) Kernel::template tile<4>(w, x, y, m0, r, nrows);
     for (; m0 + 2 <= m_rows; m0 += 2) Kernel::template tile<2>(w, x, y, m0, r, nrows);
     for (; m0 < m_rows; ++m0) Kernel::template tile<1>(w, x, y, m0, r, nrows);
@@ -227,6 +229,7 @@ void tile_range(const GroupWeights& w, const A& x, float* y, int64_t m_rows, int
 
 template <int Bits>
 struct VnniKernel {
+  static constexpr bool kWide = false;
   template <int MB>
   static void tile(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64_t r, int nrows) {
     vnni_tile<Bits, MB>(w, x, y, m0, r, nrows);
@@ -300,6 +303,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void a16_tile(co
 }
 
 struct A16Kernel {
+  static constexpr bool kWide = false;
   template <int MB>
   static void tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
     a16_tile<MB>(w, x, y, m0, r, nrows);
@@ -511,26 +515,27 @@ void int16_tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, in
   finish<4, MB>(w, y, m0, r, nrows, acc, zacc);
 }
 
-// 8-bit weights x int16 activations (Q8_0 heads: the float kernel's precision at about the int8
-// kernel's cost). The acts are a16_tile's permuted blocks: slots 0-15 hold the even columns 0..30,
-// slots 16-31 the odd ones, so a row's even bytes (sign-extended in place) meet the first half and its
-// odd bytes the second: int32 lane t sums columns 4t..4t+3 exactly, as the int8 kernel's lanes do
-// (|q| <= 128, |x| <= 32767: |lane| < 2^24, so its float is exact too). Signed weights need no zero
-// term: z' = 0.
+// 8-bit weights x int16 activations (Q8_0 heads and layers: the float kernel's precision at about the
+// int8 kernel's cost). The acts are a16_tile's permuted blocks: slots 0-15 hold the even columns
+// 0..30, slots 16-31 the odd ones, so a row's even bytes (sign-extended in place) meet the first half
+// and its odd bytes the second: int32 lane t of d_j sums row j's columns 4t..4t+3. Two levels of
+// vphaddd then fold the 4 rows' d_j into one vector, lane j + 4 h = row j's columns 16h..16h+15
+// (exact: |sum| <= 16 * 128 * 32767 < 2^31), so each x row of a block costs one int -> float
+// conversion and one fma for all 4 weight rows, and a group's accumulators are one register per x
+// row: the 8-lanes-a-row form needed 4 (16 for a 4-row x tile: more than AVX2's 16 registers, so
+// they lived on the stack). With 8 x rows a tile (tile_range's kWide) this form ran 1.3-1.4x faster
+// at 8 and 32 rows on an AVX2 Zen 3 (Q8_0 576-column layers, alternating builds; BENCHMARKS.md).
+// A lane's float is the int32 rounded to nearest (exact below 2^24, ~6e-8 relative above: far below
+// the int16 activations' ~1.5e-5). Signed weights need no zero term.
 template <int MB, int PG>
 void int16_tile8(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
-  __m256 acc[MB][4];
-  __m128 zacc[MB];
-  for (int k = 0; k < MB; ++k) {
-    zacc[k] = _mm_setzero_ps();
-    for (int i = 0; i < 4; ++i) acc[k][i] = _mm256_setzero_ps();
-  }
+  __m256 acc[MB];
+  for (int k = 0; k < MB; ++k) acc[k] = _mm256_setzero_ps();
   const uint8_t* p = w.run(r, 0);
   const int64_t blocks = PG ? PG : w.group / kBlock;
   for (int64_t g = 0; g < w.groups; ++g) {
-    __m256 gacc[MB][4];
-    for (int k = 0; k < MB; ++k)
-      for (int i = 0; i < 4; ++i) gacc[k][i] = _mm256_setzero_ps();
+    __m256 gacc[MB];
+    for (int k = 0; k < MB; ++k) gacc[k] = _mm256_setzero_ps();
 #pragma GCC unroll 4
     for (int64_t e = 0; e < blocks; ++e) {
       const int64_t b = g * blocks + e;
@@ -544,16 +549,23 @@ void int16_tile8(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, i
         const int16_t* xq = x.q + (m0 + k) * x.in + b * kBlock;
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
         const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
-        const __m256 ab = _mm256_set1_ps(x.a[(m0 + k) * x.blocks + b]);
-        for (int i = 0; i < 4; ++i) {
-          const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(even[i], x0), _mm256_madd_epi16(odd[i], x1));
-          gacc[k][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), ab, gacc[k][i]);
-        }
+        __m256i d[4];
+        for (int i = 0; i < 4; ++i)
+          d[i] = _mm256_add_epi32(_mm256_madd_epi16(even[i], x0), _mm256_madd_epi16(odd[i], x1));
+        const __m256i rows = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+        gacc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), _mm256_set1_ps(x.a[(m0 + k) * x.blocks + b]), gacc[k]);
       }
     }
-    end_group<8, MB>(w, x, m0, r, g, nrows, false, gacc, acc, zacc);
+    __m128 s4, z4;
+    group_params<8>(w, r, g, nrows, s4, z4);
+    const __m256 s8 = _mm256_set_m128(s4, s4);
+    for (int k = 0; k < MB; ++k) acc[k] = _mm256_fmadd_ps(gacc[k], s8, acc[k]);
   }
-  finish<8, MB>(w, y, m0, r, nrows, acc, zacc);
+  for (int k = 0; k < MB; ++k) {
+    alignas(16) float t[4];
+    _mm_store_ps(t, _mm_add_ps(_mm256_castps256_ps128(acc[k]), _mm256_extractf128_ps(acc[k], 1)));
+    for (int j = 0; j < nrows; ++j) y[(m0 + k) * w.out + r + j] = t[j];
+  }
 }
 
 // f(std::integral_constant<int, PG>{}) with the PG this weight runs with (0: not tiled, or a group
@@ -573,6 +585,7 @@ inline void with_blocks(const GroupWeights& w, F&& f) {
 
 template <int Bits>
 struct Int8Kernel256 {
+  static constexpr bool kWide = false;
   template <int MB>
   static void tile(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64_t r, int nrows) {
     avx2::with_blocks(w, [&](auto pg) { avx2::int8_tile<Bits, MB, decltype(pg)::value>(w, x, y, m0, r, nrows); });
@@ -580,6 +593,7 @@ struct Int8Kernel256 {
 };
 
 struct Int16Kernel256 {
+  static constexpr bool kWide = false;
   template <int MB>
   static void tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
     avx2::with_blocks(w, [&](auto pg) { avx2::int16_tile<MB, decltype(pg)::value>(w, x, y, m0, r, nrows); });
@@ -587,6 +601,7 @@ struct Int16Kernel256 {
 };
 
 struct Int16Kernel256x8 {  // 8-bit weights; also the AVX-512 level's kernel for them (no 512-bit form)
+  static constexpr bool kWide = true;
   template <int MB>
   static void tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
     avx2::with_blocks(w, [&](auto pg) { avx2::int16_tile8<MB, decltype(pg)::value>(w, x, y, m0, r, nrows); });
@@ -646,17 +661,17 @@ BRISK_QUANTIZE_ROW(quantize_act_row_avx2, __attribute__((target("avx2,fma"))))
 // 32-column block, 4-bit: columns 4t..4t+3 and 16+4t..16+4t+3 (4 lanes; int8 and int16 acts
 // alike), 8-bit: columns 4t..4t+3 with q + 128 (8 lanes). Each lane's float steps and the final
 // lane sums follow vnni_tile / a16_tile and row_sums, so the results are theirs, bit for bit.
+// 8-bit weights x int16 acts follow int16_tile8 instead (portable_rows_a16x8).
 template <int Bits, typename T>
 void portable_rows(const GroupWeights& w, const ActsT<T>& x, float* y, int64_t m, int64_t r0, int64_t r1) {
   constexpr int L = Bits == 4 ? 4 : 8;
-  constexpr bool kA16 = sizeof(T) == 2;  // 8-bit x int16: signed products, no zero term (int16_tile8)
   const int64_t per_group = w.group / kBlock;
   for (int64_t r = r0; r < std::min(r1, w.out); ++r) {
     for (int64_t k = 0; k < m; ++k) {
       float acc[L] = {}, zacc = 0.0f;
       for (int64_t g = 0; g < w.groups; ++g) {
         const float s = c10::detail::fp16_ieee_to_fp32_value(w.scale[w.at(r, g)]);
-        const float z = Bits == 4 ? c10::detail::fp16_ieee_to_fp32_value(w.zero[w.at(r, g)]) : kA16 ? 0.0f : -128.0f * s;
+        const float z = Bits == 4 ? c10::detail::fp16_ieee_to_fp32_value(w.zero[w.at(r, g)]) : -128.0f * s;
         float gacc[L] = {};
         for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
           const uint8_t* p = w.run(r, b);
@@ -665,8 +680,6 @@ void portable_rows(const GroupWeights& w, const ActsT<T>& x, float* y, int64_t m
           if constexpr (Bits == 4) {
             for (int c = 0; c < 16; ++c)
               d[c / 4] += (p[c] & 15) * xq[act_slot<T>(c)] + (p[c] >> 4) * xq[act_slot<T>(c + 16)];
-          } else if constexpr (kA16) {
-            for (int c = 0; c < 32; ++c) d[c / 4] += static_cast<int8_t>(p[c]) * xq[act_slot<T>(c)];
           } else {
             for (int c = 0; c < 32; ++c) d[c / 4] += (static_cast<int8_t>(p[c]) + 128) * xq[c];
           }
@@ -679,6 +692,32 @@ void portable_rows(const GroupWeights& w, const ActsT<T>& x, float* y, int64_t m
       float lanes[4];
       for (int t = 0; t < 4; ++t) lanes[t] = L == 4 ? acc[t] : acc[t] + acc[t + 4];
       y[k * w.out + r] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + zacc;
+    }
+  }
+}
+
+// int16_tile8 one row at a time: per block, the row's two int32 half sums (columns 0-15, 16-31), each
+// rounded to float, times the block's activation scale into the group's two lanes; those times the
+// row's scale into the row's two lanes; their sum.
+void portable_rows_a16x8(const GroupWeights& w, const Acts16& x, float* y, int64_t m, int64_t r0, int64_t r1) {
+  const int64_t per_group = w.group / kBlock;
+  for (int64_t r = r0; r < std::min(r1, w.out); ++r) {
+    for (int64_t k = 0; k < m; ++k) {
+      float acc[2] = {};
+      for (int64_t g = 0; g < w.groups; ++g) {
+        const float s = c10::detail::fp16_ieee_to_fp32_value(w.scale[w.at(r, g)]);
+        float gacc[2] = {};
+        for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+          const uint8_t* p = w.run(r, b);
+          const int16_t* xq = x.q + k * x.in + b * kBlock;
+          int32_t d[2] = {};
+          for (int c = 0; c < 32; ++c) d[c / 16] += static_cast<int8_t>(p[c]) * xq[act_slot<int16_t>(c)];
+          const float ab = x.a[k * x.blocks + b];
+          for (int h = 0; h < 2; ++h) gacc[h] = std::fma(static_cast<float>(d[h]), ab, gacc[h]);
+        }
+        for (int h = 0; h < 2; ++h) acc[h] = std::fma(gacc[h], s, acc[h]);
+      }
+      y[k * w.out + r] = acc[0] + acc[1];
     }
   }
 }
@@ -782,7 +821,7 @@ void group_qact_rows(const GroupWeights& w, const QuantizedActs& x, float* y, in
   }
 #endif
   if (a16 && w.run_bytes == 16) return portable_rows<4>(w, acts_of<int16_t>(w, x), y, m, r0, r1);
-  if (a16) return portable_rows<8>(w, acts_of<int16_t>(w, x), y, m, r0, r1);
+  if (a16) return portable_rows_a16x8(w, acts_of<int16_t>(w, x), y, m, r0, r1);
   if (w.run_bytes == 16) return portable_rows<4>(w, acts_of<int8_t>(w, x), y, m, r0, r1);
   portable_rows<8>(w, acts_of<int8_t>(w, x), y, m, r0, r1);
 }

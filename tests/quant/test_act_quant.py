@@ -81,8 +81,9 @@ def test_quantized_activations_through_the_module_on_every_path(mode: str, bits:
 
 
 def test_int16_activations_on_8_bit_weights_sum_exactly_at_the_extremes() -> None:
-    """8-bit x int16 lanes sum 4 products of |q| <= 127 and |x| <= 32767: below 2^24, so the int32 sum
-    and its float are exact. All-extreme weights and activations give the float64 product."""
+    """8-bit x int16 lanes sum 16 products of |q| <= 127 and |x| <= 32767 in int32 (|sum| < 2^26, exact);
+    an all-extreme block's sum is 16 times an odd number, so its float is exact too, and all-extreme
+    weights and activations give the float64 product."""
     q = _layer(8, 32, 8, 128, "int16")
     q.qweight.copy_(torch.where(torch.arange(128) % 3 == 0, -127, 127).to(torch.int8).expand(8, 128))
     q.scale.fill_(1.0)
