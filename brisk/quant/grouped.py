@@ -202,7 +202,8 @@ class GroupLinear(TiledLinear):
         # "int8": x is quantized to int8 per block of 32 columns and meets the weights in integer
         # dot products (llama.cpp's Q4 x Q8): faster on VNNI CPUs, a measured quality cost.
         # "int16": the same with int16: as fast, a rounding ~1e-5 of each block's largest x (8-bit
-        # weights too: on an AVX2 CPU their float kernel read a Q8_0 head at ~18 GB/s, int16 at ~25).
+        # weights too: on an AVX2 CPU their float kernel read a Q8_0 head at ~18 GB/s, int16 at ~25);
+        # a float GEMM (past the kernel's rows) takes x as is.
         self.activations = "float"
 
     @classmethod
@@ -295,7 +296,11 @@ class GroupLinear(TiledLinear):
                 flat = flat if mode == "float" else quantize_act_blocks(flat, mode)
                 y = group_gemm(flat, b["qweight"], b["scale"], b["zero"], self.group, self.bits, b["bias"], tiled)
         else:
-            flat = flat.float() if mode == "float" else quantize_act_blocks(flat, mode)
+            # a float GEMM (prompt chunks, devices without the kernels): int8 activations are the
+            # user's measured choice and stay; int16 exists only to feed the integer kernels (its
+            # rounding is ~1e-5 of a block's max), so x goes in as is, as BlockLinear's float path
+            # does: 3-15% of a 512-row Q8_0 call, the Python rounding's cost
+            flat = quantize_act_blocks(flat, mode) if mode == "int8" else flat.float()
             y = F.linear(flat, self.dequantize(), b["bias"])
         return self._shaped(y, x)
 
