@@ -457,15 +457,12 @@ void int8_tile(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64
   finish<Bits, MB>(w, y, m0, r, nrows, acc, zacc);
 }
 
-// A group's end in the int16 kernels: acc += gacc x the 4 rows' scales, zacc += z' C_g (z' = 0
-// without a zero term: 8-bit weights against int16 activations).
+// A group's end in int16_tile: acc += gacc x the 4 rows' scales, zacc += z C_g.
 template <int Bits, int MB>
 inline void end_group(const GroupWeights& w, const Acts16& x, int64_t m0, int64_t r, int64_t g, int nrows,
-                      bool zero_term, const __m256 (&gacc)[MB][kVecs<Bits>], __m256 (&acc)[MB][kVecs<Bits>],
-                      __m128 (&zacc)[MB]) {
+                      const __m256 (&gacc)[MB][kVecs<Bits>], __m256 (&acc)[MB][kVecs<Bits>], __m128 (&zacc)[MB]) {
   __m128 s4, z4;
   group_params<Bits>(w, r, g, nrows, s4, z4);
-  if (!zero_term) z4 = _mm_setzero_ps();
   __m256 svec[kVecs<Bits>];
   spread<Bits>(s4, svec);
   for (int k = 0; k < MB; ++k) {
@@ -510,7 +507,7 @@ void int16_tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, in
         }
       }
     }
-    end_group<4, MB>(w, x, m0, r, g, nrows, true, gacc, acc, zacc);
+    end_group<4, MB>(w, x, m0, r, g, nrows, gacc, acc, zacc);
   }
   finish<4, MB>(w, y, m0, r, nrows, acc, zacc);
 }
@@ -520,7 +517,7 @@ void int16_tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, in
 // 0..30, slots 16-31 the odd ones, so a row's even bytes (sign-extended in place) meet the first half
 // and its odd bytes the second: int32 lane t of d_j sums row j's columns 4t..4t+3. Two levels of
 // vphaddd then fold the 4 rows' d_j into one vector, lane j + 4 h = row j's columns 16h..16h+15
-// (exact: |sum| <= 16 * 128 * 32767 < 2^31), so each x row of a block costs one int -> float
+// (exact: |sum| <= 16 * 128 * 32767 < 2^26), so each x row of a block costs one int -> float
 // conversion and one fma for all 4 weight rows, and a group's accumulators are one register per x
 // row: the 8-lanes-a-row form needed 4 (16 for a 4-row x tile: more than AVX2's 16 registers, so
 // they lived on the stack). With 8 x rows a tile (tile_range's kWide) this form ran 1.3-1.4x faster
