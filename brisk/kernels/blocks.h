@@ -21,21 +21,33 @@ enum Type : int {
 // [out, row bytes] tensor, so shapes and sizes are the GGML type's; only the kernels read them.
 constexpr int kTiled = 1024;
 constexpr int kQ4_0x4 = kQ4_0 | kTiled;  // Q4_0, rows 4t..4t+3 interleaved block by block
-constexpr int kQ5_0x4 = kQ5_0 | kTiled;  // Q5_0, the same
+constexpr int kQ4_1x4 = kQ4_1 | kTiled;  // Q4_1, Q5_0, Q5_1: the same
+constexpr int kQ5_0x4 = kQ5_0 | kTiled;
+constexpr int kQ5_1x4 = kQ5_1 | kTiled;
 inline bool is_tiled(int type) { return (type & kTiled) != 0; }
 inline int file_type(int type) { return type & ~kTiled; }
-// A tile is, per 32-column block, the 4 rows' fp16 d ([0, 8)), for Q5_0 their 128 fifth bits
-// ([8, 24)), then their nibbles as the file stores them (64 bytes, rows in the order 0, 2, 1, 3, so
-// one 32-byte load holds rows 0 and 2 and another rows 1 and 3): 4 x 18 or 4 x 22 bytes. Fifth bit
-// of row i, column j: bit tile_bit(i, j) of byte 8 + j % 16. The bits sit where one variable shift
-// of the broadcast field lines up a whole vector's bits at 0x10 (cpu_blocks_simd.inc tile_x4).
-constexpr int tile_high(int type) { return type == kQ5_0 ? 16 : 0; }  // bytes of fifth bits (GGML type)
+// A tile is, per 32-column block, the 4 rows' fp16 d ([0, 8)), for Q4_1 / Q5_1 their fp16 min
+// ([8, 16)), for Q5_0 / Q5_1 their 128 fifth bits (16 bytes), then their nibbles as the file
+// stores them (64 bytes, rows in the order 0, 2, 1, 3, so one 32-byte load holds rows 0 and 2 and
+// another rows 1 and 3): four blocks' bytes, 4 x 18, 20, 22 or 24. Fifth bit of row i, column j:
+// bit tile_bit(i, j) of byte tile_head + j % 16. The bits sit where one variable shift of the
+// broadcast field lines up a whole vector's bits at 0x10 (cpu_blocks_simd.inc tile_x4).
+constexpr bool tile_mins(int type) { return type == kQ4_1 || type == kQ5_1; }  // GGML type: w = d q + min
+constexpr int tile_head(int type) { return tile_mins(type) ? 16 : 8; }         // bytes of d (and min)
+constexpr int tile_high(int type) { return type == kQ5_0 || type == kQ5_1 ? 16 : 0; }  // bytes of fifth bits
+constexpr int tile_qs(int type) { return tile_head(type) + tile_high(type); }  // where the nibbles start
+template <int T>
+constexpr bool kTileMins = tile_mins(T);
+template <int T>
+constexpr int kTileHead = tile_head(T);
 template <int T>
 constexpr int kTileHigh = tile_high(T);
 template <int T>
-constexpr int kTileBytes = 72 + kTileHigh<T>;
+constexpr int kTileQs = tile_qs(T);
+template <int T>
+constexpr int kTileBytes = 64 + kTileQs<T>;
 constexpr int tile_bit(int i, int j) { return ((i & 1) ? 0 : 4) + 2 * (j / 16) + (i >> 1); }
-constexpr int tile_nibbles(int i, int high) { return 8 + high + 16 * (2 * (i & 1) + (i >> 1)); }
+constexpr int tile_nibbles(int i, int qs) { return qs + 16 * (2 * (i & 1) + (i >> 1)); }  // row i's 16 bytes
 
 // fn(std::integral_constant<int, T>{}) for the block type T == type (the one switch over types);
 // `otherwise` when no kernel runs it.
@@ -68,7 +80,9 @@ auto visit_tiled(int type, Fn&& fn, Otherwise... otherwise) {
   using R = decltype(fn(std::integral_constant<int, kQ4_0>{}));
   switch (type) {
     case kQ4_0x4: return fn(std::integral_constant<int, kQ4_0>{});
+    case kQ4_1x4: return fn(std::integral_constant<int, kQ4_1>{});
     case kQ5_0x4: return fn(std::integral_constant<int, kQ5_0>{});
+    case kQ5_1x4: return fn(std::integral_constant<int, kQ5_1>{});
     default:
       if constexpr (sizeof...(otherwise) > 0) return R(otherwise...);
       else return R();
@@ -84,11 +98,11 @@ constexpr int kZeroPoint = T == kQ4_0 ? 8 : T == kQ5_0 ? 16 : T == kQ6_K ? 32 : 
 constexpr int kZeroPoints[4] = {4, 8, 16, 32};  // BlockActs::zsum's order
 constexpr int zero_slot(int z) { return z == 4 ? 0 : z == 8 ? 1 : z == 16 ? 2 : 3; }
 
-bool supported(int type);      // a GGML type with a kernel, or a tiled one (kQ4_0x4, kQ5_0x4)
+bool supported(int type);      // a GGML type with a kernel, or a tiled one (kQ4_0x4 ... kQ5_1x4)
 int64_t block_cols(int type);   // 32 or 256
 int64_t block_bytes(int type);  // of one row's block (a tiled type: its GGML type's)
 
-// Q4_0 or Q5_0 rows (file layout, rows % 4 == 0) -> that type's tiles, and one row's blocks back
+// Q4_0, Q4_1, Q5_0 or Q5_1 rows (file layout, rows % 4 == 0) -> that type's tiles, and one row's blocks back
 // (`type` the GGML type).
 void tile_rows_of(int type, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t nblocks);
 void untile_row(int type, const uint8_t* tiles, int64_t row, int64_t nblocks, uint8_t* out);

@@ -137,14 +137,15 @@ void segment_rows(const Segment& s, const BlockActs& x, float* y, int64_t out_to
     for (int64_t k = 0; k < x.m; ++k) y[k * out_total + s.first_row + r] = row_dot<T>(s.q + r * s.row_bytes, nblocks, x, k);
 }
 
-// Rows 4t..4t+3 of a Q4_0x4 / Q5_0x4 weight (T its GGML type) . x row xr (cpu_blocks_simd.inc
-// tile_x4, one lane at a time): per row, two int32 lanes (columns 0-7 and 16-23; 8-15 and 24-31)
-// with their zero terms, then d and a as every block type.
+// Rows 4t..4t+3 of a tiled weight (T its GGML type) . x row xr (cpu_blocks_simd.inc tile_x4, one
+// lane at a time): per row, two int32 lanes (columns 0-7 and 16-23; 8-15 and 24-31) with their
+// zero terms, then d and a as every block type; Q4_1 / Q5_1's mins as row_dot's offsets (w = d q
+// - m with m = -min, summed apart and subtracted at the end).
 template <int T>
 void tile_x4(const uint8_t* p, int64_t nblocks, const BlockActs& x, int64_t xr, float* out) {
-  float acc[4][2] = {};
+  float acc[4][2] = {}, mins[4] = {};
   const int64_t in = x.in, in32 = in / 32;
-  const int32_t* zp = x.zpair[zero_slot(kZeroPoint<T>)].data() + xr * in32 * 2;
+  const int32_t* zp = kZeroPoint<T> ? x.zpair[zero_slot(kZeroPoint<T>)].data() + xr * in32 * 2 : nullptr;
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const uint8_t* b = p + blk * kTileBytes<T>;
     const int8_t* xq = x.q.data() + xr * in + 32 * blk;
@@ -152,18 +153,19 @@ void tile_x4(const uint8_t* p, int64_t nblocks, const BlockActs& x, int64_t xr, 
     for (int i = 0; i < 4; ++i) {
       const float d = f16(b + 2 * i);
       for (int h = 0; h < 2; ++h) {
-        int32_t isum = zp[blk * 2 + h];
+        int32_t isum = zp ? zp[blk * 2 + h] : 0;
         for (int u = 0; u < 2; ++u)
           for (int c = 8 * h; c < 8 * h + 8; ++c) {
-            const int j = 16 * u + c, nib = b[tile_nibbles(i, kTileHigh<T>) + c];
-            const int high = kTileHigh<T> ? ((b[8 + c] >> tile_bit(i, j)) & 1) << 4 : 0;
+            const int j = 16 * u + c, nib = b[tile_nibbles(i, kTileQs<T>) + c];
+            const int high = kTileHigh<T> ? ((b[kTileHead<T> + c] >> tile_bit(i, j)) & 1) << 4 : 0;
             isum += (((u ? nib >> 4 : nib) & 0x0F) | high) * xq[j];
           }
         acc[i][h] = std::fma(static_cast<float>(isum) * d, a, acc[i][h]);
       }
+      if constexpr (kTileMins<T>) mins[i] = std::fma(-f16(b + 8 + 2 * i), x.c32[xr * in32 + blk], mins[i]);
     }
   }
-  for (int i = 0; i < 4; ++i) out[i] = acc[i][0] + acc[i][1];
+  for (int i = 0; i < 4; ++i) out[i] = (acc[i][0] + acc[i][1]) - mins[i];
 }
 
 template <int T>
@@ -234,38 +236,45 @@ int64_t block_bytes(int type) {
                     int64_t{0});
 }
 
+// Where a block of a tiled type (GGML type) keeps its fifth bits and its nibbles in the file:
+// after d (and min), the 4 bytes of fifth bits, then the nibbles.
+static int64_t file_high_at(int type) { return tile_mins(type) ? 4 : 2; }
+static int64_t file_qs_at(int type) { return file_high_at(type) + tile_high(type) / 4; }
+
 void tile_rows_of(int type, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t nblocks) {
-  const int64_t bytes = block_bytes(type), row_bytes = nblocks * bytes, high = tile_high(type);
+  const int64_t bytes = block_bytes(type), row_bytes = nblocks * bytes, high = tile_high(type), head = tile_head(type);
   at::parallel_for(0, rows / 4, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t blk = 0; blk < nblocks; ++blk) {
         uint8_t* o = dst + 4 * t * row_bytes + blk * 4 * bytes;
-        std::memset(o + 8, 0, high);
+        std::memset(o + head, 0, high);
         for (int i = 0; i < 4; ++i) {
           const uint8_t* b = src + (4 * t + i) * row_bytes + blk * bytes;
           std::memcpy(o + 2 * i, b, 2);
-          std::memcpy(o + tile_nibbles(i, high), b + 2 + high / 4, 16);
+          if (tile_mins(type)) std::memcpy(o + 8 + 2 * i, b + 2, 2);
+          std::memcpy(o + tile_nibbles(i, tile_qs(type)), b + file_qs_at(type), 16);
           if (!high) continue;
           uint32_t qh;
-          std::memcpy(&qh, b + 2, 4);
-          for (int j = 0; j < 32; ++j) o[8 + j % 16] |= static_cast<uint8_t>(((qh >> j) & 1) << tile_bit(i, j));
+          std::memcpy(&qh, b + file_high_at(type), 4);
+          for (int j = 0; j < 32; ++j) o[head + j % 16] |= static_cast<uint8_t>(((qh >> j) & 1) << tile_bit(i, j));
         }
       }
   });
 }
 
 void untile_row(int type, const uint8_t* tiles, int64_t row, int64_t nblocks, uint8_t* out) {
-  const int64_t bytes = block_bytes(type), row_bytes = nblocks * bytes, high = tile_high(type);
+  const int64_t bytes = block_bytes(type), row_bytes = nblocks * bytes, high = tile_high(type), head = tile_head(type);
   const int i = static_cast<int>(row % 4);
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const uint8_t* p = tiles + (row / 4) * 4 * row_bytes + blk * 4 * bytes;
     uint8_t* b = out + blk * bytes;
     std::memcpy(b, p + 2 * i, 2);
-    std::memcpy(b + 2 + high / 4, p + tile_nibbles(i, high), 16);
+    if (tile_mins(type)) std::memcpy(b + 2, p + 8 + 2 * i, 2);
+    std::memcpy(b + file_qs_at(type), p + tile_nibbles(i, tile_qs(type)), 16);
     if (!high) continue;
     uint32_t qh = 0;
-    for (int j = 0; j < 32; ++j) qh |= static_cast<uint32_t>((p[8 + j % 16] >> tile_bit(i, j)) & 1) << j;
-    std::memcpy(b + 2, &qh, 4);
+    for (int j = 0; j < 32; ++j) qh |= static_cast<uint32_t>((p[head + j % 16] >> tile_bit(i, j)) & 1) << j;
+    std::memcpy(b + file_high_at(type), &qh, 4);
   }
 }
 
@@ -474,11 +483,11 @@ torch::Tensor block_dequantize(const torch::Tensor& blocks, int64_t type, int64_
   return out;
 }
 
-// Q4_0 or Q5_0 blocks [rows, row bytes] (rows % 4 == 0) in that type's tiled layout (blocks.h
+// Q4_0, Q4_1, Q5_0 or Q5_1 blocks [rows, row bytes] (rows % 4 == 0) in that type's tiled layout (blocks.h
 // kTiled): the same bytes, four rows interleaved block by block for the tile kernel.
 torch::Tensor block_tile(const torch::Tensor& blocks, int64_t type) {
   TORCH_CHECK(brisk_blocks::supported(brisk_blocks::kTiled | static_cast<int>(type)),
-              "brisk block_tile: only Q4_0 (2) and Q5_0 (6) have a tiled layout, got ", type);
+              "brisk block_tile: only Q4_0 (2), Q4_1 (3), Q5_0 (6) and Q5_1 (7) have a tiled layout, got ", type);
   const int64_t bytes = brisk_blocks::block_bytes(static_cast<int>(type));
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.device().is_cpu() &&
                   blocks.size(0) % 4 == 0 && blocks.size(1) % bytes == 0,

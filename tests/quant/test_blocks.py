@@ -21,6 +21,7 @@ from brisk.quant.grouped import quantize_act_blocks
 
 T = GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.IQ4_XS, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+TILE_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]  # with a tiled layout (kernels.block_tile)
 # fp16 fields (d, dmin) of each block: random bytes elsewhere are valid blocks
 FP16_AT = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.IQ4_NL: (0,),
            T.IQ4_XS: (0,), T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
@@ -112,10 +113,10 @@ def test_many_rows_multiply_the_same_weights_in_floats(qtype: GGMLQuantizationTy
     torch.testing.assert_close(layer(x), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 17, 64])
 def test_tiles_match_the_dequantized_reference(qtype: GGMLQuantizationType, m: int) -> None:
-    """Q4_0 / Q5_0 repacked four rows at a time (kernels.block_tile): the same bytes, the file's
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 repacked four rows at a time (kernels.block_tile): the same bytes, the file's
     rows back from it, the tile kernel against the dequantized weights, each row as it comes alone."""
     blocks = random_blocks(qtype, 36, 544, seed=11)
     tiled_type, tiles = kernels.block_tile(blocks, int(qtype))
@@ -134,16 +135,17 @@ def test_tiles_match_the_dequantized_reference(qtype: GGMLQuantizationType, m: i
 
 
 def test_block_linear_tiles_rows_in_fours() -> None:
-    """Q4_0 / Q5_0 parts with rows in fours are tiled, others keep the file's layout; a tiled part that
+    """Q4_0 / Q5_0 / Q5_1 parts with rows in fours are tiled, others keep the file's layout; a tiled part that
     starts off a multiple of 4 in a stacked weight (rows split between threads mid-tile) gives the
     same numbers as the file's layout; dequantize and token rows read the file's values."""
     a, b, c = random_blocks(T.Q5_0, 8, 256, 1), random_blocks(T.Q8_0, 2, 256, 2), random_blocks(T.Q4_0, 12, 256, 3)
-    parts = [(int(T.Q5_0), a), (int(T.Q8_0), b), (int(T.Q4_0), c)]
-    layer = BlockLinear(parts, 256, None, (8, 2, 12), torch.float32)
-    plain = BlockLinear(parts, 256, None, (8, 2, 12), torch.float32, tile=False)
-    assert layer.types == [kernels.Q5_0X4, int(T.Q8_0), kernels.Q4_0X4] and layer.tiled_parts == [True, False, True]
-    assert plain.types == [int(T.Q5_0), int(T.Q8_0), int(T.Q4_0)]
-    assert "Q5_0x4+Q8_0+Q4_0x4" in repr(layer)
+    parts = [(int(T.Q5_0), a), (int(T.Q8_0), b), (int(T.Q4_0), c), (int(T.Q5_1), random_blocks(T.Q5_1, 4, 256, 6))]
+    layer = BlockLinear(parts, 256, None, (8, 2, 12, 4), torch.float32)
+    plain = BlockLinear(parts, 256, None, (8, 2, 12, 4), torch.float32, tile=False)
+    assert layer.types == [kernels.Q5_0X4, int(T.Q8_0), kernels.Q4_0X4, kernels.Q5_1X4]
+    assert layer.tiled_parts == [True, False, True, True]
+    assert plain.types == [int(T.Q5_0), int(T.Q8_0), int(T.Q4_0), int(T.Q5_1)]
+    assert "Q5_0x4+Q8_0+Q4_0x4+Q5_1x4" in repr(layer)
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(4))
     ref = reference(x, a, int(T.Q5_0), 256)
     torch.testing.assert_close(layer(x)[:, :8], ref, rtol=0, atol=2e-6 * ref.abs().max().item() * 16)
@@ -189,7 +191,7 @@ def _isa_cols(qtype: GGMLQuantizationType) -> int:
 _ISA_SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, {tests!r})
-from test_blocks import TYPES, _isa_cols, random_blocks
+from test_blocks import TILE_TYPES, TYPES, _isa_cols, random_blocks
 from brisk import kernels
 out = {{}}
 for t in TYPES:
@@ -197,7 +199,7 @@ for t in TYPES:
     b = random_blocks(t, 12, cols, int(t))
     x = torch.randn(5, cols, generator=torch.Generator().manual_seed(int(t)))
     out[t.name] = kernels.block_gemm(x, [b], [int(t)]).numpy().tobytes().hex()
-for t in (TYPES[0], TYPES[2]):  # Q4_0, Q5_0 tiled
+for t in TILE_TYPES:
     qt, tiles = kernels.block_tile(random_blocks(t, 12, 544, 7), int(t))
     out[t.name + "x4"] = kernels.block_gemm(torch.randn(5, 544, generator=torch.Generator().manual_seed(7)), [tiles], [qt]).numpy().tobytes().hex()
 print(json.dumps({{"isa": kernels.CAPS.isa, "avx_vnni": kernels.CAPS.avx_vnni, "out": out}}))
@@ -219,7 +221,7 @@ def test_every_isa_gives_the_same_bits(isa: str) -> None:
         b = random_blocks(t, 12, cols, int(t))
         x = torch.randn(5, cols, generator=torch.Generator().manual_seed(int(t)))
         assert kernels.block_gemm(x, [b], [int(t)]).numpy().tobytes().hex() == got["out"][t.name], t.name
-    for t in (T.Q4_0, T.Q5_0):
+    for t in TILE_TYPES:
         qt, tiles = kernels.block_tile(random_blocks(t, 12, 544, 7), int(t))
         y = kernels.block_gemm(torch.randn(5, 544, generator=torch.Generator().manual_seed(7)), [tiles], [qt])
         assert y.numpy().tobytes().hex() == got["out"][t.name + "x4"], t.name
