@@ -65,6 +65,10 @@ def _throughput_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
     thr.add_argument("--vllm-python", default=os.environ.get("BRISK_VLLM_PYTHON"),
                      help="python of a venv with vllm installed, for --compare vllm (env BRISK_VLLM_PYTHON)")
     thr.add_argument("--hf-batch-size", type=int, default=None, help="HF generate() batch (default: all prompts)")
+    thr.add_argument("--rounds", type=int, default=1,
+                     help="brisk and the llama.cpp peer alternated this many times on the same workload (brisk's "
+                          "prefix cache emptied before each); figures of the median round, speedup the median of "
+                          "the rounds' ratios")
 
 
 def _serve_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -338,7 +342,7 @@ def _bench_throughput(args: argparse.Namespace, compare: list[str]) -> int:
         raise UserError("--num-prompts must be >= 1")
     result = bench_throughput(args.model, args.dtype, args.num_prompts, args.input_len, args.output_len,
                               args.seed, args.shared_prefix, compare, args.hf_batch_size, engine_kwargs(args),
-                              args.vllm_python, args.llamacpp_python)
+                              args.vllm_python, args.llamacpp_python, args.rounds)
     print(json.dumps(result), flush=True)
     return 0
 

@@ -75,6 +75,33 @@ def test_bench_latency_interleaves_a_plain_engine(gguf_path, capsys) -> None:
     assert code == 2 and "available: hf, llamacpp, plain" in err
 
 
+def test_bench_throughput_rounds_alternate_with_the_peer(gguf_path, capsys, monkeypatch) -> None:
+    """`--rounds 2`: brisk (and llama.cpp where its venv is set) twice on the same workload, brisk's
+    prefix cache emptied before each round (no hits: the prompts are computed again); the median
+    round's figures, the median of the rounds' ratios."""
+    args = ["bench", "throughput", "--num-prompts", "2", "--input-len", "40", "--output-len", "3", "--rounds", "2"]
+    from brisk.bench import throughput
+
+    hit_rates: list[float] = []  # the engine's cumulative prefix hit rate after each brisk round
+    real_run = throughput.run_brisk
+    monkeypatch.setattr(throughput, "run_brisk",
+                        lambda llm, work: hit_rates.append((r := real_run(llm, work))["prefix_hit_rate"]) or r)
+    peer = os.environ.get("BRISK_LLAMACPP_PYTHON")
+    if peer and os.path.isfile(peer):
+        args += ["--compare", "llamacpp", "--llamacpp-python", peer]
+    code, out, _ = _run(capsys, *args)
+    assert code == 0
+    result = json.loads(out.strip().splitlines()[-1])
+    runs = result["brisk"]["output_tokens_per_s_rounds"]
+    assert result["rounds"] == 2 and len(runs) == 2 and result["brisk"]["output_tokens_per_s"] == min(runs)
+    assert hit_rates[-2:] == [0.0, 0.0]  # 40-token prompts: two full blocks each, never found again
+    if "llamacpp" in result:
+        ratios = result["round_speedups_vs_llamacpp"]
+        assert len(ratios) == 2 and result["output_speedup_vs_llamacpp"] == pytest.approx(sum(ratios) / 2)
+    code, _, err = _run(capsys, "bench", "throughput", "--rounds", "0")
+    assert code == 2 and "--rounds must be >= 1" in err
+
+
 def test_missing_model_path(capsys) -> None:
     code, _, err = _run(capsys, "generate", "--model", "/no/such/model.gguf", "--prompt", "hi")
     assert code == 2 and "not found" in err and "Traceback" not in err

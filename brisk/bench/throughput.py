@@ -142,9 +142,9 @@ def run_vllm(model_ref: str, dtype: str, work: Workload, python: str, max_model_
     return json.loads(lines[-1])
 
 
-def run_llamacpp(model_ref: str, work: Workload, python: str | None) -> dict[str, Any]:
-    """The same prompt ids and output lengths through llama-cpp-python (bench/llamacpp_peer.py):
-    its binding runs one sequence at a time, so the figure is sequential (`mode`)."""
+def open_llamacpp(model_ref: str, work: Workload, python: str | None) -> Any:
+    """A llama-cpp-python peer (bench/llamacpp_peer.py) on the same .gguf, its context long enough
+    for every request of `work`, warmed up."""
     from brisk.bench.latency import LlamaCppPeer
     from brisk.loader.resolve import resolve_model
 
@@ -157,18 +157,42 @@ def run_llamacpp(model_ref: str, work: Workload, python: str | None) -> dict[str
     peer = LlamaCppPeer(python, path, torch.get_num_threads(), max(2048, max_len + 8))
     try:
         peer.ask({"op": "latency", "ids": work.prompts[0][:16], "new_tokens": 4})  # warm-up
-        out = peer.ask({"op": "throughput", "prompts": work.prompts, "output_lens": work.output_lens})
-    finally:
+    except BaseException:
         peer.close()
+        raise
+    return peer
+
+
+def run_llamacpp(peer: Any, work: Workload) -> dict[str, Any]:
+    """The same prompt ids and output lengths through the peer: its binding runs one sequence at
+    a time, so the figure is sequential (`mode`)."""
+    out = peer.ask({"op": "throughput", "prompts": work.prompts, "output_lens": work.output_lens})
     out.pop("first_output_token_ids", None)
     out["version"] = peer.version
+    return out
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median output tokens/s (the lower middle of an even count), with every run's
+    figure beside it when there were several."""
+    ranked = sorted(runs, key=lambda r: r["output_tokens_per_s"])
+    out = dict(ranked[(len(ranked) - 1) // 2])
+    if len(runs) > 1:
+        out["output_tokens_per_s_rounds"] = [r["output_tokens_per_s"] for r in runs]
     return out
 
 
 def bench_throughput(model: str, dtype: str, num_prompts: int, input_len: int | None, output_len: int | None,
                      seed: int, shared_prefix: int, compare: list[str], hf_batch_size: int | None,
                      engine_kwargs: dict[str, Any], vllm_python: str | None = None,
-                     llamacpp_python: str | None = None) -> dict[str, Any]:
+                     llamacpp_python: str | None = None, rounds: int = 1) -> dict[str, Any]:
+    """brisk on the workload, then the peers in `compare`. With `rounds` > 1, brisk and the
+    llama.cpp peer alternate that many times on the same workload (brisk's prefix cache emptied
+    before each round, so no round reads another's prompts): this machine's pace swings between
+    runs a minute apart, and only ratios within a round are fair. The figures are then the median
+    round's, the speedup the median of the rounds' ratios."""
+    if rounds < 1:
+        raise UserError("--rounds must be >= 1")
     llm = LLM(model, dtype=dtype, **engine_kwargs)
     work = make_workload(num_prompts, llm.model_config.vocab_size, seed, input_len, output_len,
                          shared_prefix=shared_prefix)
@@ -180,9 +204,24 @@ def bench_throughput(model: str, dtype: str, num_prompts: int, input_len: int | 
         "input_len_median": statistics.median(len(p) for p in work.prompts),
         "output_len_median": statistics.median(work.output_lens),
         "engine": {k: v for k, v in engine_kwargs.items() if v is not None},
-        "threads": torch.get_num_threads(), "machine": platform.machine(),
+        "threads": torch.get_num_threads(), "machine": platform.machine(), "rounds": rounds,
     }
-    result["brisk"] = run_brisk(llm, work)
+    peer = open_llamacpp(model, work, llamacpp_python) if "llamacpp" in compare else None
+    runs: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
+    try:
+        for _ in range(rounds):
+            llm.engine.reset_prefix_cache()
+            runs.append((run_brisk(llm, work), None if peer is None else run_llamacpp(peer, work)))
+    finally:
+        if peer is not None:
+            peer.close()
+    result["brisk"] = median_run([b for b, _ in runs])
+    if peer is not None:
+        result["llamacpp"] = median_run([p for _, p in runs if p is not None])
+        ratios = [round(b["output_tokens_per_s"] / p["output_tokens_per_s"], 3) for b, p in runs if p is not None]
+        result["output_speedup_vs_llamacpp"] = statistics.median(ratios)
+        if rounds > 1:
+            result["round_speedups_vs_llamacpp"] = ratios
     if "vllm" in compare:
         if vllm_python is None:
             raise UserError("--compare vllm needs --vllm-python (the python of a venv with vllm installed)")
@@ -196,10 +235,6 @@ def bench_throughput(model: str, dtype: str, num_prompts: int, input_len: int | 
         result["vllm"] = peer
         result["output_speedup_vs_vllm"] = round(
             result["brisk"]["output_tokens_per_s"] / peer["output_tokens_per_s"], 3)
-    if "llamacpp" in compare:
-        result["llamacpp"] = run_llamacpp(model, work, llamacpp_python)
-        result["output_speedup_vs_llamacpp"] = round(
-            result["brisk"]["output_tokens_per_s"] / result["llamacpp"]["output_tokens_per_s"], 3)
     if "hf" in compare:
         del llm
         result["hf"] = run_hf(model, dtype, work, hf_batch_size or num_prompts)

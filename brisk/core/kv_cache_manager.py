@@ -274,6 +274,9 @@ class KVCacheManager:
     def uncache(self, block_ids: Iterable[int]) -> None:
         self.pool.uncache(b for b in block_ids if b != NO_BLOCK)
 
+    def reset_prefix_cache(self) -> None:
+        self.pool.uncache([block.block_id for _, block in self.pool.cached_items()])
+
     def take_memory_ops(self) -> list[MemoryOp]:
         return []  # the pool's tensors are allocated once, whole
 

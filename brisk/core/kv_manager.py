@@ -73,6 +73,11 @@ class KVManager(Protocol):
         """Withdraw blocks from the prefix cache: a failed step wrote no valid KV into them."""
         ...
 
+    def reset_prefix_cache(self) -> None:
+        """Withdraw every published block: later requests compute their whole prompt (benchmarks
+        rerunning the same prompts). Requests keep the KV they hold."""
+        ...
+
     def get_block_ids(self, request_id: str) -> list[list[int]]:
         """The request's block tables (empty lists when it holds none)."""
         ...

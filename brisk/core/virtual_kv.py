@@ -119,6 +119,10 @@ class VirtualKVManager:
         for tile in block_ids:
             self._forget(tile)
 
+    def reset_prefix_cache(self) -> None:
+        for tile in list(self._key_of):
+            self._forget(tile)
+
     def _forget(self, tile: int) -> None:
         key = self._key_of.pop(tile, None)
         if key is not None:

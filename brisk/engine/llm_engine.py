@@ -444,3 +444,8 @@ class LLMEngine:
 
     def reset_peak_stats(self) -> None:
         self.peak_kv_usage = self.scheduler.kv_usage
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt block (vLLM's `reset_prefix_cache`): the next requests compute
+        their prompts whole, as on a fresh engine. Running requests keep their KV."""
+        self.scheduler.kv.reset_prefix_cache()

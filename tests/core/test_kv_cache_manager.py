@@ -56,6 +56,19 @@ def test_prefix_hit_reuses_the_same_block_ids() -> None:
     kv.check_invariants(["b"])
 
 
+def test_reset_prefix_cache_forgets_published_blocks_and_keeps_what_requests_hold() -> None:
+    kv = KVCacheManager(8, BS, enable_prefix_caching=True)
+    a = make("a", A)
+    run_prompt(kv, a)
+    kv.free(a)
+    b = make("b", A)
+    run_prompt(kv, b)  # holds a's two cached blocks
+    kv.reset_prefix_cache()
+    assert kv.pool.cached_items() == [] and kv.get_computed_blocks(make("c", A)) == ([[]], 0)
+    assert [kv.pool.blocks[i].ref_cnt for i in range(2)] == [1, 1] and kv.get_block_ids("b")[0][:2] == [0, 1]
+    kv.check_invariants(["b"])
+
+
 def test_hit_never_covers_the_whole_prompt() -> None:
     kv = KVCacheManager(8, BS, enable_prefix_caching=True)
     run_prompt(kv, make("a", A))

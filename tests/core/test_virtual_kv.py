@@ -183,6 +183,18 @@ def test_concurrent_requests_share_a_prefix_in_place_and_it_is_committed_once() 
     kv.check_invariants([])
 
 
+def test_reset_prefix_cache_forgets_every_cached_tile() -> None:
+    kv = VirtualKVManager(num_rows=3, row_tiles=8, tile=T, budget_tiles=20, enable_prefix_caching=True)
+    a = _req("a", 13)
+    kv.allocate_slots(a, 13)
+    kv.free(a)
+    assert kv.num_cached_tiles == 3
+    kv.reset_prefix_cache()
+    turn = Request("b", list(range(100, 113)) + [5], SamplingParams(max_tokens=8), eos_token_ids=frozenset({0}))
+    assert kv.num_cached_tiles == 0 and kv.get_computed_blocks(turn) == ([[]], 0)
+    kv.check_invariants([])
+
+
 def test_cached_tiles_are_given_back_last_and_leave_the_cache() -> None:
     kv = VirtualKVManager(num_rows=2, row_tiles=8, tile=T, budget_tiles=6, enable_prefix_caching=True,
                           commit_ahead=False)
