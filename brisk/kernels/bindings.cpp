@@ -40,7 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("blocks"), py::arg("types"), py::arg("bias") = py::none());
   m.def("block_dequantize", &block_dequantize, "rows [r0, r1) of GGUF blocks as float32 (w = d q - m), AVX2+",
         py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("r0"), py::arg("r1"));
-  m.def("block_tile", &block_tile, "Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks [rows, row bytes] repacked 4 rows at a time (kTiled | type)",
+  m.def("block_tile", &block_tile, "Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL blocks [rows, row bytes] repacked 4 rows at a time (kTiled | type)",
         py::arg("blocks"), py::arg("type"));
   m.def("block_untile", &block_untile, "a tiled weight's rows back in the file's layout", py::arg("tiles"),
         py::arg("type"));

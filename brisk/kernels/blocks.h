@@ -24,6 +24,7 @@ constexpr int kQ4_0x4 = kQ4_0 | kTiled;  // Q4_0, rows 4t..4t+3 interleaved bloc
 constexpr int kQ4_1x4 = kQ4_1 | kTiled;  // Q4_1, Q5_0, Q5_1: the same
 constexpr int kQ5_0x4 = kQ5_0 | kTiled;
 constexpr int kQ5_1x4 = kQ5_1 | kTiled;
+constexpr int kIQ4_NLx4 = kIQ4_NL | kTiled;  // Q4_0's layout, its nibbles indices into kIq4Values
 inline bool is_tiled(int type) { return (type & kTiled) != 0; }
 inline int file_type(int type) { return type & ~kTiled; }
 // A tile is, per 32-column block, the 4 rows' fp16 d ([0, 8)), for Q4_1 / Q5_1 their fp16 min
@@ -83,6 +84,7 @@ auto visit_tiled(int type, Fn&& fn, Otherwise... otherwise) {
     case kQ4_1x4: return fn(std::integral_constant<int, kQ4_1>{});
     case kQ5_0x4: return fn(std::integral_constant<int, kQ5_0>{});
     case kQ5_1x4: return fn(std::integral_constant<int, kQ5_1>{});
+    case kIQ4_NLx4: return fn(std::integral_constant<int, kIQ4_NL>{});
     default:
       if constexpr (sizeof...(otherwise) > 0) return R(otherwise...);
       else return R();
@@ -98,11 +100,11 @@ constexpr int kZeroPoint = T == kQ4_0 ? 8 : T == kQ5_0 ? 16 : T == kQ6_K ? 32 : 
 constexpr int kZeroPoints[4] = {4, 8, 16, 32};  // BlockActs::zsum's order
 constexpr int zero_slot(int z) { return z == 4 ? 0 : z == 8 ? 1 : z == 16 ? 2 : 3; }
 
-bool supported(int type);      // a GGML type with a kernel, or a tiled one (kQ4_0x4 ... kQ5_1x4)
+bool supported(int type);      // a GGML type with a kernel, or a tiled one (kQ4_0x4 ... kIQ4_NLx4)
 int64_t block_cols(int type);   // 32 or 256
 int64_t block_bytes(int type);  // of one row's block (a tiled type: its GGML type's)
 
-// Q4_0, Q4_1, Q5_0 or Q5_1 rows (file layout, rows % 4 == 0) -> that type's tiles, and one row's blocks back
+// Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL rows (file layout, rows % 4 == 0) -> that type's tiles, and one row's blocks back
 // (`type` the GGML type).
 void tile_rows_of(int type, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t nblocks);
 void untile_row(int type, const uint8_t* tiles, int64_t row, int64_t nblocks, uint8_t* out);

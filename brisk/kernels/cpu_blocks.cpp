@@ -158,7 +158,8 @@ void tile_x4(const uint8_t* p, int64_t nblocks, const BlockActs& x, int64_t xr, 
           for (int c = 8 * h; c < 8 * h + 8; ++c) {
             const int j = 16 * u + c, nib = b[tile_nibbles(i, kTileQs<T>) + c];
             const int high = kTileHigh<T> ? ((b[kTileHead<T> + c] >> tile_bit(i, j)) & 1) << 4 : 0;
-            isum += (((u ? nib >> 4 : nib) & 0x0F) | high) * xq[j];
+            const int q = ((u ? nib >> 4 : nib) & 0x0F) | high;
+            isum += (T == kIQ4_NL ? kIq4Values[q] : q) * xq[j];
           }
         acc[i][h] = std::fma(static_cast<float>(isum) * d, a, acc[i][h]);
       }
@@ -483,11 +484,11 @@ torch::Tensor block_dequantize(const torch::Tensor& blocks, int64_t type, int64_
   return out;
 }
 
-// Q4_0, Q4_1, Q5_0 or Q5_1 blocks [rows, row bytes] (rows % 4 == 0) in that type's tiled layout (blocks.h
+// Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL blocks [rows, row bytes] (rows % 4 == 0) in that type's tiled layout (blocks.h
 // kTiled): the same bytes, four rows interleaved block by block for the tile kernel.
 torch::Tensor block_tile(const torch::Tensor& blocks, int64_t type) {
   TORCH_CHECK(brisk_blocks::supported(brisk_blocks::kTiled | static_cast<int>(type)),
-              "brisk block_tile: only Q4_0 (2), Q4_1 (3), Q5_0 (6) and Q5_1 (7) have a tiled layout, got ", type);
+              "brisk block_tile: only Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7) and IQ4_NL (20) have a tiled layout, got ", type);
   const int64_t bytes = brisk_blocks::block_bytes(static_cast<int>(type));
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.device().is_cpu() &&
                   blocks.size(0) % 4 == 0 && blocks.size(1) % bytes == 0,
