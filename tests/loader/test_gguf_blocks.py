@@ -24,7 +24,7 @@ from brisk.model.layers import Linear
 from brisk.quant.gguf import BlockLinear
 from brisk.quant.grouped import GroupLinear
 
-MIXES = ["Q4_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS"]
+MIXES = ["Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "Water boils at"]
 
@@ -75,7 +75,7 @@ def test_blocks_are_the_file_bytes_and_the_head_is_native(kquant_file: Callable[
 
 
 @pytest.mark.skipif(not plan_supported(), reason="needs the AVX-512 kernels")
-@pytest.mark.parametrize("mix", ["Q4_K_M", "Q3_K_M", "IQ4_XS"])
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q3_K_M", "IQ4_XS"])  # tiles of Q5_0, Q5_1, Q4_0, IQ4_NL
 def test_decode_plan_gives_the_module_path_numbers(mix: str, kquant_file: Callable[[str], Path]) -> None:
     llm = LLM(str(kquant_file(mix)), max_model_len=256, num_kv_blocks=64)
     params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2)
@@ -90,7 +90,7 @@ def test_decode_plan_gives_the_module_path_numbers(mix: str, kquant_file: Callab
     assert with_plan == run(False)
 
 
-@pytest.mark.parametrize("mix", ["Q4_K_M", "Q6_K"])
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS"])
 def test_batched_greedy_equals_one_at_a_time(mix: str, kquant_file: Callable[[str], Path]) -> None:
     llm = LLM(str(kquant_file(mix)), max_model_len=256, num_kv_blocks=128)
     params = SamplingParams(max_tokens=24, temperature=0.0)
