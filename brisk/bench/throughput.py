@@ -219,7 +219,7 @@ def bench_throughput(model: str, dtype: str, num_prompts: int, input_len: int | 
     if peer is not None:
         result["llamacpp"] = median_run([p for _, p in runs if p is not None])
         ratios = [round(b["output_tokens_per_s"] / p["output_tokens_per_s"], 3) for b, p in runs if p is not None]
-        result["output_speedup_vs_llamacpp"] = statistics.median(ratios)
+        result["output_speedup_vs_llamacpp"] = round(statistics.median(ratios), 3)
         if rounds > 1:
             result["round_speedups_vs_llamacpp"] = ratios
     if "vllm" in compare:
