@@ -470,10 +470,11 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
 
 
 def new_decode_plan(num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
-                    act: int = 0) -> Any:
-    """An empty C++ DecodePlan (runtime/decode_plan.py fills it layer by layer); act 0: SwiGLU, 1: GeGLU."""
+                    act: int = 0, max_rows: int = 8) -> Any:
+    """An empty C++ DecodePlan (runtime/decode_plan.py fills it layer by layer); act 0: SwiGLU, 1: GeGLU;
+    steps of up to `max_rows` tokens."""
     assert _C is not None
-    return _C.DecodePlan(num_heads, num_kv_heads, head_dim, intermediate, eps, act)
+    return _C.DecodePlan(num_heads, num_kv_heads, head_dim, intermediate, eps, act, max_rows)
 
 
 # ----------------------------------------------------------------------------- virtual memory

@@ -236,15 +236,20 @@ void check_float_rows(const torch::Tensor& t, int64_t n, int64_t width, const ch
 
 class DecodePlan {
  public:
-  static constexpr int64_t kMaxRows = 8;  // runtime/decode_plan.py PLAN_MAX_ROWS
-
-  // act: the MLP's activation, 0 silu (SwiGLU), 1 gelu with tanh (GeGLU)
-  DecodePlan(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps, int64_t act)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate), eps_(eps), act_(act) {
+  // act: the MLP's activation, 0 silu (SwiGLU), 1 gelu with tanh (GeGLU); max_rows: the most tokens
+  // a step may have, up to which every Linear's module calls the kernel its op runs
+  // (runtime/decode_plan.py plan_rows)
+  DecodePlan(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps, int64_t act,
+             int64_t max_rows)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate), max_rows_(max_rows),
+        eps_(eps), act_(act) {
     TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0 &&
                     intermediate > 0, "brisk DecodePlan: heads must be a multiple of kv_heads and head_dim even");
     TORCH_CHECK(act == 0 || act == 1, "brisk DecodePlan: act must be 0 (silu) or 1 (gelu tanh)");
+    TORCH_CHECK(max_rows >= 1, "brisk DecodePlan: max_rows must be >= 1");
   }
+
+  int64_t max_rows() const { return max_rows_; }
 
   // ops: qkv, o, gate_up, down as (kind, weight, scale, zero, bias, group, bits, tiled); the
   // optional norms (None: absent), window, rope and the widths as in `Layer` (a width < 1: the plan's).
@@ -301,7 +306,7 @@ class DecodePlan {
     TORCH_CHECK(static_cast<int64_t>(caches.size()) == 2 * (end - start), "brisk DecodePlan: two caches a layer");
     if (start == end) return {h, residual.has_value() ? *residual : torch::Tensor()};
     const int64_t n = h.size(0);
-    TORCH_CHECK(n >= 1 && n <= kMaxRows, "brisk DecodePlan: a step of ", n, " tokens; the plan serves 1 to ", kMaxRows,
+    TORCH_CHECK(n >= 1 && n <= max_rows_, "brisk DecodePlan: a step of ", n, " tokens; the plan serves 1 to ", max_rows_,
                 " (longer steps take the module path, whose kernels differ)");
     check_float_rows(h, n, hidden_, "h");
     if (residual.has_value()) check_float_rows(*residual, n, hidden_, "residual");
@@ -418,9 +423,9 @@ class DecodePlan {
     op.rows(x, n, y, r0, r1, me.acts);
   }
 
-  // The layer loop as every thread of the team runs it: the Linears' rows and attention's items
-  // split between the threads, the small row-wise steps done by each thread for itself (or by
-  // thread 0 where they write shared memory), a barrier wherever a step reads what all wrote.
+  // The layer loop as every thread of the team runs it: the Linears' rows, attention's items and
+  // the tokens' rotation and KV stores split between the threads, the small row-wise steps done by
+  // each thread for itself, a barrier wherever a step reads what all wrote.
   void layers(Step& s, ThreadRows& me, int tid, int team) {
     const int64_t n = s.n;
     me.res.resize(n * hidden_), me.normed.resize(n * hidden_), me.act.resize(n * max_inter_);
@@ -438,7 +443,8 @@ class DecodePlan {
       add = true;
       linear(L.qkv, me.normed.data(), n, s.qkv.data(), me, tid, team);
       s.barrier.wait();
-      if (tid == 0) rotate_and_store(s, me, L, attn.block_size, k_cache, v_cache, s.slot_blocks[s.group_of[i - s.start]]);
+      rotate_and_store(s, me, L, attn.block_size, k_cache, v_cache, s.slot_blocks[s.group_of[i - s.start]],
+                       n * tid / team, n * (tid + 1) / team);
       s.barrier.wait();
       brisk_range::attention_items(attn, s.q.data(), s.attn_out.data(), k_cache, v_cache, w0, w1);
       s.barrier.wait();
@@ -469,13 +475,14 @@ class DecodePlan {
     return me.out.data();
   }
 
-  // Every token's q and k heads (RMS-normed first where the layer has QK norm: rms_norm's floats)
-  // rotated by the layer's table (rotary()'s floats), and its new key and value into their slots.
+  // Tokens [t0, t1)'s q and k heads (RMS-normed first where the layer has QK norm: rms_norm's
+  // floats) rotated by the layer's table (rotary()'s floats), and their new keys and values into
+  // their slots (each token its own: the threads split the tokens).
   void rotate_and_store(Step& s, ThreadRows& me, const Layer& L, int64_t block_size, float* k_cache,
-                        float* v_cache, const int64_t* slot_blocks) const {
+                        float* v_cache, const int64_t* slot_blocks, int64_t t0, int64_t t1) const {
     const int64_t heads = L.heads, kv_heads = L.kv_heads;
     const int64_t rotated = heads + kv_heads, qkv_width = (rotated + kv_heads) * head_dim_;
-    for (int64_t t = 0; t < s.n; ++t) {
+    for (int64_t t = t0; t < t1; ++t) {
       const float* row = s.qkv.data() + t * qkv_width;
       if (L.q_norm.defined()) {
         for (int64_t hd = 0; hd < rotated; ++hd)
@@ -492,7 +499,7 @@ class DecodePlan {
     }
   }
 
-  int64_t heads_, kv_heads_, head_dim_, intermediate_, hidden_ = 0;
+  int64_t heads_, kv_heads_, head_dim_, intermediate_, max_rows_, hidden_ = 0;
   int64_t max_heads_ = 0, max_kv_heads_ = 0, max_inter_ = 0;  // over the layers: the step buffers' sizes
   double eps_;
   int64_t act_;
@@ -501,8 +508,10 @@ class DecodePlan {
 
 void bind_decode_plan(py::module& m) {
   py::class_<DecodePlan>(m, "DecodePlan", "a decoder layer stack's decode steps in C++ (runtime/decode_plan.py)")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, int64_t>(), py::arg("heads"), py::arg("kv_heads"),
-           py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"), py::arg("act") = 0)
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, int64_t, int64_t>(), py::arg("heads"),
+           py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"), py::arg("act") = 0,
+           py::arg("max_rows") = 8)
+      .def("max_rows", &DecodePlan::max_rows)
       .def("add_layer", &DecodePlan::add_layer, py::arg("input_norm"), py::arg("post_norm"), py::arg("ops"),
            py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("attn_out_norm") = py::none(),
            py::arg("mlp_out_norm") = py::none(), py::arg("window") = 0, py::arg("rope") = 0, py::arg("heads") = 0,

@@ -268,6 +268,8 @@ class BlockLinear(QuantizedLinear):
             rows = blocks.index_select(0, flat)
         return dequantize(rows, t, (rows.shape[0], self.in_features)).to(ids.device)
 
+    plan_rows = BLOCK_KERNEL_MAX_ROWS  # forward calls block_gemm up to this many rows (runtime/decode_plan.py)
+
     def plan_op(self) -> LinearOp | None:
         """block_gemm over the segments as they are held (tiles included)."""
         if self.dtype != torch.float32 or not block_kernel_supported(self.types) or not self.blocks[0].is_cpu:

@@ -266,6 +266,8 @@ class GroupLinear(TiledLinear):
         sub.activations = self.activations
         return sub.to(self.qweight.device)
 
+    plan_rows = KERNEL_MAX_ROWS  # forward calls plan_op's kernel up to this many rows (runtime/decode_plan.py)
+
     def plan_op(self) -> LinearOp | None:
         """The group kernel (float, int8 or int16 activations), the weight tiled as the first kernel
         call would; None with a SmoothQuant input scale or where the integer kernel does not run."""

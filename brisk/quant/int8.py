@@ -74,6 +74,8 @@ class Int8Linear(TiledLinear):
         """float32 [len(ids), in]: rows of the weight (embedding lookups of a tied head)."""
         return self.qweight_rows(ids).float() * self.scale[ids, None]
 
+    plan_rows = KERNEL_MAX_ROWS  # forward calls plan_op's kernel up to this many rows (runtime/decode_plan.py)
+
     def plan_op(self) -> LinearOp | None:
         """int8_gemm on the row-major or tiled weight (tiled as the first kernel call would)."""
         b = self._buffers

@@ -197,6 +197,8 @@ class Sparse24Linear(QuantizedLinear):
         return (kernels.CAPS.has("sparse24_gemm") and values is not None and values.device.type == "cpu"
                 and (x is None or x.device.type == "cpu"))
 
+    plan_rows = KERNEL_MAX_ROWS  # forward calls plan_op's kernel up to this many rows (runtime/decode_plan.py)
+
     def plan_op(self) -> LinearOp | None:
         """The sparse kernel on the packed values (float32 or int8 with their row scales)."""
         b = self._buffers

@@ -18,8 +18,10 @@ plan never calls) must call `modules_changed` itself, or the runner runs eagerly
 
 A plan exists only when every piece has its C++ kernel: float32 activations on the CPU (AVX-512, AVX2 or portable kernels),
 float / int4 / gguf (group and block) / int8 / 2:4 sparse Linears (W8A8, ternary and tensor-parallel Linears keep the module
-path), the paged KV cache; it runs steps of at most `PLAN_MAX_ROWS` tokens served by the paged
-kernel (decode batches, speculative verify steps), never long prefill chunks.
+path), the paged KV cache; it runs steps served by the paged kernel (decode batches, speculative
+verify steps), never long prefill chunks, of at most `PLAN_MAX_ROWS` tokens, or up to
+`PLAN_ROWS_CAP` where every Linear's module keeps calling its op's kernel that far (`plan_rows`:
+a full batch of block-quantized or group-quantized rows).
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ from brisk.model.paged_attention import HAVE_PAGED_KERNEL, PagedAttention
 
 # float Linears take gemv (one row) or small_gemm (up to 8, model/layers.py linear) below this
 PLAN_MAX_ROWS = 8
+# a Linear module's `plan_rows`: the most rows for which its forward calls the kernel of its
+# `plan_op` (the quantized kernels serve 64-128 rows before a float GEMM takes over); the plan
+# takes steps of up to the least of them, at most this many (32 requests decoding)
+PLAN_ROWS_CAP = 32
 
 
 def plan_supported() -> bool:
@@ -50,6 +56,18 @@ def linear_op(m: torch.nn.Module) -> LinearOp | None:
     describes it (`plan_op`, kernels/plan_ops.py); None when it makes no single C++ call."""
     plan_op = getattr(m, "plan_op", None)
     return plan_op() if callable(plan_op) else None
+
+
+def plan_rows(model: torch.nn.Module) -> int:
+    """The most tokens a step of the plan over `model` may have: PLAN_MAX_ROWS, or more where every
+    layer's Linears say their kernel serves more (`plan_rows`), up to PLAN_ROWS_CAP."""
+    rows = PLAN_ROWS_CAP
+    for layer in model.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        for m in (getattr(attn, "qkv_proj", None), getattr(attn, "o_proj", None), getattr(mlp, "gate_up_proj", None),
+                  getattr(mlp, "down_proj", None)):
+            rows = min(rows, getattr(m, "plan_rows", PLAN_MAX_ROWS))
+    return rows
 
 
 def plan_refusal(model: torch.nn.Module) -> str | None:
@@ -83,7 +101,8 @@ def build_decode_plan(model: torch.nn.Module) -> Any | None:
         return None
     cfg = model.config
     plan = kernels.new_decode_plan(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                   cfg.intermediate_size, float(cfg.rms_norm_eps), 0 if cfg.hidden_act == "silu" else 1)
+                                   cfg.intermediate_size, float(cfg.rms_norm_eps), 0 if cfg.hidden_act == "silu" else 1,
+                                   plan_rows(model))
     roles = _layer_kinds()
     for i, layer in enumerate(model.layers):
         args = _layer_args(layer, roles.get(type(layer)), cfg, i)
@@ -126,9 +145,9 @@ def _plain_norm(norm: torch.nn.Module, cfg: Any) -> bool:
             and norm.weight.is_cpu)
 
 
-def plan_applies(h: torch.Tensor, meta: object) -> bool:
-    """This step can run on a plan: few float32 CPU rows, all of them the paged kernel's."""
-    return (isinstance(meta, PagedAttention) and h.shape[0] <= PLAN_MAX_ROWS and h.dtype == torch.float32
+def plan_applies(h: torch.Tensor, meta: object, max_rows: int = PLAN_MAX_ROWS) -> bool:
+    """This step can run on a plan of `max_rows`: few float32 CPU rows, all of them the paged kernel's."""
+    return (isinstance(meta, PagedAttention) and h.shape[0] <= max_rows and h.dtype == torch.float32
             and h.device.type == "cpu" and meta.num_kernel_tokens == h.shape[0] and meta.padded is None
             and not meta.gather_spans)
 
@@ -196,9 +215,10 @@ class DecodePlans:
     def _for_step(self, h: torch.Tensor, attn: object) -> Any | None:
         if self._plan and self._version != self.model.modules_version:
             self._plan = self._version = None  # stale: let go of the old weights it holds at once
-        if not self.enabled or not plan_applies(h, attn):
+        if not self.enabled or not plan_applies(h, attn, PLAN_ROWS_CAP):
             return None
         if self._version != self.model.modules_version:
             self._plan = build_decode_plan(self.model) or False
             self._version = self.model.modules_version  # read after: building may tile weights
-        return self._plan or None
+        plan = self._plan or None
+        return plan if plan is not None and h.shape[0] <= plan.max_rows() else None

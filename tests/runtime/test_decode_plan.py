@@ -43,6 +43,44 @@ def test_plan_gives_the_module_path_numbers_bit_for_bit(quantization: str, confi
     assert with_plan == _outputs(llm, False)
 
 
+@pytest.mark.parametrize("quantization", ["gguf", "int4", "int8"])
+def test_a_full_batch_runs_on_the_plan_with_the_module_path_numbers(quantization: str, gguf_path: Path) -> None:
+    """Past 8 rows the quantized Linears' modules call the same kernels (up to their `plan_rows`), so
+    the plan serves a batch of 12 requests' decode steps too, with the module path's numbers; the
+    float model's plan stays at 8 rows (its modules take oneDNN's GEMM past small_gemm)."""
+    from brisk.runtime.decode_plan import PLAN_ROWS_CAP
+
+    llm = LLM("smollm2-135m", quantization=quantization, max_model_len=256, num_kv_blocks=128)
+    prompts = [f"{p} ({i})" for i in range(4) for p in PROMPTS]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
+    runs = llm.engine.runner.plans
+
+    def outputs(use_plan: bool) -> list:
+        runs.enabled = use_plan
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [(s.logprob, s.top) for s in o.outputs[0].logprobs]) for o in outs]
+
+    calls = []
+    plan_run = type(runs)._for_step
+
+    def counting(self, h, attn):  # the plan's steps by their rows
+        plan = plan_run(self, h, attn)
+        calls.append((h.shape[0], plan is not None))
+        return plan
+
+    type(runs)._for_step = counting
+    try:
+        with_plan = outputs(True)
+    finally:
+        type(runs)._for_step = plan_run
+    assert runs.current.max_rows() == PLAN_ROWS_CAP
+    assert (12, True) in calls, "a 12-row decode step should run on the plan"
+    assert with_plan == outputs(False)
+    dense = LLM("smollm2-135m", dequantize=True, max_model_len=256, num_kv_blocks=128)
+    dense.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    assert dense.engine.runner.plans.current.max_rows() == 8
+
+
 def test_models_without_kernels_keep_the_module_path(gguf_path: Path) -> None:
     llm = LLM("smollm2-135m", quantization="w8a8", max_model_len=256, num_kv_blocks=64)
     out = llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
@@ -123,7 +161,8 @@ def test_plan_rejects_bad_inputs_with_clear_errors(gguf_path: Path) -> None:
         run(start=0, end=cfg.num_hidden_layers + 1)
     with pytest.raises(RuntimeError, match="h must be a contiguous float32"):
         run(h=torch.zeros(1, cfg.hidden_size + 1))
-    with pytest.raises(RuntimeError, match="the plan serves 1 to 8"):
-        run(h=torch.zeros(9, cfg.hidden_size))
+    most = plan.max_rows()
+    with pytest.raises(RuntimeError, match=f"the plan serves 1 to {most}"):
+        run(h=torch.zeros(most + 1, cfg.hidden_size))
     with pytest.raises(RuntimeError, match="cos and sin come in pairs"):
         run(cos=[], sin=[])
