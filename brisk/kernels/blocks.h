@@ -34,7 +34,8 @@ inline int file_type(int type) { return type & ~kTiled; }
 // bit tile_bit(i, j) of byte tile_head + j % 16. The bits sit where one variable shift of the
 // broadcast field lines up a whole vector's bits at 0x10 (cpu_blocks_simd.inc tile_x4).
 constexpr bool tile_mins(int type) { return type == kQ4_1 || type == kQ5_1; }  // GGML type: w = d q + min
-constexpr int tile_head(int type) { return tile_mins(type) ? 16 : 8; }         // bytes of d (and min)
+constexpr int kTileMinsAt = 8;  // where a tile's 4 fp16 mins start, after the 4 d
+constexpr int tile_head(int type) { return tile_mins(type) ? kTileMinsAt + 8 : kTileMinsAt; }  // bytes of d (and min)
 constexpr int tile_high(int type) { return type == kQ5_0 || type == kQ5_1 ? 16 : 0; }  // bytes of fifth bits
 constexpr int tile_qs(int type) { return tile_head(type) + tile_high(type); }  // where the nibbles start
 template <int T>

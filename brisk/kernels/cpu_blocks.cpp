@@ -163,7 +163,7 @@ void tile_x4(const uint8_t* p, int64_t nblocks, const BlockActs& x, int64_t xr, 
           }
         acc[i][h] = std::fma(static_cast<float>(isum) * d, a, acc[i][h]);
       }
-      if constexpr (kTileMins<T>) mins[i] = std::fma(-f16(b + 8 + 2 * i), x.c32[xr * in32 + blk], mins[i]);
+      if constexpr (kTileMins<T>) mins[i] = std::fma(-f16(b + kTileMinsAt + 2 * i), x.c32[xr * in32 + blk], mins[i]);
     }
   }
   for (int i = 0; i < 4; ++i) out[i] = (acc[i][0] + acc[i][1]) - mins[i];
@@ -252,7 +252,7 @@ void tile_rows_of(int type, const uint8_t* src, uint8_t* dst, int64_t rows, int6
         for (int i = 0; i < 4; ++i) {
           const uint8_t* b = src + (4 * t + i) * row_bytes + blk * bytes;
           std::memcpy(o + 2 * i, b, 2);
-          if (tile_mins(type)) std::memcpy(o + 8 + 2 * i, b + 2, 2);
+          if (tile_mins(type)) std::memcpy(o + kTileMinsAt + 2 * i, b + 2, 2);
           std::memcpy(o + tile_nibbles(i, tile_qs(type)), b + file_qs_at(type), 16);
           if (!high) continue;
           uint32_t qh;
@@ -270,7 +270,7 @@ void untile_row(int type, const uint8_t* tiles, int64_t row, int64_t nblocks, ui
     const uint8_t* p = tiles + (row / 4) * 4 * row_bytes + blk * 4 * bytes;
     uint8_t* b = out + blk * bytes;
     std::memcpy(b, p + 2 * i, 2);
-    if (tile_mins(type)) std::memcpy(b + 2, p + 8 + 2 * i, 2);
+    if (tile_mins(type)) std::memcpy(b + 2, p + kTileMinsAt + 2 * i, 2);
     std::memcpy(b + file_qs_at(type), p + tile_nibbles(i, tile_qs(type)), 16);
     if (!high) continue;
     uint32_t qh = 0;

@@ -60,14 +60,10 @@ def linear_op(m: torch.nn.Module) -> LinearOp | None:
 
 def plan_rows(model: torch.nn.Module) -> int:
     """The most tokens a step of the plan over `model` may have: PLAN_MAX_ROWS, or more where every
-    layer's Linears say their kernel serves more (`plan_rows`), up to PLAN_ROWS_CAP."""
-    rows = PLAN_ROWS_CAP
-    for layer in model.layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        for m in (getattr(attn, "qkv_proj", None), getattr(attn, "o_proj", None), getattr(mlp, "gate_up_proj", None),
-                  getattr(mlp, "down_proj", None)):
-            rows = min(rows, getattr(m, "plan_rows", PLAN_MAX_ROWS))
-    return rows
+    layer's Linears say their kernel serves more (`plan_rows`), up to PLAN_ROWS_CAP. For a model
+    whose layers `_layer_args` took."""
+    return min([PLAN_ROWS_CAP, *(getattr(m, "plan_rows", PLAN_MAX_ROWS) for layer in model.layers
+                                 for m in _linears(layer))])
 
 
 def plan_refusal(model: torch.nn.Module) -> str | None:
@@ -100,16 +96,22 @@ def build_decode_plan(model: torch.nn.Module) -> Any | None:
         logging.getLogger("brisk").warning("decode steps run module by module (slower): %s", refusal)
         return None
     cfg = model.config
+    roles = _layer_kinds()
+    layer_args = [_layer_args(layer, roles.get(type(layer)), cfg, i) for i, layer in enumerate(model.layers)]
+    if any(args is None for args in layer_args):
+        return None
     plan = kernels.new_decode_plan(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                    cfg.intermediate_size, float(cfg.rms_norm_eps), 0 if cfg.hidden_act == "silu" else 1,
                                    plan_rows(model))
-    roles = _layer_kinds()
-    for i, layer in enumerate(model.layers):
-        args = _layer_args(layer, roles.get(type(layer)), cfg, i)
-        if args is None:
-            return None
+    for i, args in enumerate(layer_args):
         plan.add_layer(*args, heads=cfg.heads(i), kv_heads=cfg.kv_heads(i), intermediate=cfg.intermediate(i))
     return plan
+
+
+def _linears(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """A planned layer's Linears in the plan's order: qkv, o, gate_up, down."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
 def _layer_args(layer: torch.nn.Module, roles: tuple[str, str, str | None, str | None] | None,
@@ -127,7 +129,7 @@ def _layer_args(layer: torch.nn.Module, roles: tuple[str, str, str | None, str |
     qk = [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else [None, None]
     if not all(n is None or _plain_norm(n, cfg) for n in (*norms, *qk)):
         return None
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    linears = _linears(layer)
     # the widths the C++ loop slices by: q | k | v and gate | up as the config says
     widths = ((cfg.heads(i) + 2 * cfg.kv_heads(i)) * cfg.head_dim, cfg.hidden_size, 2 * cfg.intermediate(i),
               cfg.hidden_size)
@@ -145,9 +147,10 @@ def _plain_norm(norm: torch.nn.Module, cfg: Any) -> bool:
             and norm.weight.is_cpu)
 
 
-def plan_applies(h: torch.Tensor, meta: object, max_rows: int = PLAN_MAX_ROWS) -> bool:
-    """This step can run on a plan of `max_rows`: few float32 CPU rows, all of them the paged kernel's."""
-    return (isinstance(meta, PagedAttention) and h.shape[0] <= max_rows and h.dtype == torch.float32
+def plan_applies(h: torch.Tensor, meta: object) -> bool:
+    """This step can run on a plan: few float32 CPU rows (up to PLAN_ROWS_CAP; the plan's own
+    `max_rows` is checked once it exists), all of them the paged kernel's."""
+    return (isinstance(meta, PagedAttention) and h.shape[0] <= PLAN_ROWS_CAP and h.dtype == torch.float32
             and h.device.type == "cpu" and meta.num_kernel_tokens == h.shape[0] and meta.padded is None
             and not meta.gather_spans)
 
@@ -215,7 +218,7 @@ class DecodePlans:
     def _for_step(self, h: torch.Tensor, attn: object) -> Any | None:
         if self._plan and self._version != self.model.modules_version:
             self._plan = self._version = None  # stale: let go of the old weights it holds at once
-        if not self.enabled or not plan_applies(h, attn, PLAN_ROWS_CAP):
+        if not self.enabled or not plan_applies(h, attn):
             return None
         if self._version != self.model.modules_version:
             self._plan = build_decode_plan(self.model) or False
