@@ -25,6 +25,9 @@ constexpr int kQ4_1x4 = kQ4_1 | kTiled;  // Q4_1, Q5_0, Q5_1: the same
 constexpr int kQ5_0x4 = kQ5_0 | kTiled;
 constexpr int kQ5_1x4 = kQ5_1 | kTiled;
 constexpr int kIQ4_NLx4 = kIQ4_NL | kTiled;  // Q4_0's layout, its nibbles indices into kIq4Values
+constexpr int kQ4_Kx4 = kQ4_K | kTiled;  // the K-quants: see ktile_fields below
+constexpr int kQ5_Kx4 = kQ5_K | kTiled;
+constexpr int kQ6_Kx4 = kQ6_K | kTiled;
 inline bool is_tiled(int type) { return (type & kTiled) != 0; }
 inline int file_type(int type) { return type & ~kTiled; }
 // A tile is, per 32-column block, the 4 rows' fp16 d ([0, 8)), for Q4_1 / Q5_1 their fp16 min
@@ -48,6 +51,15 @@ template <int T>
 constexpr int kTileQs = tile_qs(T);
 template <int T>
 constexpr int kTileBytes = 64 + kTileQs<T>;
+// A K-quant tile (Q4_K, Q5_K, Q6_K) is, per 256-column block, the 4 rows' fp16 fields (Q4_K / Q5_K:
+// each row's d and dmin, 4 bytes; Q6_K: its d, 2 bytes), then each row's other bytes in the file's
+// order (the row's "rest": Q4_K / Q5_K the block from byte 4 on, Q6_K bytes 0-207): 4 blocks' bytes.
+// The kernel (cpu_blocks_simd.inc ktile_x4) reads the 4 rows' scales into one vector a sub-block.
+constexpr bool k_tiled(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
+constexpr int ktile_field_at(int type) { return type == kQ6_K ? 208 : 0; }  // the fp16 fields in a file block
+constexpr int ktile_fields(int type) { return type == kQ6_K ? 2 : 4; }      // their bytes
+template <int T>
+constexpr int kKFields = ktile_fields(T);
 constexpr int tile_bit(int i, int j) { return ((i & 1) ? 0 : 4) + 2 * (j / 16) + (i >> 1); }
 constexpr int tile_nibbles(int i, int qs) { return qs + 16 * (2 * (i & 1) + (i >> 1)); }  // row i's 16 bytes
 
@@ -86,6 +98,9 @@ auto visit_tiled(int type, Fn&& fn, Otherwise... otherwise) {
     case kQ5_0x4: return fn(std::integral_constant<int, kQ5_0>{});
     case kQ5_1x4: return fn(std::integral_constant<int, kQ5_1>{});
     case kIQ4_NLx4: return fn(std::integral_constant<int, kIQ4_NL>{});
+    case kQ4_Kx4: return fn(std::integral_constant<int, kQ4_K>{});
+    case kQ5_Kx4: return fn(std::integral_constant<int, kQ5_K>{});
+    case kQ6_Kx4: return fn(std::integral_constant<int, kQ6_K>{});
     default:
       if constexpr (sizeof...(otherwise) > 0) return R(otherwise...);
       else return R();
@@ -101,11 +116,11 @@ constexpr int kZeroPoint = T == kQ4_0 ? 8 : T == kQ5_0 ? 16 : T == kQ6_K ? 32 : 
 constexpr int kZeroPoints[4] = {4, 8, 16, 32};  // BlockActs::zsum's order
 constexpr int zero_slot(int z) { return z == 4 ? 0 : z == 8 ? 1 : z == 16 ? 2 : 3; }
 
-bool supported(int type);      // a GGML type with a kernel, or a tiled one (kQ4_0x4 ... kIQ4_NLx4)
+bool supported(int type);      // a GGML type with a kernel, or a tiled one (kQ4_0x4 ... kQ6_Kx4)
 int64_t block_cols(int type);   // 32 or 256
 int64_t block_bytes(int type);  // of one row's block (a tiled type: its GGML type's)
 
-// Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL rows (file layout, rows % 4 == 0) -> that type's tiles, and one row's blocks back
+// Rows of a type with tiles (file layout, rows % 4 == 0) -> that type's tiles, and one row's blocks back
 // (`type` the GGML type).
 void tile_rows_of(int type, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t nblocks);
 void untile_row(int type, const uint8_t* tiles, int64_t row, int64_t nblocks, uint8_t* out);

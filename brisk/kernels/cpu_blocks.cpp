@@ -169,12 +169,58 @@ void tile_x4(const uint8_t* p, int64_t nblocks, const BlockActs& x, int64_t xr, 
   for (int i = 0; i < 4; ++i) out[i] = (acc[i][0] + acc[i][1]) - mins[i];
 }
 
+// Rows 4t..4t+3 of a K-quant tile (blocks.h ktile_fields) . x row xr (cpu_blocks_simd.inc ktile_x4,
+// one lane at a time). Q4_K / Q5_K: per 32-column sub-block u of row i, its whole integer sum, times
+// d sc_u, times a, summed in lane (i, u / 4): sub-blocks u and u + 4 side by side, as the SIMD form
+// takes them; the mins dmin m_u x (a x sum of x's q) in lanes of their own, subtracted at the end.
+// Q6_K: per sub-block and row, the sums of columns 0-15 and 16-31 (zero point 32 folded in), each
+// times its 16 columns' d sc, times a, in lanes (i, 0) and (i, 1).
+template <int T>
+void ktile_x4(const uint8_t* p, int64_t nblocks, const BlockActs& x, int64_t xr, float* out) {
+  using F = Format<T>;
+  constexpr int kFields = kKFields<T>, kRest = F::kBytes - kFields;
+  float acc[4][2] = {}, mins[4][2] = {};
+  const int64_t in = x.in, in32 = in / 32;
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const uint8_t* b = p + blk * 4 * F::kBytes;
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t* rest = b + 4 * kFields + i * kRest;
+      const float d = f16(b + i * kFields);
+      uint8_t sc[8], mn[8];
+      if constexpr (T != kQ6_K) k_scales(rest, sc, mn);
+      for (int u = 0; u < 8; ++u) {
+        const int64_t sub = blk * 8 + u;
+        const int8_t* xq = x.q.data() + xr * in + 32 * sub;
+        const float a = x.a[xr * in32 + sub];
+        int8_t w[32];
+        quants_raw<T>(T == kQ6_K ? rest : rest - 4, u, w);  // the rest is the file block from byte 4 (Q6_K: 0)
+        if constexpr (T == kQ6_K) {
+          for (int h = 0; h < 2; ++h) {
+            int32_t isum = 0;
+            for (int c = 16 * h; c < 16 * h + 16; ++c) isum += (w[c] - 32) * xq[c];
+            const float sv = d * static_cast<float>(static_cast<int8_t>(rest[192 + 2 * u + h]));
+            acc[i][h] = std::fma(static_cast<float>(isum) * sv, a, acc[i][h]);
+          }
+        } else {
+          int32_t isum = 0;
+          for (int c = 0; c < 32; ++c) isum += w[c] * xq[c];
+          const int h = u / 4;
+          acc[i][h] = std::fma(static_cast<float>(isum) * (d * static_cast<float>(sc[u])), a, acc[i][h]);
+          mins[i][h] = std::fma(f16(b + i * kFields + 2) * static_cast<float>(mn[u]), x.c32[xr * in32 + sub], mins[i][h]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < 4; ++i) out[i] = (acc[i][0] + acc[i][1]) - (mins[i][0] + mins[i][1]);
+}
+
 template <int T>
 void tile_rows(const Segment& s, const BlockActs& x, float* y, int64_t out_total, int64_t r0, int64_t r1) {
   float out[4];
   for (int64_t t = r0 / 4; 4 * t < r1; ++t)
     for (int64_t k = 0; k < x.m; ++k) {
-      tile_x4<T>(s.q + 4 * t * s.row_bytes, s.in / 32, x, k, out);
+      if constexpr (k_tiled(T)) ktile_x4<T>(s.q + 4 * t * s.row_bytes, s.in / 256, x, k, out);
+      else tile_x4<T>(s.q + 4 * t * s.row_bytes, s.in / 32, x, k, out);
       for (int64_t r = std::max(r0, 4 * t); r < std::min(r1, 4 * t + 4); ++r) y[k * out_total + s.first_row + r] = out[r - 4 * t];
     }
 }
@@ -242,8 +288,36 @@ int64_t block_bytes(int type) {
 static int64_t file_high_at(int type) { return tile_mins(type) ? 4 : 2; }
 static int64_t file_qs_at(int type) { return file_high_at(type) + tile_high(type) / 4; }
 
+// A K-quant block's bytes with its fp16 fields left out (blocks.h ktile_fields): the row's "rest".
+static void k_rest(int type, const uint8_t* b, uint8_t* rest) {
+  const int64_t at = ktile_field_at(type), fields = ktile_fields(type), bytes = block_bytes(type);
+  std::memcpy(rest, b, at);
+  std::memcpy(rest + at, b + at + fields, bytes - at - fields);
+}
+
+static void k_unrest(int type, const uint8_t* rest, uint8_t* b) {
+  const int64_t at = ktile_field_at(type), fields = ktile_fields(type), bytes = block_bytes(type);
+  std::memcpy(b, rest, at);
+  std::memcpy(b + at + fields, rest + at, bytes - at - fields);
+}
+
 void tile_rows_of(int type, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t nblocks) {
   const int64_t bytes = block_bytes(type), row_bytes = nblocks * bytes, high = tile_high(type), head = tile_head(type);
+  if (k_tiled(type)) {
+    const int64_t fields = ktile_fields(type), rest = bytes - fields;
+    at::parallel_for(0, rows / 4, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t blk = 0; blk < nblocks; ++blk) {
+          uint8_t* o = dst + 4 * t * row_bytes + blk * 4 * bytes;
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t* b = src + (4 * t + i) * row_bytes + blk * bytes;
+            std::memcpy(o + i * fields, b + ktile_field_at(type), fields);
+            k_rest(type, b, o + 4 * fields + i * rest);
+          }
+        }
+    });
+    return;
+  }
   at::parallel_for(0, rows / 4, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t blk = 0; blk < nblocks; ++blk) {
@@ -266,6 +340,16 @@ void tile_rows_of(int type, const uint8_t* src, uint8_t* dst, int64_t rows, int6
 void untile_row(int type, const uint8_t* tiles, int64_t row, int64_t nblocks, uint8_t* out) {
   const int64_t bytes = block_bytes(type), row_bytes = nblocks * bytes, high = tile_high(type), head = tile_head(type);
   const int i = static_cast<int>(row % 4);
+  if (k_tiled(type)) {
+    const int64_t fields = ktile_fields(type), rest = bytes - fields;
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      const uint8_t* p = tiles + (row / 4) * 4 * row_bytes + blk * 4 * bytes;
+      uint8_t* b = out + blk * bytes;
+      k_unrest(type, p + 4 * fields + i * rest, b);
+      std::memcpy(b + ktile_field_at(type), p + i * fields, fields);
+    }
+    return;
+  }
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const uint8_t* p = tiles + (row / 4) * 4 * row_bytes + blk * 4 * bytes;
     uint8_t* b = out + blk * bytes;
@@ -484,11 +568,11 @@ torch::Tensor block_dequantize(const torch::Tensor& blocks, int64_t type, int64_
   return out;
 }
 
-// Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL blocks [rows, row bytes] (rows % 4 == 0) in that type's tiled layout (blocks.h
+// Blocks of a type with tiles [rows, row bytes] (rows % 4 == 0) in that type's tiled layout (blocks.h
 // kTiled): the same bytes, four rows interleaved block by block for the tile kernel.
 torch::Tensor block_tile(const torch::Tensor& blocks, int64_t type) {
   TORCH_CHECK(brisk_blocks::supported(brisk_blocks::kTiled | static_cast<int>(type)),
-              "brisk block_tile: only Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7) and IQ4_NL (20) have a tiled layout, got ", type);
+              "brisk block_tile: only Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), IQ4_NL (20), Q4_K (12), Q5_K (13) and Q6_K (14) have a tiled layout, got ", type);
   const int64_t bytes = brisk_blocks::block_bytes(static_cast<int>(type));
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.device().is_cpu() &&
                   blocks.size(0) % 4 == 0 && blocks.size(1) % bytes == 0,

@@ -65,12 +65,14 @@ def test_every_quantized_linear_runs_from_its_blocks(mix: str, kquant_file: Call
 def test_blocks_are_the_file_bytes_and_the_head_is_native(kquant_file: Callable[[str], Path]) -> None:
     llm = LLM(str(kquant_file("Q4_K_M")), max_model_len=256, num_kv_blocks=32)
     down = llm.model.layers[0].mlp.down_proj
-    assert isinstance(down, BlockLinear)
-    file_bytes = np.memmap(kquant_file("Q4_K_M"), dtype=np.uint8, mode="r")
-    start = file_bytes.tobytes().find(down.blocks[0][0].numpy().tobytes())
-    assert start > 0, "the down projection's blocks are the file's bytes"
-    qkv = llm.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv, BlockLinear) and len(qkv.types) == 3  # q | k | v, each its own type
+    assert isinstance(down, BlockLinear) and down.tiled_parts == [True]  # Q4_K or Q6_K, four rows a tile
+    file_bytes = np.memmap(kquant_file("Q4_K_M"), dtype=np.uint8, mode="r").tobytes()
+    assert file_bytes.find(down.file_blocks()[0][1][0].numpy().tobytes()) > 0, "untiled, the file's rows"
+    qkvs = [layer.self_attn.qkv_proj for layer in llm.model.layers]
+    assert all(isinstance(qkv, BlockLinear) and len(qkv.types) == 3 for qkv in qkvs)  # q | k | v, each its own type
+    # a part with no tiles (Q8_0 v) is the file's bytes where they lie
+    v = next(qkv.blocks[2] for qkv in qkvs if qkv.types[2] == int(GGMLQuantizationType.Q8_0))
+    assert file_bytes.find(v[0].numpy().tobytes()) > 0
     assert isinstance(llm.model.lm_head, GroupLinear | BlockLinear)  # token_embd (Q8_0) is the tied head
 
 

@@ -21,7 +21,7 @@ from brisk.quant.grouped import quantize_act_blocks
 
 T = GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.IQ4_XS, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
-TILE_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL]  # with a tiled layout (kernels.block_tile)
+TILE_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.Q4_K, T.Q5_K, T.Q6_K]  # with a tiled layout (kernels.block_tile)
 # fp16 fields (d, dmin) of each block: random bytes elsewhere are valid blocks
 FP16_AT = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.IQ4_NL: (0,),
            T.IQ4_XS: (0,), T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
@@ -78,8 +78,11 @@ def test_stacked_segments_of_mixed_types_and_bias() -> None:
     y = kernels.block_gemm(x, [q, k, v], types, bias)
     parts = [kernels.block_gemm(x, [b], [t]) for b, t in zip((q, k, v), types)]
     assert torch.equal(y, torch.cat(parts, dim=1) + bias)
-    layer = BlockLinear(list(zip(types, (q, k, v))), 256, bias, (16, 8, 8), torch.float32)
+    layer = BlockLinear(list(zip(types, (q, k, v))), 256, bias, (16, 8, 8), torch.float32, tile=False)
     assert torch.equal(layer(x), y)
+    tiled = BlockLinear(list(zip(types, (q, k, v))), 256, bias, (16, 8, 8), torch.float32)
+    assert tiled.types == [kernels.TILED | t for t in types]  # the same sums, four rows a tile
+    torch.testing.assert_close(tiled(x), y, rtol=0, atol=1e-5 * y.abs().max().item())
     assert torch.equal(layer.dequantize(), torch.cat([dequantize(b, t, (b.shape[0], 256)) for b, t in
                                                       zip((q, k, v), types)]))
 
@@ -116,20 +119,24 @@ def test_many_rows_multiply_the_same_weights_in_floats(qtype: GGMLQuantizationTy
 @pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 17, 64])
 def test_tiles_match_the_dequantized_reference(qtype: GGMLQuantizationType, m: int) -> None:
-    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL repacked four rows at a time (kernels.block_tile): the same bytes, the file's
-    rows back from it, the tile kernel against the dequantized weights, each row as it comes alone."""
-    blocks = random_blocks(qtype, 36, 544, seed=11)
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL / Q4_K / Q5_K / Q6_K repacked four rows at a time (kernels.block_tile): the
+    same bytes, the file's rows back from it, the tile kernel against the dequantized weights, each row as it
+    comes alone."""
+    cols = _isa_cols(qtype)
+    blocks = random_blocks(qtype, 36, cols, seed=11)
     tiled_type, tiles = kernels.block_tile(blocks, int(qtype))
     assert tiled_type == kernels.TILED | int(qtype) and tiles.shape == blocks.shape and not torch.equal(tiles, blocks)
+    if GGML_QUANT_SIZES[qtype][0] == 256:  # K-quant tiles move whole bytes (Q5_0's fifth bits move bit by bit)
+        assert torch.equal(tiles.flatten().sort().values, blocks.flatten().sort().values)
     untiled_type, back = kernels.block_untile(tiles, tiled_type)
     assert untiled_type == int(qtype) and torch.equal(back, blocks)
     if kernels.block_dequantize_supported() and m == 1:  # rows from mid-tile to mid-tile
-        w = dequantize(blocks, int(qtype), (36, 544))
-        assert torch.equal(kernels.block_dequantize(tiles, tiled_type, 544, 3, 33), w[3:33])
-    x = torch.randn(m, 544, generator=torch.Generator().manual_seed(m))
+        w = dequantize(blocks, int(qtype), (36, cols))
+        assert torch.equal(kernels.block_dequantize(tiles, tiled_type, cols, 3, 33), w[3:33])
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
     y = kernels.block_gemm(x, [tiles], [tiled_type])
-    ref = reference(x, blocks, int(qtype), 544)
-    torch.testing.assert_close(y, ref, rtol=0, atol=2e-6 * ref.abs().max().item() * 544 ** 0.5)
+    ref = reference(x, blocks, int(qtype), cols)
+    torch.testing.assert_close(y, ref, rtol=0, atol=2e-6 * ref.abs().max().item() * cols ** 0.5)
     for i in range(m):
         assert torch.equal(y[i:i + 1], kernels.block_gemm(x[i:i + 1], [tiles], [tiled_type]))
 
@@ -200,8 +207,9 @@ for t in TYPES:
     x = torch.randn(5, cols, generator=torch.Generator().manual_seed(int(t)))
     out[t.name] = kernels.block_gemm(x, [b], [int(t)]).numpy().tobytes().hex()
 for t in TILE_TYPES:
-    qt, tiles = kernels.block_tile(random_blocks(t, 12, 544, 7), int(t))
-    out[t.name + "x4"] = kernels.block_gemm(torch.randn(5, 544, generator=torch.Generator().manual_seed(7)), [tiles], [qt]).numpy().tobytes().hex()
+    cols = _isa_cols(t)
+    qt, tiles = kernels.block_tile(random_blocks(t, 12, cols, 7), int(t))
+    out[t.name + "x4"] = kernels.block_gemm(torch.randn(5, cols, generator=torch.Generator().manual_seed(7)), [tiles], [qt]).numpy().tobytes().hex()
 print(json.dumps({{"isa": kernels.CAPS.isa, "avx_vnni": kernels.CAPS.avx_vnni, "out": out}}))
 """
 
@@ -222,8 +230,9 @@ def test_every_isa_gives_the_same_bits(isa: str) -> None:
         x = torch.randn(5, cols, generator=torch.Generator().manual_seed(int(t)))
         assert kernels.block_gemm(x, [b], [int(t)]).numpy().tobytes().hex() == got["out"][t.name], t.name
     for t in TILE_TYPES:
-        qt, tiles = kernels.block_tile(random_blocks(t, 12, 544, 7), int(t))
-        y = kernels.block_gemm(torch.randn(5, 544, generator=torch.Generator().manual_seed(7)), [tiles], [qt])
+        cols = _isa_cols(t)
+        qt, tiles = kernels.block_tile(random_blocks(t, 12, cols, 7), int(t))
+        y = kernels.block_gemm(torch.randn(5, cols, generator=torch.Generator().manual_seed(7)), [tiles], [qt])
         assert y.numpy().tobytes().hex() == got["out"][t.name + "x4"], t.name
 
 
@@ -252,7 +261,7 @@ def test_block_linear_on_cuda_gives_the_cpu_numbers_from_the_files_layout() -> N
     parts = [(int(T.Q5_0), a), (int(T.Q6_K), b), (int(T.Q4_0), c)]
     bias = torch.randn(24)
     layer = BlockLinear(parts, 256, bias, (8, 4, 12), torch.float32)
-    assert layer.tiled_parts == [True, False, True]
+    assert layer.tiled_parts == [True, True, True]
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4))
     want = layer(x)
     gpu = layer.to("cuda")
@@ -263,7 +272,7 @@ def test_block_linear_on_cuda_gives_the_cpu_numbers_from_the_files_layout() -> N
     ref = torch.cat([reference(x, blk, int(t), 256) for t, blk in parts], dim=1) + bias
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
     back = gpu.to("cpu")  # tiled again for the CPU kernels: the same bits as before the trip
-    assert back.tiled_parts == [True, False, True] and torch.equal(back(x), want)
+    assert back.tiled_parts == [True, True, True] and torch.equal(back(x), want)
     head = BlockLinear([(int(T.Q4_0), c)], 256, None, (12,), torch.float32).to("cuda")
     ids = torch.tensor([11, 0, 5, 5, 2], device="cuda")
     assert torch.equal(head.dequantize_rows(ids).cpu(), dequantize(c, int(T.Q4_0), (12, 256))[ids.cpu()])
