@@ -25,7 +25,7 @@ constexpr int kQ4_1x4 = kQ4_1 | kTiled;  // Q4_1, Q5_0, Q5_1: the same
 constexpr int kQ5_0x4 = kQ5_0 | kTiled;
 constexpr int kQ5_1x4 = kQ5_1 | kTiled;
 constexpr int kIQ4_NLx4 = kIQ4_NL | kTiled;  // Q4_0's layout, its nibbles indices into kIq4Values
-constexpr int kQ4_Kx4 = kQ4_K | kTiled;  // the K-quants: see ktile_fields below
+constexpr int kQ4_Kx4 = kQ4_K | kTiled;  // the K-quants: see k_tiled below
 constexpr int kQ5_Kx4 = kQ5_K | kTiled;
 constexpr int kQ6_Kx4 = kQ6_K | kTiled;
 inline bool is_tiled(int type) { return (type & kTiled) != 0; }
@@ -51,15 +51,24 @@ template <int T>
 constexpr int kTileQs = tile_qs(T);
 template <int T>
 constexpr int kTileBytes = 64 + kTileQs<T>;
-// A K-quant tile (Q4_K, Q5_K, Q6_K) is, per 256-column block, the 4 rows' fp16 fields (Q4_K / Q5_K:
-// each row's d and dmin, 4 bytes; Q6_K: its d, 2 bytes), then each row's other bytes in the file's
-// order (the row's "rest": Q4_K / Q5_K the block from byte 4 on, Q6_K bytes 0-207): 4 blocks' bytes.
-// The kernel (cpu_blocks_simd.inc ktile_x4) reads the 4 rows' scales into one vector a sub-block.
+// A K-quant tile (Q4_K, Q5_K, Q6_K) is, per 256-column block of its 4 rows: their fp16 d ([0, 8)),
+// Q4_K / Q5_K their fp16 dmin ([8, 16)); then their scales laid out for the kernel's lanes (ktile_x4):
+// Q4_K / Q5_K the 6-bit scales and mins unpacked to bytes, 8 bytes per pair q, q + 4 of 32-column
+// sub-blocks ([sc_q of rows 0-3, sc_q+4 of rows 0-3] at 16 + 8q, the mins alike at 48 + 8q); Q6_K
+// its int8 scales, 8 bytes per sub-block j ([sc_2j of rows 0-3, sc_2j+1 of rows 0-3] at 8 + 8j);
+// then each row's quants as the file stores them (Q4_K qs; Q5_K qh, qs; Q6_K ql, qh). Q6_K's tile is
+// the same bytes moved; Q4_K / Q5_K's scales take 16 bytes a row instead of 12 (+2.8%).
 constexpr bool k_tiled(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
-constexpr int ktile_field_at(int type) { return type == kQ6_K ? 208 : 0; }  // the fp16 fields in a file block
-constexpr int ktile_fields(int type) { return type == kQ6_K ? 2 : 4; }      // their bytes
+constexpr int ktile_head(int type) { return type == kQ6_K ? 72 : 80; }  // d (dmin) and the scales
+constexpr int ktile_rest(int type) { return type == kQ4_K ? 128 : type == kQ5_K ? 160 : 192; }  // a row's quants
+constexpr int ktile_rest_at(int type) { return type == kQ6_K ? 0 : 16; }  // where they start in a file block
+constexpr int ktile_bytes(int type) { return ktile_head(type) + 4 * ktile_rest(type); }  // one tile block
 template <int T>
-constexpr int kKFields = ktile_fields(T);
+constexpr int kKHead = ktile_head(T);
+template <int T>
+constexpr int kKRest = ktile_rest(T);
+template <int T>
+constexpr int kKBytes = ktile_bytes(T);
 constexpr int tile_bit(int i, int j) { return ((i & 1) ? 0 : 4) + 2 * (j / 16) + (i >> 1); }
 constexpr int tile_nibbles(int i, int qs) { return qs + 16 * (2 * (i & 1) + (i >> 1)); }  // row i's 16 bytes
 
@@ -118,7 +127,7 @@ constexpr int zero_slot(int z) { return z == 4 ? 0 : z == 8 ? 1 : z == 16 ? 2 : 
 
 bool supported(int type);      // a GGML type with a kernel, or a tiled one (kQ4_0x4 ... kQ6_Kx4)
 int64_t block_cols(int type);   // 32 or 256
-int64_t block_bytes(int type);  // of one row's block (a tiled type: its GGML type's)
+int64_t block_bytes(int type);  // of one row's block (a tiled type: its GGML type's; K-quant tiles: a quarter of ktile_bytes)
 
 // Rows of a type with tiles (file layout, rows % 4 == 0) -> that type's tiles, and one row's blocks back
 // (`type` the GGML type).

@@ -169,44 +169,41 @@ void tile_x4(const uint8_t* p, int64_t nblocks, const BlockActs& x, int64_t xr, 
   for (int i = 0; i < 4; ++i) out[i] = (acc[i][0] + acc[i][1]) - mins[i];
 }
 
-// Rows 4t..4t+3 of a K-quant tile (blocks.h ktile_fields) . x row xr (cpu_blocks_simd.inc ktile_x4,
-// one lane at a time). Q4_K / Q5_K: per 32-column sub-block u of row i, its whole integer sum, times
+// Rows 4t..4t+3 of a K-quant tile (blocks.h k_tiled) . x row xr (cpu_blocks_simd.inc ktile_x4, one
+// lane at a time). Q4_K / Q5_K: per 32-column sub-block u of row i, its whole integer sum, times
 // d sc_u, times a, summed in lane (i, u / 4): sub-blocks u and u + 4 side by side, as the SIMD form
 // takes them; the mins dmin m_u x (a x sum of x's q) in lanes of their own, subtracted at the end.
 // Q6_K: per sub-block and row, the sums of columns 0-15 and 16-31 (zero point 32 folded in), each
 // times its 16 columns' d sc, times a, in lanes (i, 0) and (i, 1).
 template <int T>
 void ktile_x4(const uint8_t* p, int64_t nblocks, const BlockActs& x, int64_t xr, float* out) {
-  using F = Format<T>;
-  constexpr int kFields = kKFields<T>, kRest = F::kBytes - kFields;
   float acc[4][2] = {}, mins[4][2] = {};
   const int64_t in = x.in, in32 = in / 32;
   for (int64_t blk = 0; blk < nblocks; ++blk) {
-    const uint8_t* b = p + blk * 4 * F::kBytes;
+    const uint8_t* b = p + blk * kKBytes<T>;
     for (int i = 0; i < 4; ++i) {
-      const uint8_t* rest = b + 4 * kFields + i * kRest;
-      const float d = f16(b + i * kFields);
-      uint8_t sc[8], mn[8];
-      if constexpr (T != kQ6_K) k_scales(rest, sc, mn);
+      // the file block's quants sit at ktile_rest_at(T): quants_raw reads them where they would be
+      const uint8_t* quants_at = b + kKHead<T> + i * kKRest<T> - ktile_rest_at(T);
+      const float d = f16(b + 2 * i);
       for (int u = 0; u < 8; ++u) {
         const int64_t sub = blk * 8 + u;
         const int8_t* xq = x.q.data() + xr * in + 32 * sub;
         const float a = x.a[xr * in32 + sub];
         int8_t w[32];
-        quants_raw<T>(T == kQ6_K ? rest : rest - 4, u, w);  // the rest is the file block from byte 4 (Q6_K: 0)
+        quants_raw<T>(quants_at, u, w);
         if constexpr (T == kQ6_K) {
           for (int h = 0; h < 2; ++h) {
             int32_t isum = 0;
             for (int c = 16 * h; c < 16 * h + 16; ++c) isum += (w[c] - 32) * xq[c];
-            const float sv = d * static_cast<float>(static_cast<int8_t>(rest[192 + 2 * u + h]));
+            const float sv = d * static_cast<float>(static_cast<int8_t>(b[8 + 8 * u + 4 * h + i]));
             acc[i][h] = std::fma(static_cast<float>(isum) * sv, a, acc[i][h]);
           }
         } else {
           int32_t isum = 0;
           for (int c = 0; c < 32; ++c) isum += w[c] * xq[c];
-          const int h = u / 4;
-          acc[i][h] = std::fma(static_cast<float>(isum) * (d * static_cast<float>(sc[u])), a, acc[i][h]);
-          mins[i][h] = std::fma(f16(b + i * kFields + 2) * static_cast<float>(mn[u]), x.c32[xr * in32 + sub], mins[i][h]);
+          const int h = u / 4, at = 8 * (u % 4) + 4 * h + i;
+          acc[i][h] = std::fma(static_cast<float>(isum) * (d * static_cast<float>(b[16 + at])), a, acc[i][h]);
+          mins[i][h] = std::fma(f16(b + 8 + 2 * i) * static_cast<float>(b[48 + at]), x.c32[xr * in32 + sub], mins[i][h]);
         }
       }
     }
@@ -279,6 +276,7 @@ int64_t block_cols(int type) {
 }
 
 int64_t block_bytes(int type) {
+  if (is_tiled(type) && k_tiled(file_type(type))) return ktile_bytes(file_type(type)) / 4;
   return visit_type(file_type(type), [](auto t) { return int64_t{portable::Format<decltype(t)::value>::kBytes}; },
                     int64_t{0});
 }
@@ -288,33 +286,50 @@ int64_t block_bytes(int type) {
 static int64_t file_high_at(int type) { return tile_mins(type) ? 4 : 2; }
 static int64_t file_qs_at(int type) { return file_high_at(type) + tile_high(type) / 4; }
 
-// A K-quant block's bytes with its fp16 fields left out (blocks.h ktile_fields): the row's "rest".
-static void k_rest(int type, const uint8_t* b, uint8_t* rest) {
-  const int64_t at = ktile_field_at(type), fields = ktile_fields(type), bytes = block_bytes(type);
-  std::memcpy(rest, b, at);
-  std::memcpy(rest + at, b + at + fields, bytes - at - fields);
+// A K-quant block of the file (row i of a tile) into its tile block `o` (blocks.h k_tiled), and back.
+static void k_tile_block(int type, const uint8_t* b, int i, uint8_t* o) {
+  const int64_t at = ktile_rest_at(type);
+  std::memcpy(o + ktile_head(type) + i * ktile_rest(type), b + at, ktile_rest(type));
+  if (type == kQ6_K) {
+    std::memcpy(o + 2 * i, b + 208, 2);
+    for (int u = 0; u < 16; ++u) o[8 + 8 * (u / 2) + 4 * (u % 2) + i] = b[192 + u];
+    return;
+  }
+  std::memcpy(o + 2 * i, b, 2);
+  std::memcpy(o + 8 + 2 * i, b + 2, 2);
+  uint8_t sc[8], mn[8];
+  portable::k_scales(b + 4, sc, mn);
+  for (int u = 0; u < 8; ++u) o[16 + 8 * (u % 4) + 4 * (u / 4) + i] = sc[u], o[48 + 8 * (u % 4) + 4 * (u / 4) + i] = mn[u];
 }
 
-static void k_unrest(int type, const uint8_t* rest, uint8_t* b) {
-  const int64_t at = ktile_field_at(type), fields = ktile_fields(type), bytes = block_bytes(type);
-  std::memcpy(b, rest, at);
-  std::memcpy(b + at + fields, rest + at, bytes - at - fields);
+static void k_untile_block(int type, const uint8_t* o, int i, uint8_t* b) {
+  std::memcpy(b + ktile_rest_at(type), o + ktile_head(type) + i * ktile_rest(type), ktile_rest(type));
+  if (type == kQ6_K) {
+    std::memcpy(b + 208, o + 2 * i, 2);
+    for (int u = 0; u < 16; ++u) b[192 + u] = o[8 + 8 * (u / 2) + 4 * (u % 2) + i];
+    return;
+  }
+  std::memcpy(b, o + 2 * i, 2);
+  std::memcpy(b + 2, o + 8 + 2 * i, 2);
+  uint8_t sc[8], mn[8];
+  for (int u = 0; u < 8; ++u) sc[u] = o[16 + 8 * (u % 4) + 4 * (u / 4) + i], mn[u] = o[48 + 8 * (u % 4) + 4 * (u / 4) + i];
+  for (int j = 0; j < 4; ++j) {  // k_scales' packing: 6-bit values, the high 2 bits of 4-7 in bytes 0-7
+    b[4 + j] = static_cast<uint8_t>(sc[j] | ((sc[j + 4] >> 4) << 6));
+    b[8 + j] = static_cast<uint8_t>(mn[j] | ((mn[j + 4] >> 4) << 6));
+    b[12 + j] = static_cast<uint8_t>((sc[j + 4] & 0x0F) | ((mn[j + 4] & 0x0F) << 4));
+  }
 }
 
 void tile_rows_of(int type, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t nblocks) {
   const int64_t bytes = block_bytes(type), row_bytes = nblocks * bytes, high = tile_high(type), head = tile_head(type);
   if (k_tiled(type)) {
-    const int64_t fields = ktile_fields(type), rest = bytes - fields;
+    const int64_t tile_row_bytes = nblocks * ktile_bytes(type) / 4;
     at::parallel_for(0, rows / 4, 16, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
-        for (int64_t blk = 0; blk < nblocks; ++blk) {
-          uint8_t* o = dst + 4 * t * row_bytes + blk * 4 * bytes;
-          for (int i = 0; i < 4; ++i) {
-            const uint8_t* b = src + (4 * t + i) * row_bytes + blk * bytes;
-            std::memcpy(o + i * fields, b + ktile_field_at(type), fields);
-            k_rest(type, b, o + 4 * fields + i * rest);
-          }
-        }
+        for (int64_t blk = 0; blk < nblocks; ++blk)
+          for (int i = 0; i < 4; ++i)
+            k_tile_block(type, src + (4 * t + i) * row_bytes + blk * bytes, i,
+                         dst + 4 * t * tile_row_bytes + blk * ktile_bytes(type));
     });
     return;
   }
@@ -341,13 +356,9 @@ void untile_row(int type, const uint8_t* tiles, int64_t row, int64_t nblocks, ui
   const int64_t bytes = block_bytes(type), row_bytes = nblocks * bytes, high = tile_high(type), head = tile_head(type);
   const int i = static_cast<int>(row % 4);
   if (k_tiled(type)) {
-    const int64_t fields = ktile_fields(type), rest = bytes - fields;
-    for (int64_t blk = 0; blk < nblocks; ++blk) {
-      const uint8_t* p = tiles + (row / 4) * 4 * row_bytes + blk * 4 * bytes;
-      uint8_t* b = out + blk * bytes;
-      k_unrest(type, p + 4 * fields + i * rest, b);
-      std::memcpy(b + ktile_field_at(type), p + i * fields, fields);
-    }
+    const int64_t tile_row_bytes = nblocks * ktile_bytes(type) / 4;
+    for (int64_t blk = 0; blk < nblocks; ++blk)
+      k_untile_block(type, tiles + (row / 4) * 4 * tile_row_bytes + blk * ktile_bytes(type), i, out + blk * bytes);
     return;
   }
   for (int64_t blk = 0; blk < nblocks; ++blk) {
@@ -569,7 +580,8 @@ torch::Tensor block_dequantize(const torch::Tensor& blocks, int64_t type, int64_
 }
 
 // Blocks of a type with tiles [rows, row bytes] (rows % 4 == 0) in that type's tiled layout (blocks.h
-// kTiled): the same bytes, four rows interleaved block by block for the tile kernel.
+// kTiled): four rows interleaved block by block for the tile kernel, the same bytes (Q4_K / Q5_K:
+// their scales unpacked, 4 bytes more a row's block).
 torch::Tensor block_tile(const torch::Tensor& blocks, int64_t type) {
   TORCH_CHECK(brisk_blocks::supported(brisk_blocks::kTiled | static_cast<int>(type)),
               "brisk block_tile: only Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), IQ4_NL (20), Q4_K (12), Q5_K (13) and Q6_K (14) have a tiled layout, got ", type);
@@ -578,7 +590,9 @@ torch::Tensor block_tile(const torch::Tensor& blocks, int64_t type) {
                   blocks.size(0) % 4 == 0 && blocks.size(1) % bytes == 0,
               "brisk block_tile: blocks must be uint8 CPU [rows, row bytes] with rows % 4 == 0");
   const auto src = blocks.contiguous();
-  auto out = torch::empty_like(src);
+  const int64_t nblocks = src.size(1) / bytes;
+  auto out = torch::empty({src.size(0), nblocks * brisk_blocks::block_bytes(brisk_blocks::kTiled | static_cast<int>(type))},
+                          src.options());
   brisk_blocks::tile_rows_of(static_cast<int>(type), src.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), src.size(0),
                              src.size(1) / bytes);
   return out;
@@ -589,16 +603,16 @@ torch::Tensor block_untile(const torch::Tensor& tiles, int64_t type) {
   TORCH_CHECK(brisk_blocks::is_tiled(static_cast<int>(type)) && brisk_blocks::supported(static_cast<int>(type)),
               "brisk block_untile: type ", type, " is not a tiled type");
   const int file = brisk_blocks::file_type(static_cast<int>(type));
-  const int64_t bytes = brisk_blocks::block_bytes(file);
+  const int64_t bytes = brisk_blocks::block_bytes(static_cast<int>(type)), file_bytes = brisk_blocks::block_bytes(file);
   TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == torch::kUInt8 && tiles.device().is_cpu() &&
                   tiles.size(0) % 4 == 0 && tiles.size(1) % bytes == 0,
               "brisk block_untile: tiles must be uint8 CPU [rows, row bytes] with rows % 4 == 0");
   const auto src = tiles.contiguous();
-  auto out = torch::empty_like(src);
   const int64_t nblocks = src.size(1) / bytes;
+  auto out = torch::empty({src.size(0), nblocks * file_bytes}, src.options());
   at::parallel_for(0, src.size(0), 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      brisk_blocks::untile_row(file, src.data_ptr<uint8_t>(), r, nblocks, out.data_ptr<uint8_t>() + r * src.size(1));
+      brisk_blocks::untile_row(file, src.data_ptr<uint8_t>(), r, nblocks, out.data_ptr<uint8_t>() + r * out.size(1));
   });
   return out;
 }

@@ -125,8 +125,11 @@ def test_tiles_match_the_dequantized_reference(qtype: GGMLQuantizationType, m: i
     cols = _isa_cols(qtype)
     blocks = random_blocks(qtype, 36, cols, seed=11)
     tiled_type, tiles = kernels.block_tile(blocks, int(qtype))
-    assert tiled_type == kernels.TILED | int(qtype) and tiles.shape == blocks.shape and not torch.equal(tiles, blocks)
-    if GGML_QUANT_SIZES[qtype][0] == 256:  # K-quant tiles move whole bytes (Q5_0's fifth bits move bit by bit)
+    # Q4_K / Q5_K tiles hold their 6-bit scales unpacked: 16 bytes a row's block instead of 12
+    grown = 4 * (cols // 256) if qtype in (T.Q4_K, T.Q5_K) else 0
+    assert tiled_type == kernels.TILED | int(qtype) and tiles.shape == (36, blocks.shape[1] + grown)
+    assert not torch.equal(tiles[:, :blocks.shape[1]], blocks)
+    if qtype == T.Q6_K:  # its tiles move whole bytes (Q5_0's fifth bits move bit by bit)
         assert torch.equal(tiles.flatten().sort().values, blocks.flatten().sort().values)
     untiled_type, back = kernels.block_untile(tiles, tiled_type)
     assert untiled_type == int(qtype) and torch.equal(back, blocks)
