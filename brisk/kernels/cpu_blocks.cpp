@@ -173,8 +173,8 @@ void tile_x4(const uint8_t* p, int64_t nblocks, const BlockActs& x, int64_t xr, 
 // lane at a time). Q4_K / Q5_K: per 32-column sub-block u of row i, its whole integer sum, times
 // d sc_u, times a, summed in lane (i, u / 4): sub-blocks u and u + 4 side by side, as the SIMD form
 // takes them; the mins dmin m_u x (a x sum of x's q) in lanes of their own, subtracted at the end.
-// Q6_K: per sub-block and row, the sums of columns 0-15 and 16-31 (zero point 32 folded in), each
-// times its 16 columns' d sc, times a, in lanes (i, 0) and (i, 1).
+// Q6_K / Q3_K: per sub-block and row, the sums of columns 0-15 and 16-31 (zero point 32 / 4 folded
+// in), each times its 16 columns' d sc, times a, in lanes (i, 0) and (i, 1).
 template <int T>
 void ktile_x4(const uint8_t* p, int64_t nblocks, const BlockActs& x, int64_t xr, float* out) {
   float acc[4][2] = {}, mins[4][2] = {};
@@ -191,10 +191,10 @@ void ktile_x4(const uint8_t* p, int64_t nblocks, const BlockActs& x, int64_t xr,
         const float a = x.a[xr * in32 + sub];
         int8_t w[32];
         quants_raw<T>(quants_at, u, w);
-        if constexpr (T == kQ6_K) {
+        if constexpr (k_fine(T)) {
           for (int h = 0; h < 2; ++h) {
             int32_t isum = 0;
-            for (int c = 16 * h; c < 16 * h + 16; ++c) isum += (w[c] - 32) * xq[c];
+            for (int c = 16 * h; c < 16 * h + 16; ++c) isum += (w[c] - kZeroPoint<T>) * xq[c];
             const float sv = d * static_cast<float>(static_cast<int8_t>(b[8 + 8 * u + 4 * h + i]));
             acc[i][h] = std::fma(static_cast<float>(isum) * sv, a, acc[i][h]);
           }
@@ -290,6 +290,15 @@ static int64_t file_qs_at(int type) { return file_high_at(type) + tile_high(type
 static void k_tile_block(int type, const uint8_t* b, int i, uint8_t* o) {
   const int64_t at = ktile_rest_at(type);
   std::memcpy(o + ktile_head(type) + i * ktile_rest(type), b + at, ktile_rest(type));
+  if (type == kQ3_K) {  // Format<kQ3_K>::scales' 6-bit values, less 32
+    std::memcpy(o + 2 * i, b + 108, 2);
+    const uint8_t* s = b + 96;
+    for (int u = 0; u < 16; ++u) {
+      const int low = u < 8 ? s[u] & 0x0F : s[u - 8] >> 4, high = (s[8 + u % 4] >> (2 * (u / 4))) & 3;
+      o[8 + 8 * (u / 2) + 4 * (u % 2) + i] = static_cast<uint8_t>(static_cast<int8_t>((low | (high << 4)) - 32));
+    }
+    return;
+  }
   if (type == kQ6_K) {
     std::memcpy(o + 2 * i, b + 208, 2);
     for (int u = 0; u < 16; ++u) o[8 + 8 * (u / 2) + 4 * (u % 2) + i] = b[192 + u];
@@ -304,6 +313,19 @@ static void k_tile_block(int type, const uint8_t* b, int i, uint8_t* o) {
 
 static void k_untile_block(int type, const uint8_t* o, int i, uint8_t* b) {
   std::memcpy(b + ktile_rest_at(type), o + ktile_head(type) + i * ktile_rest(type), ktile_rest(type));
+  if (type == kQ3_K) {
+    std::memcpy(b + 108, o + 2 * i, 2);
+    uint8_t v[16];
+    for (int u = 0; u < 16; ++u) v[u] = static_cast<uint8_t>(static_cast<int8_t>(o[8 + 8 * (u / 2) + 4 * (u % 2) + i]) + 32);
+    uint8_t* s = b + 96;
+    for (int u = 0; u < 8; ++u) s[u] = static_cast<uint8_t>((v[u] & 0x0F) | ((v[u + 8] & 0x0F) << 4));
+    for (int k = 0; k < 4; ++k) {
+      int high = 0;
+      for (int g = 0; g < 4; ++g) high |= ((v[4 * g + k] >> 4) & 3) << (2 * g);
+      s[8 + k] = static_cast<uint8_t>(high);
+    }
+    return;
+  }
   if (type == kQ6_K) {
     std::memcpy(b + 208, o + 2 * i, 2);
     for (int u = 0; u < 16; ++u) b[192 + u] = o[8 + 8 * (u / 2) + 4 * (u % 2) + i];
@@ -580,11 +602,11 @@ torch::Tensor block_dequantize(const torch::Tensor& blocks, int64_t type, int64_
 }
 
 // Blocks of a type with tiles [rows, row bytes] (rows % 4 == 0) in that type's tiled layout (blocks.h
-// kTiled): four rows interleaved block by block for the tile kernel, the same bytes (Q4_K / Q5_K:
-// their scales unpacked, 4 bytes more a row's block).
+// kTiled): four rows interleaved block by block for the tile kernel, the same bytes (Q3_K / Q4_K /
+// Q5_K: their scales unpacked, 4 bytes more a row's block).
 torch::Tensor block_tile(const torch::Tensor& blocks, int64_t type) {
   TORCH_CHECK(brisk_blocks::supported(brisk_blocks::kTiled | static_cast<int>(type)),
-              "brisk block_tile: only Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), IQ4_NL (20), Q4_K (12), Q5_K (13) and Q6_K (14) have a tiled layout, got ", type);
+              "brisk block_tile: only Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), IQ4_NL (20), Q3_K (11), Q4_K (12), Q5_K (13) and Q6_K (14) have a tiled layout, got ", type);
   const int64_t bytes = brisk_blocks::block_bytes(static_cast<int>(type));
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.device().is_cpu() &&
                   blocks.size(0) % 4 == 0 && blocks.size(1) % bytes == 0,

@@ -137,3 +137,42 @@ def test_peak_memory_is_about_the_file(mix: str, kquant_file: Callable[[str], Pa
     path = kquant_file(mix)
     used = _max_rss(_RSS, str(path)) - _max_rss(_BASE)
     assert used < 1.3 * path.stat().st_size + TOKENIZER_BYTES, f"{used / 2**20:.0f} MiB for a {path.stat().st_size / 2**20:.0f} MiB file"
+
+
+def test_a_synthetic_model_of_any_width_loads_and_quantizes_to_k_quants(
+        tmp_path: Path, gguf_path: Path, kquant_file: Callable[[str], Path]) -> None:
+    """write_synthetic: a Llama of a chosen shape (widths multiples of 256, as real 1-8B models) with the
+    default model's tokenizer. brisk reads its shape from the metadata; llama.cpp's Q4_K_M of it has
+    every Linear in a K-quant, each run from four-row tiles, the decode plan giving the module path's
+    numbers."""
+    import os
+    import subprocess
+
+    from brisk import kernels
+    from brisk.loader.gguf_write import write_synthetic
+
+    f32 = tmp_path / "syn-f32.gguf"
+    write_synthetic(gguf_path, f32, hidden=512, intermediate=768, layers=2, heads=4, kv_heads=2, head_dim=128)
+    llm = LLM(str(f32), max_model_len=128, num_kv_blocks=16)
+    cfg = llm.model.config
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (512, 768, 2)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 2, 128)
+    q4km = tmp_path / "syn-Q4_K_M.gguf"
+    peer = Path(__file__).resolve().parents[2] / "brisk" / "bench" / "llamacpp_peer.py"
+    subprocess.run([os.environ["BRISK_LLAMACPP_PYTHON"], str(peer), "quantize", str(f32), str(q4km), "15"],
+                   check=True, capture_output=True)
+    llm = LLM(str(q4km), max_model_len=128, num_kv_blocks=16)
+    blocks = [m for m in llm.model.modules() if isinstance(m, BlockLinear)]
+    types = {t & ~kernels.TILED for m in blocks for t in m.types}
+    assert types <= {int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q6_K)} and len(types) == 2
+    assert all(all(m.tiled_parts) for m in blocks), "every K-quant part runs from tiles"
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True)
+
+    def run(plan: bool) -> list:
+        llm.engine.runner.plans.enabled = plan
+        out = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [s.logprob for s in o.outputs[0].logprobs]) for o in out]
+
+    with_plan = run(True)
+    assert llm.engine.runner.plans.current or not plan_supported()
+    assert with_plan == run(False)
