@@ -29,6 +29,7 @@ constexpr int kQ4_Kx4 = kQ4_K | kTiled;  // the K-quants: see k_tiled below
 constexpr int kQ5_Kx4 = kQ5_K | kTiled;
 constexpr int kQ6_Kx4 = kQ6_K | kTiled;
 constexpr int kQ3_Kx4 = kQ3_K | kTiled;
+constexpr int kQ2_Kx4 = kQ2_K | kTiled;
 inline bool is_tiled(int type) { return (type & kTiled) != 0; }
 inline int file_type(int type) { return type & ~kTiled; }
 // A tile is, per 32-column block, the 4 rows' fp16 d ([0, 8)), for Q4_1 / Q5_1 their fp16 min
@@ -52,21 +53,22 @@ template <int T>
 constexpr int kTileQs = tile_qs(T);
 template <int T>
 constexpr int kTileBytes = 64 + kTileQs<T>;
-// A K-quant tile (Q3_K, Q4_K, Q5_K, Q6_K) is, per 256-column block of its 4 rows: their fp16 d
-// ([0, 8)), Q4_K / Q5_K their fp16 dmin ([8, 16)); then their scales laid out for the kernel's lanes
+// A K-quant tile (Q2_K ... Q6_K) is, per 256-column block of its 4 rows: their fp16 d ([0, 8)),
+// Q2_K / Q4_K / Q5_K their fp16 dmin ([8, 16)); then their scales laid out for the kernel's lanes
 // (ktile_x4): Q4_K / Q5_K the 6-bit scales and mins unpacked to bytes, 8 bytes per pair q, q + 4 of
 // 32-column sub-blocks ([sc_q of rows 0-3, sc_q+4 of rows 0-3] at 16 + 8q, the mins alike at
-// 48 + 8q); Q6_K its int8 scales and Q3_K its 6-bit ones less 32 as int8, 8 bytes per sub-block j
-// ([sc_2j of rows 0-3, sc_2j+1 of rows 0-3] at 8 + 8j); then each row's quants as the file stores
-// them (Q3_K hmask, qs; Q4_K qs; Q5_K qh, qs; Q6_K ql, qh). Q6_K's tile is the same bytes moved; the
-// others' scales take 16 bytes a row instead of 12 (+2.8% Q4_K / Q5_K, +3.6% Q3_K).
-constexpr bool k_tiled(int type) { return type == kQ3_K || type == kQ4_K || type == kQ5_K || type == kQ6_K; }
-constexpr bool k_fine(int type) { return type == kQ3_K || type == kQ6_K; }  // a scale per 16 columns
-constexpr int ktile_head(int type) { return k_fine(type) ? 72 : 80; }  // d (dmin) and the scales
+// 48 + 8q); Q6_K its int8 scales, Q3_K its 6-bit ones less 32 as int8 and Q2_K its scale | min
+// bytes, 8 bytes per sub-block j ([unit 2j of rows 0-3, unit 2j + 1 of rows 0-3] at 8 + 8j, Q2_K
+// 16 + 8j); then each row's quants as the file stores them (Q2_K qs; Q3_K hmask, qs; Q4_K qs; Q5_K
+// qh, qs; Q6_K ql, qh). Q2_K's and Q6_K's tiles are the same bytes moved; the others' scales take 16
+// bytes a row instead of 12 (+2.8% Q4_K / Q5_K, +3.6% Q3_K).
+constexpr bool k_tiled(int type) { return type >= kQ2_K && type <= kQ6_K; }
+constexpr bool k_fine(int type) { return type == kQ2_K || type == kQ3_K || type == kQ6_K; }  // a scale per 16 columns
+constexpr int ktile_head(int type) { return type == kQ3_K || type == kQ6_K ? 72 : 80; }  // d (dmin) and the scales
 constexpr int ktile_rest(int type) {  // a row's quants
-  return type == kQ3_K ? 96 : type == kQ4_K ? 128 : type == kQ5_K ? 160 : 192;
+  return type == kQ2_K ? 64 : type == kQ3_K ? 96 : type == kQ4_K ? 128 : type == kQ5_K ? 160 : 192;
 }
-constexpr int ktile_rest_at(int type) { return k_fine(type) ? 0 : 16; }  // where they start in a file block
+constexpr int ktile_rest_at(int type) { return type == kQ3_K || type == kQ6_K ? 0 : 16; }  // where they start in a file block
 constexpr int ktile_bytes(int type) { return ktile_head(type) + 4 * ktile_rest(type); }  // one tile block
 template <int T>
 constexpr int kKHead = ktile_head(T);
@@ -116,6 +118,7 @@ auto visit_tiled(int type, Fn&& fn, Otherwise... otherwise) {
     case kQ5_Kx4: return fn(std::integral_constant<int, kQ5_K>{});
     case kQ6_Kx4: return fn(std::integral_constant<int, kQ6_K>{});
     case kQ3_Kx4: return fn(std::integral_constant<int, kQ3_K>{});
+    case kQ2_Kx4: return fn(std::integral_constant<int, kQ2_K>{});
     default:
       if constexpr (sizeof...(otherwise) > 0) return R(otherwise...);
       else return R();

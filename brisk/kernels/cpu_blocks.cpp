@@ -173,8 +173,9 @@ void tile_x4(const uint8_t* p, int64_t nblocks, const BlockActs& x, int64_t xr, 
 // lane at a time). Q4_K / Q5_K: per 32-column sub-block u of row i, its whole integer sum, times
 // d sc_u, times a, summed in lane (i, u / 4): sub-blocks u and u + 4 side by side, as the SIMD form
 // takes them; the mins dmin m_u x (a x sum of x's q) in lanes of their own, subtracted at the end.
-// Q6_K / Q3_K: per sub-block and row, the sums of columns 0-15 and 16-31 (zero point 32 / 4 folded
-// in), each times its 16 columns' d sc, times a, in lanes (i, 0) and (i, 1).
+// Q6_K / Q3_K / Q2_K: per sub-block and row, the sums of columns 0-15 and 16-31 (zero point 32 / 4
+// folded in), each times its 16 columns' d sc, times a, in lanes (i, 0) and (i, 1); Q2_K's mins per
+// 16 columns as Q4_K's per 32.
 template <int T>
 void ktile_x4(const uint8_t* p, int64_t nblocks, const BlockActs& x, int64_t xr, float* out) {
   float acc[4][2] = {}, mins[4][2] = {};
@@ -195,8 +196,15 @@ void ktile_x4(const uint8_t* p, int64_t nblocks, const BlockActs& x, int64_t xr,
           for (int h = 0; h < 2; ++h) {
             int32_t isum = 0;
             for (int c = 16 * h; c < 16 * h + 16; ++c) isum += (w[c] - kZeroPoint<T>) * xq[c];
-            const float sv = d * static_cast<float>(static_cast<int8_t>(b[8 + 8 * u + 4 * h + i]));
-            acc[i][h] = std::fma(static_cast<float>(isum) * sv, a, acc[i][h]);
+            if constexpr (T == kQ2_K) {  // scale | min << 4, dmin x min x (a x sum of x's q over the 16 columns)
+              const uint8_t sm = b[16 + 8 * u + 4 * h + i];
+              acc[i][h] = std::fma(static_cast<float>(isum) * (d * static_cast<float>(sm & 0x0F)), a, acc[i][h]);
+              mins[i][h] = std::fma(f16(b + 8 + 2 * i) * static_cast<float>(sm >> 4), x.c16[xr * (in / 16) + 2 * sub + h],
+                                    mins[i][h]);
+            } else {
+              const float sv = d * static_cast<float>(static_cast<int8_t>(b[8 + 8 * u + 4 * h + i]));
+              acc[i][h] = std::fma(static_cast<float>(isum) * sv, a, acc[i][h]);
+            }
           }
         } else {
           int32_t isum = 0;
@@ -290,6 +298,12 @@ static int64_t file_qs_at(int type) { return file_high_at(type) + tile_high(type
 static void k_tile_block(int type, const uint8_t* b, int i, uint8_t* o) {
   const int64_t at = ktile_rest_at(type);
   std::memcpy(o + ktile_head(type) + i * ktile_rest(type), b + at, ktile_rest(type));
+  if (type == kQ2_K) {
+    std::memcpy(o + 2 * i, b + 80, 2);
+    std::memcpy(o + 8 + 2 * i, b + 82, 2);
+    for (int u = 0; u < 16; ++u) o[16 + 8 * (u / 2) + 4 * (u % 2) + i] = b[u];
+    return;
+  }
   if (type == kQ3_K) {  // Format<kQ3_K>::scales' 6-bit values, less 32
     std::memcpy(o + 2 * i, b + 108, 2);
     const uint8_t* s = b + 96;
@@ -313,6 +327,12 @@ static void k_tile_block(int type, const uint8_t* b, int i, uint8_t* o) {
 
 static void k_untile_block(int type, const uint8_t* o, int i, uint8_t* b) {
   std::memcpy(b + ktile_rest_at(type), o + ktile_head(type) + i * ktile_rest(type), ktile_rest(type));
+  if (type == kQ2_K) {
+    std::memcpy(b + 80, o + 2 * i, 2);
+    std::memcpy(b + 82, o + 8 + 2 * i, 2);
+    for (int u = 0; u < 16; ++u) b[u] = o[16 + 8 * (u / 2) + 4 * (u % 2) + i];
+    return;
+  }
   if (type == kQ3_K) {
     std::memcpy(b + 108, o + 2 * i, 2);
     uint8_t v[16];
@@ -606,7 +626,7 @@ torch::Tensor block_dequantize(const torch::Tensor& blocks, int64_t type, int64_
 // Q5_K: their scales unpacked, 4 bytes more a row's block).
 torch::Tensor block_tile(const torch::Tensor& blocks, int64_t type) {
   TORCH_CHECK(brisk_blocks::supported(brisk_blocks::kTiled | static_cast<int>(type)),
-              "brisk block_tile: only Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), IQ4_NL (20), Q3_K (11), Q4_K (12), Q5_K (13) and Q6_K (14) have a tiled layout, got ", type);
+              "brisk block_tile: only Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), IQ4_NL (20) and Q2_K to Q6_K (10-14) have a tiled layout, got ", type);
   const int64_t bytes = brisk_blocks::block_bytes(static_cast<int>(type));
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.device().is_cpu() &&
                   blocks.size(0) % 4 == 0 && blocks.size(1) % bytes == 0,
