@@ -97,7 +97,8 @@ def test_bench_throughput_rounds_alternate_with_the_peer(gguf_path, capsys, monk
     assert hit_rates[-2:] == [0.0, 0.0]  # 40-token prompts: two full blocks each, never found again
     if "llamacpp" in result:
         ratios = result["round_speedups_vs_llamacpp"]
-        assert len(ratios) == 2 and result["output_speedup_vs_llamacpp"] == pytest.approx(sum(ratios) / 2)
+        # the median of two ratios is their mean, rounded to 3 decimals as the ratios are
+        assert len(ratios) == 2 and result["output_speedup_vs_llamacpp"] == pytest.approx(sum(ratios) / 2, abs=1e-3)
     code, _, err = _run(capsys, "bench", "throughput", "--rounds", "0")
     assert code == 2 and "--rounds must be >= 1" in err
 
