@@ -235,14 +235,14 @@ def block_kernel_supported(types: list[int], x: torch.Tensor | None = None) -> b
 # brisk's tiled block layouts (blocks.h kTiled): a type id TILED | GGML type holds that type's blocks
 # four weight rows at a time, the same bytes in the same [out, row bytes] tensor.
 TILED = 1024
-Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 20, 10, 11, 12, 13, 14
-Q4_0X4, Q4_1X4, Q5_0X4, Q5_1X4, IQ4_NLX4, Q2_KX4, Q3_KX4, Q4_KX4, Q5_KX4, Q6_KX4 = (
-    TILED | t for t in (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K))
+Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 20, 23, 10, 11, 12, 13, 14
+Q4_0X4, Q4_1X4, Q5_0X4, Q5_1X4, IQ4_NLX4, IQ4_XSX4, Q2_KX4, Q3_KX4, Q4_KX4, Q5_KX4, Q6_KX4 = (
+    TILED | t for t in (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K))
 
 
 def block_tile_supported(ggml_type: int, rows: torch.Tensor) -> bool:
-    """`block_tile` can repack these blocks: a type with a tiled kernel (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K to
-    Q6_K) on the CPU, a multiple of 4 rows."""
+    """`block_tile` can repack these blocks: a type with a tiled kernel (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS,
+    Q2_K to Q6_K) on the CPU, a multiple of 4 rows."""
     return (TILED | ggml_type in _BLOCK_TYPES and rows.device.type == "cpu" and rows.dim() == 2
             and rows.shape[0] % 4 == 0 and CAPS.has("block_tile"))
 

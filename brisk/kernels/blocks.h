@@ -30,6 +30,7 @@ constexpr int kQ5_Kx4 = kQ5_K | kTiled;
 constexpr int kQ6_Kx4 = kQ6_K | kTiled;
 constexpr int kQ3_Kx4 = kQ3_K | kTiled;
 constexpr int kQ2_Kx4 = kQ2_K | kTiled;
+constexpr int kIQ4_XSx4 = kIQ4_XS | kTiled;
 inline bool is_tiled(int type) { return (type & kTiled) != 0; }
 inline int file_type(int type) { return type & ~kTiled; }
 // A tile is, per 32-column block, the 4 rows' fp16 d ([0, 8)), for Q4_1 / Q5_1 their fp16 min
@@ -61,14 +62,19 @@ constexpr int kTileBytes = 64 + kTileQs<T>;
 // bytes, 8 bytes per sub-block j ([unit 2j of rows 0-3, unit 2j + 1 of rows 0-3] at 8 + 8j, Q2_K
 // 16 + 8j); then each row's quants as the file stores them (Q2_K qs; Q3_K hmask, qs; Q4_K qs; Q5_K
 // qh, qs; Q6_K ql, qh). Q2_K's and Q6_K's tiles are the same bytes moved; the others' scales take 16
-// bytes a row instead of 12 (+2.8% Q4_K / Q5_K, +3.6% Q3_K).
-constexpr bool k_tiled(int type) { return type >= kQ2_K && type <= kQ6_K; }
+// bytes a row instead of 12 (+2.8% Q4_K / Q5_K, +3.6% Q3_K). IQ4_XS (a 6-bit scale per 32 columns, no
+// min) is Q4_K's form: d of rows 0-3, its scales less 32 as int8 at 8 + 8q, then each row's qs (+1.5%).
+constexpr bool k_tiled(int type) { return (type >= kQ2_K && type <= kQ6_K) || type == kIQ4_XS; }
 constexpr bool k_fine(int type) { return type == kQ2_K || type == kQ3_K || type == kQ6_K; }  // a scale per 16 columns
-constexpr int ktile_head(int type) { return type == kQ3_K || type == kQ6_K ? 72 : 80; }  // d (dmin) and the scales
-constexpr int ktile_rest(int type) {  // a row's quants
-  return type == kQ2_K ? 64 : type == kQ3_K ? 96 : type == kQ4_K ? 128 : type == kQ5_K ? 160 : 192;
+constexpr int ktile_head(int type) {  // d (dmin) and the scales
+  return type == kIQ4_XS ? 40 : type == kQ3_K || type == kQ6_K ? 72 : 80;
 }
-constexpr int ktile_rest_at(int type) { return type == kQ3_K || type == kQ6_K ? 0 : 16; }  // where they start in a file block
+constexpr int ktile_rest(int type) {  // a row's quants
+  return type == kQ2_K ? 64 : type == kQ3_K ? 96 : type == kQ4_K || type == kIQ4_XS ? 128 : type == kQ5_K ? 160 : 192;
+}
+constexpr int ktile_rest_at(int type) {  // where they start in a file block
+  return type == kQ3_K || type == kQ6_K ? 0 : type == kIQ4_XS ? 8 : 16;
+}
 constexpr int ktile_bytes(int type) { return ktile_head(type) + 4 * ktile_rest(type); }  // one tile block
 template <int T>
 constexpr int kKHead = ktile_head(T);
@@ -119,6 +125,7 @@ auto visit_tiled(int type, Fn&& fn, Otherwise... otherwise) {
     case kQ6_Kx4: return fn(std::integral_constant<int, kQ6_K>{});
     case kQ3_Kx4: return fn(std::integral_constant<int, kQ3_K>{});
     case kQ2_Kx4: return fn(std::integral_constant<int, kQ2_K>{});
+    case kIQ4_XSx4: return fn(std::integral_constant<int, kIQ4_XS>{});
     default:
       if constexpr (sizeof...(otherwise) > 0) return R(otherwise...);
       else return R();

@@ -206,6 +206,12 @@ void ktile_x4(const uint8_t* p, int64_t nblocks, const BlockActs& x, int64_t xr,
               acc[i][h] = std::fma(static_cast<float>(isum) * sv, a, acc[i][h]);
             }
           }
+        } else if constexpr (T == kIQ4_XS) {  // signed values, a signed scale per 32 columns, no min
+          int32_t isum = 0;
+          for (int c = 0; c < 32; ++c) isum += w[c] * xq[c];
+          const int h = u / 4;
+          const float sv = d * static_cast<float>(static_cast<int8_t>(b[8 + 8 * (u % 4) + 4 * h + i]));
+          acc[i][h] = std::fma(static_cast<float>(isum) * sv, a, acc[i][h]);
         } else {
           int32_t isum = 0;
           for (int c = 0; c < 32; ++c) isum += w[c] * xq[c];
@@ -298,6 +304,15 @@ static int64_t file_qs_at(int type) { return file_high_at(type) + tile_high(type
 static void k_tile_block(int type, const uint8_t* b, int i, uint8_t* o) {
   const int64_t at = ktile_rest_at(type);
   std::memcpy(o + ktile_head(type) + i * ktile_rest(type), b + at, ktile_rest(type));
+  if (type == kIQ4_XS) {  // Format<kIQ4_XS>::scales' 6-bit values, less 32
+    std::memcpy(o + 2 * i, b, 2);
+    const int high = b[2] | (b[3] << 8);
+    for (int u = 0; u < 8; ++u) {
+      const int low = (b[4 + u / 2] >> (4 * (u % 2))) & 0x0F;
+      o[8 + 8 * (u % 4) + 4 * (u / 4) + i] = static_cast<uint8_t>(static_cast<int8_t>((low | (((high >> (2 * u)) & 3) << 4)) - 32));
+    }
+    return;
+  }
   if (type == kQ2_K) {
     std::memcpy(o + 2 * i, b + 80, 2);
     std::memcpy(o + 8 + 2 * i, b + 82, 2);
@@ -327,6 +342,18 @@ static void k_tile_block(int type, const uint8_t* b, int i, uint8_t* o) {
 
 static void k_untile_block(int type, const uint8_t* o, int i, uint8_t* b) {
   std::memcpy(b + ktile_rest_at(type), o + ktile_head(type) + i * ktile_rest(type), ktile_rest(type));
+  if (type == kIQ4_XS) {
+    std::memcpy(b, o + 2 * i, 2);
+    int high = 0;
+    b[4] = b[5] = b[6] = b[7] = 0;
+    for (int u = 0; u < 8; ++u) {
+      const int v = static_cast<int8_t>(o[8 + 8 * (u % 4) + 4 * (u / 4) + i]) + 32;
+      b[4 + u / 2] = static_cast<uint8_t>(b[4 + u / 2] | ((v & 0x0F) << (4 * (u % 2))));
+      high |= ((v >> 4) & 3) << (2 * u);
+    }
+    b[2] = static_cast<uint8_t>(high & 0xFF), b[3] = static_cast<uint8_t>(high >> 8);
+    return;
+  }
   if (type == kQ2_K) {
     std::memcpy(b + 80, o + 2 * i, 2);
     std::memcpy(b + 82, o + 8 + 2 * i, 2);
@@ -626,7 +653,7 @@ torch::Tensor block_dequantize(const torch::Tensor& blocks, int64_t type, int64_
 // Q5_K: their scales unpacked, 4 bytes more a row's block).
 torch::Tensor block_tile(const torch::Tensor& blocks, int64_t type) {
   TORCH_CHECK(brisk_blocks::supported(brisk_blocks::kTiled | static_cast<int>(type)),
-              "brisk block_tile: only Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), IQ4_NL (20) and Q2_K to Q6_K (10-14) have a tiled layout, got ", type);
+              "brisk block_tile: only Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), IQ4_NL (20), IQ4_XS (23) and Q2_K to Q6_K (10-14) have a tiled layout, got ", type);
   const int64_t bytes = brisk_blocks::block_bytes(static_cast<int>(type));
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.device().is_cpu() &&
                   blocks.size(0) % 4 == 0 && blocks.size(1) % bytes == 0,

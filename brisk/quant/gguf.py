@@ -11,7 +11,7 @@ Two module kinds, chosen per Linear by `attach_blocks`:
   makes (q d is exact in float32, and the kernel's one fma rounds q d + m once, as ggml does).
 - `BlockLinear` for every other type with a block kernel (K-quants, Q4_0, Q5_0/Q5_1, IQ4_NL/IQ4_XS) and
   for stacked Linears that mix types (Q4_K_M's q|k|v): the blocks as stored (Q4_0, Q4_1, Q5_0, Q5_1,
-  IQ4_NL and Q2_K to Q6_K repacked into four-row tiles), int8 activations in 32-column
+  IQ4_NL, IQ4_XS and Q2_K to Q6_K repacked into four-row tiles), int8 activations in 32-column
   blocks
   (kernels/cpu_blocks.cpp).
 
@@ -200,8 +200,8 @@ class BlockLinear(QuantizedLinear):
     (Q4_K_M files store v in Q6_K beside q and k in Q4_K). The blocks are the file's bytes: a view
     of its memory map where no row permutation was needed, so the weight costs no memory of its own
     beyond the page cache. The exceptions are the types with tiles (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
-    Q2_K to Q6_K; rows in fours): repacked once into the tile layout (kernels.block_tile,
-    the same bytes, Q3_K / Q4_K / Q5_K's scales unpacked: +2.8-3.6%; type kernels.TILED | type),
+    IQ4_XS, Q2_K to Q6_K; rows in fours): repacked once into the tile layout (kernels.block_tile,
+    the same bytes, IQ4_XS / Q3_K / Q4_K / Q5_K's scales unpacked: +1.5-3.6%; type kernels.TILED | type),
     which the kernels run ~1.7x (Q5_0) to ~2.2x (Q5_1, 32 rows), ~1.3-2.5x (the K-quants) faster;
     `tile=False` keeps the file's layout. Without the kernels (another device, no extension) the
     forward is the same arithmetic in torch: the activations rounded the kernels' way, the weight

@@ -21,7 +21,7 @@ from brisk.quant.grouped import quantize_act_blocks
 
 T = GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.IQ4_XS, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
-TILE_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]  # with a tiled layout (kernels.block_tile)
+TILE_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.IQ4_XS, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]  # with a tiled layout (kernels.block_tile)
 # fp16 fields (d, dmin) of each block: random bytes elsewhere are valid blocks
 FP16_AT = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.IQ4_NL: (0,),
            T.IQ4_XS: (0,), T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
@@ -119,14 +119,14 @@ def test_many_rows_multiply_the_same_weights_in_floats(qtype: GGMLQuantizationTy
 @pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 17, 64])
 def test_tiles_match_the_dequantized_reference(qtype: GGMLQuantizationType, m: int) -> None:
-    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL / Q2_K ... Q6_K repacked four rows at a time (kernels.block_tile): the
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL / IQ4_XS / Q2_K ... Q6_K repacked four rows at a time (kernels.block_tile): the
     same bytes, the file's rows back from it, the tile kernel against the dequantized weights, each row as it
     comes alone."""
     cols = _isa_cols(qtype)
     blocks = random_blocks(qtype, 36, cols, seed=11)
     tiled_type, tiles = kernels.block_tile(blocks, int(qtype))
-    # Q3_K / Q4_K / Q5_K tiles hold their 6-bit scales unpacked: 16 bytes a row's block instead of 12
-    grown = 4 * (cols // 256) if qtype in (T.Q3_K, T.Q4_K, T.Q5_K) else 0
+    # Q3_K / Q4_K / Q5_K / IQ4_XS tiles hold their 6-bit scales unpacked: 16 (IQ4_XS 8) bytes a row's block, not 12 (6)
+    grown = (cols // 256) * {T.Q3_K: 4, T.Q4_K: 4, T.Q5_K: 4, T.IQ4_XS: 2}.get(qtype, 0)
     assert tiled_type == kernels.TILED | int(qtype) and tiles.shape == (36, blocks.shape[1] + grown)
     assert not torch.equal(tiles[:, :blocks.shape[1]], blocks)
     if qtype in (T.Q2_K, T.Q6_K):  # their tiles move whole bytes (Q5_0's fifth bits move bit by bit)
