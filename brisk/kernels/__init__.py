@@ -271,6 +271,22 @@ def block_dequantize(blocks: torch.Tensor, ggml_type: int, in_features: int, r0:
     return _C.block_dequantize(blocks, ggml_type, in_features, r0, r1)
 
 
+KGEMM_TYPES = frozenset((Q2_KX4, Q3_KX4, Q4_KX4, Q5_KX4, Q6_KX4))
+
+
+def block_kgemm_supported(tiled_type: int) -> bool:
+    """`block_kgemm` multiplies weights of this type: a K-quant (Q2_K ... Q6_K) held in tiles."""
+    return tiled_type in KGEMM_TYPES and CAPS.has("block_kgemm")
+
+
+def block_kgemm(x: torch.Tensor, parts: list[tuple[int, torch.Tensor, int]], y: torch.Tensor) -> None:
+    """y[:, first:first + rows] = x @ W^T for each (tiled K-quant type, tiles, first) in `parts`,
+    x quantized to int8 per 128 columns (llama.cpp's Q8_K takes 256) and each half block summed as
+    integers (cpu_blocks_prompt.inc): batched prompt work. y's other columns are left as they are."""
+    assert _C is not None
+    _C.block_kgemm(x, [rows for _, rows, _ in parts], [t for t, _, _ in parts], [f for _, _, f in parts], y)
+
+
 def block_gemm(x: torch.Tensor, blocks: list[torch.Tensor], types: list[int],
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [M, out] = quantize_act_blocks(x, "int8") @ W^T (+ bias), W the row-stacked `blocks`

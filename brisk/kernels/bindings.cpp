@@ -38,6 +38,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_gemm", &block_gemm,
         "x[M,in] @ W^T (+bias), W row-stacked segments of GGUF blocks (any of brisk_blocks' types), x in int8 blocks",
         py::arg("x"), py::arg("blocks"), py::arg("types"), py::arg("bias") = py::none());
+  m.def("block_kgemm", &block_kgemm,
+        "y[:, first_rows[i]:] = x[M,in] @ W_i^T for K-quant tile segments W_i, x in int8 per 128 columns (prompt work)",
+        py::arg("x"), py::arg("blocks"), py::arg("types"), py::arg("first_rows"), py::arg("y"));
   m.def("block_dequantize", &block_dequantize, "rows [r0, r1) of GGUF blocks as float32 (w = d q - m), AVX2+",
         py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("r0"), py::arg("r1"));
   m.def("block_tile", &block_tile, "Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL blocks [rows, row bytes] repacked 4 rows at a time (kTiled | type)",

@@ -525,6 +525,8 @@ void quantize_block(const float* xb, int8_t* q, uint8_t* qu, float& a, int32_t (
   }
 }
 
+#include "cpu_blocks_prompt.inc"
+
 }  // namespace
 
 void quantize_acts(const float* x, int64_t m, int64_t in, BlockActs& out) {
@@ -629,6 +631,34 @@ torch::Tensor block_gemm(const torch::Tensor& x, const std::vector<torch::Tensor
   });
   if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
   return y;
+}
+
+// y[:, first_rows[i] + r] = x @ W_i^T for the K-quant tile segments W_i (Q2_K ... Q6_K, tiled):
+// cpu_blocks_prompt.inc, x quantized per 128 columns (batched prompt work; y's other columns untouched).
+void block_kgemm(const torch::Tensor& x, const std::vector<torch::Tensor>& blocks, const std::vector<int64_t>& types,
+                 const std::vector<int64_t>& first_rows, const torch::Tensor& y) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "brisk block_kgemm: x must be a 2-D CPU tensor");
+  const int64_t m = x.size(0), in = x.size(1);
+  TORCH_CHECK(in % 256 == 0, "brisk block_kgemm: input width ", in, " is not a multiple of 256");
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == m && y.scalar_type() == torch::kFloat32 && y.is_contiguous() && y.device().is_cpu(),
+              "brisk block_kgemm: y must be a contiguous float32 CPU tensor [M, out]");
+  TORCH_CHECK(first_rows.size() == blocks.size(), "brisk block_kgemm: one first row per segment");
+  auto segs = check_segments(blocks, types, in);
+  for (size_t i = 0; i < segs.size(); ++i) {
+    TORCH_CHECK(brisk_blocks::is_tiled(segs[i].type) && brisk_blocks::kgemm_type(brisk_blocks::file_type(segs[i].type)),
+                "brisk block_kgemm: type ", segs[i].type, " is no K-quant tile (TILED | Q2_K ... Q6_K)");
+    TORCH_CHECK(first_rows[i] >= 0 && first_rows[i] + segs[i].out <= y.size(1), "brisk block_kgemm: segment ", i,
+                " does not fit y's columns");
+    segs[i].first_row = first_rows[i];
+  }
+  auto xf = x.to(torch::kFloat32).contiguous();
+  thread_local brisk_blocks::KActs scratch;
+  brisk_blocks::KActs& acts = scratch;
+  brisk_blocks::quantize_kacts(xf.data_ptr<float>(), m, in, acts);
+  float* yp = y.data_ptr<float>();
+  const int64_t out = y.size(1);
+  for (const auto& s : segs)
+    at::parallel_for(0, s.out / 4, 8, [&](int64_t t0, int64_t t1) { brisk_blocks::kgemm_rows(s, acts, yp, out, t0, t1); });
 }
 
 // Rows [r0, r1) of one segment's weight as float32 [r1 - r0, in]: w = d q - m, the values the

@@ -30,6 +30,8 @@ torch::Tensor group_dequantize_rows(const torch::Tensor& q, const torch::Tensor&
                                     const torch::Tensor& ids);
 torch::Tensor block_gemm(const torch::Tensor& x, const std::vector<torch::Tensor>& blocks,
                          const std::vector<int64_t>& types, const c10::optional<torch::Tensor>& bias);
+void block_kgemm(const torch::Tensor& x, const std::vector<torch::Tensor>& blocks, const std::vector<int64_t>& types,
+                 const std::vector<int64_t>& first_rows, const torch::Tensor& y);
 torch::Tensor block_dequantize(const torch::Tensor& blocks, int64_t type, int64_t in, int64_t r0, int64_t r1);
 torch::Tensor block_tile(const torch::Tensor& blocks, int64_t type);
 torch::Tensor block_untile(const torch::Tensor& tiles, int64_t type);

@@ -34,6 +34,8 @@ from brisk.kernels import (
     block_dequantize,
     block_dequantize_supported,
     block_gemm,
+    block_kgemm,
+    block_kgemm_supported,
     block_kernel_supported,
     block_tile,
     block_tile_supported,
@@ -48,10 +50,11 @@ from brisk.quant.grouped import GroupLinear, quantize_act_blocks
 
 GROUP = 32
 # Past this many rows (prompt chunks; decode batches stay below max_num_seqs' 64) a BlockLinear
-# multiplies float32 in a GEMM, its weight made float a tile of TILE_ROWS rows at a time (~1.2 MB, L2):
-# the int8 kernel does one float scale-and-add per 32 products and row, which at hundreds of rows
-# costs more than the float GEMM's reads (Q4_K 576x1536, 512 rows: 9.8 ms int8, 4.6 ms float plus
-# the tiles' dequantization). Rows up to it keep the int8 kernel's batch invariance.
+# leaves the decode kernels, whose one float scale-and-add per 32 products and row costs more at
+# hundreds of rows than a float GEMM (Q4_K 576x1536, 512 rows: 9.8 ms int8, 4.6 ms float plus the
+# tiles' dequantization). K-quant tiles then run block_kgemm (x in int8 per 128 columns, summed as
+# integers: 1.25-1.35x the float GEMM); the other types a float32 GEMM, the weight made
+# float TILE_ROWS rows at a time (~1.2 MB, L2). Rows up to it keep the decode kernels' numbers.
 BLOCK_KERNEL_MAX_ROWS = 64
 TILE_ROWS = 512
 # type -> (block bytes, has m, 4-bit)
@@ -283,7 +286,8 @@ class BlockLinear(QuantizedLinear):
         flat = x.reshape(-1, self.in_features)
         bias = self._buffers["bias"]
         if block_kernel_supported(self.types, flat) and self.blocks[0].is_cpu:
-            if flat.shape[0] > BLOCK_KERNEL_MAX_ROWS and block_dequantize_supported():
+            if flat.shape[0] > BLOCK_KERNEL_MAX_ROWS and (
+                    block_dequantize_supported() or all(block_kgemm_supported(t) for t in self.types)):
                 y = self._tiled_float(flat.float(), bias)
             else:
                 y = block_gemm(flat, self.blocks, self.types, bias)
@@ -294,14 +298,21 @@ class BlockLinear(QuantizedLinear):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
     def _tiled_float(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ W^T (+ bias) with W made float a tile of rows at a time (never the whole matrix)."""
+        """x @ W^T (+ bias) for many rows of x: K-quant tiles by integer dot products on x quantized
+        per 128 columns (block_kgemm), the other types with W made float a tile of rows at a time
+        (never the whole matrix)."""
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        first = 0
+        first, kparts = 0, []
         for t, rows in zip(self.types, self.blocks):
-            for r0 in range(0, rows.shape[0], TILE_ROWS):
-                r1 = min(rows.shape[0], r0 + TILE_ROWS)
-                y[:, first + r0:first + r1] = x @ block_dequantize(rows, t, self.in_features, r0, r1).t()
+            if block_kgemm_supported(t):
+                kparts.append((t, rows, first))
+            else:
+                for r0 in range(0, rows.shape[0], TILE_ROWS):
+                    r1 = min(rows.shape[0], r0 + TILE_ROWS)
+                    y[:, first + r0:first + r1] = x @ block_dequantize(rows, t, self.in_features, r0, r1).t()
             first += rows.shape[0]
+        if kparts:
+            block_kgemm(x, kparts, y)
         return y if bias is None else y.add_(bias)
 
     def extra_repr(self) -> str:

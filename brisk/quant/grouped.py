@@ -49,12 +49,12 @@ SCALE_MIN = 2.0**-24  # the smallest float16 (subnormal): an all-zero group stil
 ACT_LEVELS = {"int8": 127, "int16": 32767}  # quantized activation modes: largest |integer|
 
 
-def quantize_act_blocks(x: torch.Tensor, mode: str = "int8") -> torch.Tensor:
-    """x [M, in] float32 as the int8 / int16 kernels see it (`mode`): per row and block of 32 columns,
-    the integers round-half-even(x / a), a = max |x| / L (L = 127 or 32767), times a
-    (brisk/kernels/cpu_quant_vnni.cpp)."""
+def quantize_act_blocks(x: torch.Tensor, mode: str = "int8", block: int = CHUNK) -> torch.Tensor:
+    """x [M, in] float32 as the int8 / int16 kernels see it (`mode`): per row and block of 32 columns
+    (`block`: 128 for the K-quant prompt kernel, kernels.block_kgemm), the integers
+    round-half-even(x / a), a = max |x| / L (L = 127 or 32767), times a (brisk/kernels/cpu_quant_vnni.cpp)."""
     levels = ACT_LEVELS[mode]
-    blocks = x.float().reshape(x.shape[0], -1, CHUNK)
+    blocks = x.float().reshape(x.shape[0], -1, block)
     a = blocks.abs().amax(dim=-1, keepdim=True) / levels
     q = torch.round(blocks / torch.where(a > 0, a, torch.ones_like(a))).clamp_(-levels, levels)
     return (q * a).reshape(x.shape)

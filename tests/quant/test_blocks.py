@@ -99,11 +99,15 @@ def test_block_linear_torch_path_is_the_same_arithmetic(qtype: GGMLQuantizationT
     torch.testing.assert_close(layer(x), fast, rtol=0, atol=1e-5 * fast.abs().max().item())
 
 
+K_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]  # prompt work as integers (kernels.block_kgemm)
+
+
 @pytest.mark.skipif(not kernels.block_dequantize_supported(), reason="the tiled float path needs AVX2")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_many_rows_multiply_the_same_weights_in_floats(qtype: GGMLQuantizationType) -> None:
     """Past BLOCK_KERNEL_MAX_ROWS (prompt chunks) the weight is made float a tile at a time: the
-    dequantized weights times float x."""
+    dequantized weights times float x; K-quant tiles instead meet x in int8 per 128 columns
+    (block_kgemm, the next test)."""
     from brisk.quant import gguf as native
 
     blocks = random_blocks(qtype, 40, 512, seed=int(qtype) + 1)
@@ -112,8 +116,43 @@ def test_many_rows_multiply_the_same_weights_in_floats(qtype: GGMLQuantizationTy
     x = torch.randn(native.BLOCK_KERNEL_MAX_ROWS + 7, 512, generator=torch.Generator().manual_seed(5))
     w = dequantize(blocks, int(qtype), (40, 512))
     assert torch.allclose(kernels.block_dequantize(blocks, int(qtype), 512, 3, 40), w[3:], rtol=1e-6, atol=1e-7)
-    ref = F.linear(x.double(), w.double(), layer.bias.double()).float()
+    xk = quantize_act_blocks(x, "int8", 128) if qtype in K_TYPES else x
+    ref = F.linear(xk.double(), w.double(), layer.bias.double()).float()
     torch.testing.assert_close(layer(x), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 2, 3, 65, 130])
+def test_k_quant_prompt_gemm_matches_its_reference(qtype: GGMLQuantizationType, m: int) -> None:
+    """block_kgemm: K-quant tiles times x rounded to int8 per 128 columns, each half block's sum an exact
+    integer: the dequantized weights times that x, each segment in its own columns, the others left
+    alone, each row exactly as it comes alone (odd counts run the one-row tail)."""
+    cols = 768
+    blocks = random_blocks(qtype, 40, cols, seed=int(qtype) + 3)
+    qt, tiles = kernels.block_tile(blocks, int(qtype))
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m)) * 3
+    x[0, :128] = 0  # a zero run: a = 0
+    y = torch.full((m, 50), 7.0)
+    kernels.block_kgemm(x, [(qt, tiles[:12], 2), (qt, tiles[12:], 20)], y)
+    w = dequantize(blocks, int(qtype), (40, cols))
+    ref = F.linear(quantize_act_blocks(x, "int8", 128).double(), w.double()).float()
+    assert torch.equal(y[:, :2], torch.full((m, 2), 7.0)) and torch.equal(y[:, 14:20], torch.full((m, 6), 7.0))
+    got = torch.cat([y[:, 2:14], y[:, 20:48]], 1)
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-6 * ref.abs().max().item() * cols ** 0.5)
+    for i in (0, m - 1):
+        alone = torch.zeros(1, 40)
+        kernels.block_kgemm(x[i:i + 1], [(qt, tiles, 0)], alone)
+        assert torch.equal(alone, got[i:i + 1])
+
+
+def test_k_quant_prompt_gemm_refuses_other_types() -> None:
+    blocks = random_blocks(T.Q5_0, 8, 256, seed=1)
+    qt, tiles = kernels.block_tile(blocks, int(T.Q5_0))
+    with pytest.raises(RuntimeError, match="no K-quant tile"):
+        kernels.block_kgemm(torch.randn(3, 256), [(qt, tiles, 0)], torch.empty(3, 8))
+    qt, tiles = kernels.block_tile(random_blocks(T.Q4_K, 8, 256, seed=1), int(T.Q4_K))
+    with pytest.raises(RuntimeError, match="fit y's columns"):
+        kernels.block_kgemm(torch.randn(3, 256), [(qt, tiles, 4)], torch.empty(3, 8))
 
 
 @pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda t: t.name)
@@ -201,7 +240,7 @@ def _isa_cols(qtype: GGMLQuantizationType) -> int:
 _ISA_SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, {tests!r})
-from test_blocks import TILE_TYPES, TYPES, _isa_cols, random_blocks
+from test_blocks import TILE_TYPES, TYPES, T, _isa_cols, random_blocks
 from brisk import kernels
 out = {{}}
 for t in TYPES:
@@ -213,6 +252,11 @@ for t in TILE_TYPES:
     cols = _isa_cols(t)
     qt, tiles = kernels.block_tile(random_blocks(t, 12, cols, 7), int(t))
     out[t.name + "x4"] = kernels.block_gemm(torch.randn(5, cols, generator=torch.Generator().manual_seed(7)), [tiles], [qt]).numpy().tobytes().hex()
+for t in (T.Q3_K, T.Q4_K, T.Q6_K):
+    qt, tiles = kernels.block_tile(random_blocks(t, 12, 512, 9), int(t))
+    y = torch.zeros(5, 12)
+    kernels.block_kgemm(torch.randn(5, 512, generator=torch.Generator().manual_seed(9)), [(qt, tiles, 0)], y)
+    out[t.name + "kgemm"] = y.numpy().tobytes().hex()
 print(json.dumps({{"isa": kernels.CAPS.isa, "avx_vnni": kernels.CAPS.avx_vnni, "out": out}}))
 """
 
@@ -237,6 +281,11 @@ def test_every_isa_gives_the_same_bits(isa: str) -> None:
         qt, tiles = kernels.block_tile(random_blocks(t, 12, cols, 7), int(t))
         y = kernels.block_gemm(torch.randn(5, cols, generator=torch.Generator().manual_seed(7)), [tiles], [qt])
         assert y.numpy().tobytes().hex() == got["out"][t.name + "x4"], t.name
+    for t in (T.Q3_K, T.Q4_K, T.Q6_K):
+        qt, tiles = kernels.block_tile(random_blocks(t, 12, 512, 9), int(t))
+        y = torch.zeros(5, 12)
+        kernels.block_kgemm(torch.randn(5, 512, generator=torch.Generator().manual_seed(9)), [(qt, tiles, 0)], y)
+        assert y.numpy().tobytes().hex() == got["out"][t.name + "kgemm"], t.name
 
 
 def test_avx_vnni_gives_the_bits_of_maddubs_and_madd() -> None:
