@@ -67,6 +67,9 @@ class GGUFHeader:
             self.map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     def __init__(self, buf: mmap.mmap) -> None:
         self.buf, self.pos = buf, 0
@@ -85,6 +88,23 @@ class _Cursor:
         self.pos = end
         return text
 
+    def strings(self, n: int) -> list[str]:
+        """`n` strings back to back (a vocabulary): `string`'s loop with its lookups hoisted
+        (262k tokens: 0.29 -> ~0.1 s)."""
+        buf, pos, size, unpack = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        for _ in range(n):
+            (k,) = unpack(buf, pos)
+            pos += 8
+            end = pos + k
+            if end > size:
+                raise UserError(f"a string of {k} bytes runs past the end of the file")
+            append(buf[pos:end].decode("utf-8", errors="replace"))
+            pos = end
+        self.pos = pos
+        return out
+
     def value(self, kind: int) -> Any:
         if kind in _SCALARS:
             return self.take(_SCALARS[kind])
@@ -97,6 +117,8 @@ class _Cursor:
                 out = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos).tolist()
                 self.pos += n * dtype.itemsize
                 return out
+            if item == _STRING:
+                return self.strings(n)
             return [self.value(item) for _ in range(n)]
         raise UserError(f"unknown metadata value type {kind}")
 

@@ -138,3 +138,14 @@ def test_a_verify_step_gives_each_row_exactly_its_single_token_logits() -> None:
     rows = many.execute([Step("a", tail, len(prompt), [4, 5, 6, 7])], frozenset({"a"})).of("a")
     for i in range(len(tail)):
         assert torch.equal(rows[i], singles[i]), f"row {i} differs from single-token decoding"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_zeros_are_zeros_of_the_dtype_from_lazily_zeroed_pages(dtype: torch.dtype) -> None:
+    """A CPU KV cache comes from calloc'd pages (no load-time memset): zeros all the same."""
+    from brisk.runtime.paged_runner import kv_zeros
+
+    t = kv_zeros((3, 2, 5, 4), dtype, torch.device("cpu"))
+    assert t.dtype == dtype and t.shape == (3, 2, 5, 4) and t.is_contiguous() and not t.any()
+    t[1, 1] = 2.0  # writable, and a write touches only its own elements
+    assert t.sum().item() == 2.0 * 20
