@@ -476,24 +476,25 @@ __attribute__((target("avx2"))) inline int32_t sum16_avx2(__m256i x, __m256i y) 
   return _mm_cvtsi128_si32(_mm_add_epi32(u, _mm_shuffle_epi32(u, 1)));
 }
 
-// The same at AVX2: on an AVX2 Zen 3 the scalar loop cost ~4.8 ns a column, ~0.45 ms of a Q4_K_M
-// decode step (each thread quantizes every block Linear's input).
-__attribute__((target("avx2,fma"))) void quantize_block_avx2(const float* xb, int8_t* q, uint8_t* qu, float& a,
-                                                           int32_t (&sums)[2]) {
-  __m256 v[4];
-  __m256 m = _mm256_setzero_ps();
+// max |x| over n floats (n a multiple of 8): the activations' scale before the / 127.
+__attribute__((target("avx2,fma"))) float amax_avx2(const float* x, int n) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i), m = _mm256_max_ps(m, _mm256_and_ps(v[i], abs_mask));
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask));
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-  a = _mm_cvtss_f32(h) / 127.0f;
-  __m256i c[4];
+  return _mm_cvtss_f32(h);
+}
+
+// 32 floats as int8 q = clamp(round-half-even(x / a)) into q (0 where a is 0), and their int32s in
+// c: quantize_block's integers (IEEE division), shared with the prompt kernel's 128-column runs.
+__attribute__((target("avx2,fma"))) void round32_avx2(const float* xb, float a, int8_t* q, __m256i (&c)[4]) {
   for (int i = 0; i < 4; ++i) c[i] = _mm256_setzero_si256();
   if (a > 0.0f) {
     const __m256 d = _mm256_set1_ps(a), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
     for (int i = 0; i < 4; ++i) {
-      const __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xb + 8 * i), d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       c[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
     }
   }
@@ -502,6 +503,16 @@ __attribute__((target("avx2,fma"))) void quantize_block_avx2(const float* xb, in
       _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])),
       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p);
+}
+
+// The same at AVX2: on an AVX2 Zen 3 the scalar loop cost ~4.8 ns a column, ~0.45 ms of a Q4_K_M
+// decode step (each thread quantizes every block Linear's input).
+__attribute__((target("avx2,fma"))) void quantize_block_avx2(const float* xb, int8_t* q, uint8_t* qu, float& a,
+                                                           int32_t (&sums)[2]) {
+  a = amax_avx2(xb, 32) / 127.0f;
+  __m256i c[4];
+  round32_avx2(xb, a, q, c);
+  const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(qu), _mm256_xor_si256(p, _mm256_set1_epi8(static_cast<char>(0x80))));
   sums[0] = sum16_avx2(c[0], c[1]), sums[1] = sum16_avx2(c[2], c[3]);
 }

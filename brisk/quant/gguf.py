@@ -288,7 +288,7 @@ class BlockLinear(QuantizedLinear):
         if block_kernel_supported(self.types, flat) and self.blocks[0].is_cpu:
             if flat.shape[0] > BLOCK_KERNEL_MAX_ROWS and (
                     block_dequantize_supported() or all(block_kgemm_supported(t) for t in self.types)):
-                y = self._tiled_float(flat.float(), bias)
+                y = self._batched(flat.float(), bias)
             else:
                 y = block_gemm(flat, self.blocks, self.types, bias)
         else:
@@ -297,7 +297,7 @@ class BlockLinear(QuantizedLinear):
             y = y.to(self.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
-    def _tiled_float(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _batched(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W^T (+ bias) for many rows of x: K-quant tiles by integer dot products on x quantized
         per 128 columns (block_kgemm), the other types with W made float a tile of rows at a time
         (never the whole matrix)."""
