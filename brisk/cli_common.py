@@ -10,11 +10,13 @@ from brisk.loader.resolve import BUILTIN_MODELS, DEFAULT_MODEL
 # The methods are checked by brisk.config.QuantConfig before any model loads (importing quant here
 # would pull torch into every `brisk --help`); this line only describes them.
 QUANT_HELP = ("int8: weight-only per output channel; int4: weight-only, groups of group_size (default 64), "
-              "GPTQ-rounded given a calibration text; w8a8: int8 weights and per-token int8 activations, "
-              "SmoothQuant given a calibration text; ternary: BitNet b1.58 absmean {-1,0,1} x scale, 2-bit "
+              "GPTQ-rounded on calibration text; w8a8: int8 weights and per-token int8 activations, "
+              "SmoothQuant from calibration text; ternary: BitNet b1.58 absmean {-1,0,1} x scale, 2-bit "
               "(destroys a model not trained for it); gguf: a .gguf file's own blocks as stored, the default for quantized .gguf files")
 QUANT_CONFIG_HELP = ('options as JSON: \'{"group_size": 64}\' (int4), \'{"calibration": "text.txt", '
-                     '"calibration_tokens": 4096}\' (int4: GPTQ, w8a8: SmoothQuant), \'{"activations": "int8"}\' '
+                     '"calibration_tokens": 4096}\' (int4: GPTQ, w8a8: SmoothQuant; "calibration" defaults to '
+                     '"self", the model\'s own answers to built-in prompts, calibrated once and cached in '
+                     '~/.cache/brisk; "none": round-to-nearest), \'{"activations": "int8"}\' '
                      '(int4, gguf: what the group-quantized weights meet in integer dot products: int16 activations '
                      '(the default, no measurable quality cost), int8 (a small quality cost) or float (slower))')
 

@@ -295,8 +295,10 @@ ACTIVATION_MODES = ("float", "int16", "int8")  # what int4 / gguf weights multip
 class QuantConfig:
     """How to quantize at load (`LLM(quantization=..., quantization_config={...})`, `-q`,
     `--quant-config '<json>'`). `group_size` applies to int4 (columns per scale and offset);
-    `calibration` is a text file whose first `calibration_tokens` tokens drive GPTQ rounding (int4)
-    or SmoothQuant's outlier migration (w8a8); None: round-to-nearest. `activations` (int4, gguf):
+    `calibration` drives GPTQ rounding (int4), SmoothQuant's outlier migration (w8a8) and SparseGPT
+    (sparse24): a text file's path (its first `calibration_tokens` tokens), "self" (the default for
+    those methods: `calibration_tokens` of the model's own answers to built-in prompts,
+    loader/calibration.py) or "none" (round-to-nearest, no migration, magnitude 2:4). `activations` (int4, gguf):
     what the group-quantized weights multiply: "int16" rounds the activations to int16 per 32-column block
     (~1e-5 of the block's largest value; the same perplexity as float32 to 4 digits, measured in
     BENCHMARKS.md) and multiplies in integer dot products, "int8" does the same at 8 bits as
@@ -326,6 +328,13 @@ class QuantConfig:
         if self.calibration is not None and self.method not in CALIBRATED_METHODS:
             raise UserError(f"calibration applies to int4 (GPTQ), w8a8 (SmoothQuant) and sparse24 / sparse24_int8 "
                              f"(SparseGPT's 2:4), not {self.method}")
+        if self.calibration is None and self.method in CALIBRATED_METHODS:
+            object.__setattr__(self, "calibration", "self")  # calibrated unless asked not to
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether loading calibrates (GPTQ, SmoothQuant, SparseGPT): on a text file or the model's own text."""
+        return self.calibration not in (None, "none")
 
     @classmethod
     def parse(cls, method: str, options: dict[str, Any] | str | None = None) -> QuantConfig:
@@ -352,14 +361,15 @@ class QuantConfig:
     def describe(self) -> str:
         """One line for logs and JSON: the method and the options that matter for it."""
         acts = {"float": "", "int8": " a8", "int16": " a16"}[self.act_mode]
+        source = " self" if self.calibration == "self" else ""  # the calibration text: the model's own
         if self.method == "int4":
-            return f"int4 g{self.group_size} {'gptq' if self.calibration else 'rtn'}{acts}"
+            return f"int4 g{self.group_size} {'gptq' + source if self.calibrated else 'rtn'}{acts}"
         if self.method == "gguf":
             return f"gguf{acts}"
         if self.method == "w8a8":
-            return f"w8a8{' smoothquant' if self.calibration else ''}"
+            return f"w8a8{' smoothquant' + source if self.calibrated else ''}"
         if self.method.startswith("sparse24"):
-            return f"2:4 {'int8' if self.method.endswith('int8') else 'float32'} {'sparsegpt' if self.calibration else 'magnitude'}"
+            return f"2:4 {'int8' if self.method.endswith('int8') else 'float32'} {'sparsegpt' + source if self.calibrated else 'magnitude'}"
         return self.method
 
 

@@ -32,8 +32,7 @@ from brisk.config import DistillConfig, ModelConfig
 from brisk.errors import UserError
 from brisk.loader.load import LoadedModel, read_checkpoint
 from brisk.loader.tokenizer import Tokenizer
-from brisk.model.attention import ContiguousAttention, SeqSpan
-from brisk.model.base import CausalLM, contiguous_batch
+from brisk.model.base import CausalLM, sample_batch
 from brisk.model.registry import build_model
 
 # Text whose tokens the teacher's and the student's tokenizers must agree on: letters, digits,
@@ -159,27 +158,12 @@ def _teacher_continuations(teacher_ref: str, prompts: list[list[int]], cfg: Dist
     return [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
 
 
-@torch.no_grad()
 def sample_continuations(model: CausalLM, prompts: list[list[int]], total: int,
                          generator: torch.Generator) -> list[list[int]]:
     """Each prompt continued to `total` tokens by `model`, sampled at temperature 1 (on-policy
-    data), through a contiguous KV cache: one prefill, then a token a step for all."""
-    device = model.device
-    seqs = [list(p) for p in prompts]
-    ids, positions, meta = contiguous_batch(model, seqs, cache_len=total)
-    while True:
-        hidden = model(ids, positions, meta)
-        last = torch.tensor([s.query_start + s.num_tokens - 1 for s in meta.seqs], device=device)
-        probs = torch.softmax(model.compute_logits(hidden[last]), dim=-1)  # [b, vocab]
-        drawn = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).tolist()
-        for seq, tok in zip(seqs, drawn):
-            seq.append(tok)
-        if all(len(s) >= total for s in seqs):
-            return [s[:total] for s in seqs]
-        meta = ContiguousAttention(meta.kv_caches, [SeqSpan(slot, len(s) - 1, 1, slot) for slot, s in enumerate(seqs)],
-                                   scale=meta.scale)
-        ids = torch.tensor([s[-1] for s in seqs], device=device)
-        positions = torch.tensor([len(s) - 1 for s in seqs], device=device)
+    data), through a contiguous KV cache (model.base.sample_batch)."""
+    outs = sample_batch(model, prompts, [total - len(p) for p in prompts], generator)
+    return [(list(p) + out)[:total] for p, out in zip(prompts, outs)]
 
 
 def derived_student(teacher: LoadedModel, layers: list[int] | None, mlp: int | None) -> LoadedModel:

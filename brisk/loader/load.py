@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 
 from brisk.config import ModelConfig, QuantConfig
 from brisk.errors import UserError
+from brisk.loader.calibration import cached_state, calibration_ids, store_state
 from brisk.loader.gguf_loader import (
     GGUFFile,
     gguf_blocks,
@@ -26,6 +28,8 @@ from brisk.loader.resolve import ModelSource, resolve_model
 from brisk.loader.tokenizer import Tokenizer
 from brisk.model.base import CausalLM
 from brisk.model.registry import build_model
+
+log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -138,14 +142,30 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
                          "without -q gguf, or with int8 / int4")
     cfg, tokenizer, weights = read_checkpoint(source)
     _check_len(cfg, max_model_len)
-    with torch.device(device):
-        model = build_model(cfg, tdtype, max_positions=max_model_len or cfg.max_position_embeddings)
+
+    def build() -> CausalLM:
+        with torch.device(device):
+            return build_model(cfg, tdtype, max_positions=max_model_len or cfg.max_position_embeddings)
+
+    model = build()
+    if quant is not None and before_quant is None and (state := cached_state(quant, model, source)) is not None:
+        from brisk.loader.quantized import fill_quantized_state
+
+        try:  # calibrated at an earlier load: no float weights read, no calibration
+            fill_quantized_state(model, state, quant, Path("the calibration cache entry"))
+            set_activations(model, quant.act_mode)
+            return LoadedModel(model.eval(), tokenizer, cfg, source, quant)
+        except UserError as exc:  # written by another brisk version: calibrate again (and replace it)
+            log.warning("ignoring a cached calibrated model: %s", exc)
+            model = build()
     with torch.no_grad():
         model.load_weights(weights)
     if before_quant is not None:
         before_quant(model)
     if quant is not None:
         quantize_model(model, quant, source, cfg, tokenizer)
+        if before_quant is None:  # a shard's or stage's state is not the model's
+            store_state(quant, model, source)
         set_activations(model, quant.act_mode)
     return LoadedModel(model.eval(), tokenizer, cfg, source, quant)
 
@@ -177,14 +197,5 @@ def quantize_model(model: CausalLM, quant: QuantConfig, source: ModelSource, cfg
               tokenizer: Tokenizer) -> None:
     from brisk.quant import apply
 
-    calibration = None
-    if quant.calibration is not None:
-        path = Path(quant.calibration)
-        if not path.is_file():
-            raise UserError(f"calibration text {path} is not a file")
-        text = path.read_text(encoding="utf-8", errors="replace")
-        calibration = tokenizer.encode(text, add_special_tokens=False)[:quant.calibration_tokens]
-        if len(calibration) < 16:
-            raise UserError(f"calibration text {path} gives {len(calibration)} tokens; at least 16 are needed "
-                             f"(a few hundred are better)")
+    calibration = calibration_ids(quant, model, tokenizer, source)
     apply(model, quant, calibration)

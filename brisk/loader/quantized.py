@@ -33,6 +33,8 @@ def quantization_of(path: Path) -> QuantConfig | None:
         saved = json.loads(marker.read_text(encoding="utf-8"))
         method = saved.pop("method")
         saved.pop("format", None)
+        if saved.get("calibration", "") is None:  # written when uncalibrated was the default
+            saved["calibration"] = "none"
     except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise UserError(f"{marker} is unreadable ({exc}); re-run `brisk quantize`") from None
     try:
@@ -61,9 +63,14 @@ def _options(quant: QuantConfig) -> dict[str, object]:
 
 def load_quantized_state(model: CausalLM, path: Path, quant: QuantConfig) -> None:
     """Swap in the method's modules, then fill every parameter and buffer from the checkpoint."""
+    fill_quantized_state(model, load_file(str(path / "model.safetensors")), quant, path)
+
+
+def fill_quantized_state(model: CausalLM, state: dict[str, torch.Tensor], quant: QuantConfig, path: Path) -> None:
+    """Swap in the method's modules, then fill every parameter and buffer from `state` (read
+    from the checkpoint or cache entry `path`)."""
     with shapes_only():
         apply(model, quant)  # the modules' shapes; their contents are replaced just below
-    state = load_file(str(path / "model.safetensors"))
     # written before tied heads were shared with the lookups: the float embedding is not needed now
     if model.config.tie_word_embeddings and "embed_tokens.weight" not in model.state_dict():
         state.pop("embed_tokens.weight", None)  # (a method that keeps the head float keeps the embedding)

@@ -373,6 +373,51 @@ def forward_sequence(model: CausalLM, ids: list[int], num_layers: int | None = N
     return model(*contiguous_batch(model, [ids]), num_layers)
 
 
+@torch.inference_mode()
+def sample_batch(model: CausalLM, prompts: list[list[int]], max_new: list[int], generator: torch.Generator,
+                 temperature: float = 1.0, top_p: float = 1.0, stop_ids: frozenset[int] = frozenset()
+                 ) -> list[list[int]]:
+    """Each prompt's sampled continuation through a fresh contiguous KV cache (calibration text,
+    distillation data; serving goes through the engine): one prefill, then a token a step for the
+    sequences still going, each until `max_new[i]` tokens or a stop id (kept). Tokens are drawn on
+    the CPU from `generator`, so a seed gives the same text on any device."""
+    device = model.device
+    seqs = [list(p) for p in prompts]
+    outs: list[list[int]] = [[] for _ in prompts]
+    ids, positions, meta = contiguous_batch(model, seqs, cache_len=max(len(p) + n for p, n in zip(prompts, max_new)))
+    hidden = model(ids, positions, meta)
+    live = [i for i, n in enumerate(max_new) if n > 0]
+    last = [meta.seqs[i].query_start + meta.seqs[i].num_tokens - 1 for i in live]
+    while live:
+        drawn = _draw(model.compute_logits(hidden[torch.tensor(last, device=device)]), generator, temperature, top_p)
+        for i, tok in zip(live, drawn):
+            outs[i].append(tok)
+            seqs[i].append(tok)
+        live = [i for i in live if outs[i][-1] not in stop_ids and len(outs[i]) < max_new[i]]
+        if not live:
+            break
+        meta = ContiguousAttention(meta.kv_caches, [SeqSpan(i, len(seqs[i]) - 1, 1, k) for k, i in enumerate(live)],
+                                   scale=meta.scale)
+        ids = torch.tensor([seqs[i][-1] for i in live], device=device)
+        positions = torch.tensor([len(seqs[i]) - 1 for i in live], device=device)
+        hidden = model(ids, positions, meta)
+        last = list(range(len(live)))
+    return outs
+
+
+def _draw(logits: torch.Tensor, generator: torch.Generator, temperature: float, top_p: float) -> list[int]:
+    """One token per row of logits [b, vocab]: greedy at temperature 0, else sampled from the
+    smallest set of tokens whose probability reaches `top_p`."""
+    if temperature == 0:
+        return logits.argmax(dim=-1).tolist()
+    probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()
+    if top_p < 1:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        sorted_p[(sorted_p.cumsum(dim=-1) - sorted_p) >= top_p] = 0  # past the nucleus (its first token stays)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1).tolist()
+
+
 def _missing(expected: set[str], loaded: set[str], model: nn.Module) -> set[str]:
     """Parameters not filled; a stacked Linear counts as filled when all its parts are."""
     missing = set()

@@ -153,7 +153,10 @@ def test_bad_parallel_options_fail_before_spawning(tiny_dir: Path, tmp_path: Pat
     with pytest.raises(ValueError, match=r"is a quantized checkpoint \(int8\); tensor parallelism slices float"):
         LLM(str(saved), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="-q int4 needs input widths divisible by 32"):
-        LLM(str(tiny_dir), tensor_parallel_size=2, quantization="int4", quantization_config={"group_size": 32})
+        LLM(str(tiny_dir), tensor_parallel_size=2, quantization="int4",
+            quantization_config={"group_size": 32, "calibration": "none"})
+    with pytest.raises(ValueError, match="calibrated quantization .* runs on the whole model.*calibration.*none"):
+        LLM(str(tiny_dir), tensor_parallel_size=2, quantization="w8a8")  # calibrated on its own text by default
     with pytest.raises(ValueError, match="speculative method 'medusa' runs in a single process"):
         LLM(str(tiny_dir), tensor_parallel_size=2, speculative_config={"method": "medusa", "heads": "h.safetensors"})
 

@@ -96,9 +96,9 @@ def test_int16_activations_on_8_bit_weights_sum_exactly_at_the_extremes() -> Non
 
 
 def test_activation_option_is_checked() -> None:
-    assert QuantConfig.parse("int4", {"activations": "int8"}).describe() == "int4 g64 rtn a8"
+    assert QuantConfig.parse("int4", {"activations": "int8"}).describe() == "int4 g64 gptq self a8"
     assert QuantConfig.parse("gguf", '{"activations": "int8"}').describe() == "gguf a8"
-    assert QuantConfig.parse("int4", {"activations": "int16"}).describe() == "int4 g64 rtn a16"
+    assert QuantConfig.parse("int4", {"activations": "int16", "calibration": "none"}).describe() == "int4 g64 rtn a16"
     with pytest.raises(ValueError, match="activations must be one of float, int16, int8"):
         QuantConfig.parse("int4", {"activations": "int4"})
     with pytest.raises(ValueError, match="applies to int4 and gguf"):
@@ -107,7 +107,8 @@ def test_activation_option_is_checked() -> None:
 
 def test_a_saved_checkpoint_keeps_its_activations_and_a_load_may_change_them(gguf_path: Path, tmp_path: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    folder = quantize_to_dir("smollm2-135m", QuantConfig.parse("int4", {"activations": "int8"}), tmp_path / "q4")
+    folder = quantize_to_dir("smollm2-135m", QuantConfig.parse("int4", {"activations": "int8", "calibration": "none"}),
+                             tmp_path / "q4")
 
     def no_search(*args: object) -> None:
         raise AssertionError("a saved checkpoint's load re-ran the clipping search (its values are replaced)")

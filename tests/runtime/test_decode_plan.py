@@ -30,8 +30,13 @@ def _outputs(llm: LLM, use_plan: bool) -> list[tuple[list[int], list[tuple[float
     return result
 
 
-@pytest.mark.parametrize("quantization,config", [("float", None), ("int4", None), ("int4", {"activations": "int8"}),
-                                                 ("int4", {"activations": "int16"}), ("int8", None), ("gguf", None),
+# int4 and w8a8 calibrate on the model's own text by default (minutes): these tests are about the
+# kernels and the plan, which round-to-nearest weights exercise alike
+RTN = {"calibration": "none"}
+
+
+@pytest.mark.parametrize("quantization,config", [("float", None), ("int4", RTN), ("int4", {**RTN, "activations": "int8"}),
+                                                 ("int4", {**RTN, "activations": "int16"}), ("int8", None), ("gguf", None),
                                                  ("gguf", {"activations": "int8"})])
 def test_plan_gives_the_module_path_numbers_bit_for_bit(quantization: str, config: dict | None,
                                                         gguf_path: Path) -> None:
@@ -50,7 +55,8 @@ def test_a_full_batch_runs_on_the_plan_with_the_module_path_numbers(quantization
     float model's plan stays at 8 rows (its modules take oneDNN's GEMM past small_gemm)."""
     from brisk.runtime.decode_plan import PLAN_ROWS_CAP
 
-    llm = LLM("smollm2-135m", quantization=quantization, max_model_len=256, num_kv_blocks=128)
+    llm = LLM("smollm2-135m", quantization=quantization, quantization_config=RTN if quantization == "int4" else None,
+              max_model_len=256, num_kv_blocks=128)
     prompts = [f"{p} ({i})" for i in range(4) for p in PROMPTS]
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
     runs = llm.engine.runner.plans
@@ -82,7 +88,7 @@ def test_a_full_batch_runs_on_the_plan_with_the_module_path_numbers(quantization
 
 
 def test_models_without_kernels_keep_the_module_path(gguf_path: Path) -> None:
-    llm = LLM("smollm2-135m", quantization="w8a8", max_model_len=256, num_kv_blocks=64)
+    llm = LLM("smollm2-135m", quantization="w8a8", quantization_config=RTN, max_model_len=256, num_kv_blocks=64)
     out = llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
     assert llm.engine.runner.plans.refused  # W8A8 Linears have no single-kernel op in the plan
@@ -96,7 +102,7 @@ def test_enforce_eager_keeps_the_module_path(gguf_path: Path) -> None:
 
 
 def test_changing_the_modules_drops_the_plan(gguf_path: Path) -> None:
-    llm = LLM("smollm2-135m", quantization="int4", max_model_len=256, num_kv_blocks=64)
+    llm = LLM("smollm2-135m", quantization="int4", quantization_config=RTN, max_model_len=256, num_kv_blocks=64)
     plans = llm.engine.runner.plans
     before = _outputs(llm, True)
     assert plans.current
@@ -112,7 +118,7 @@ def test_plan_numbers_do_not_depend_on_the_thread_count(gguf_path: Path) -> None
     """A step is one parallel region whose threads split every Linear's rows and attention's items;
     with one thread the same loop runs alone. Every row is computed the same way by whichever
     thread owns it, so one and two threads give the module path's numbers alike."""
-    llm = LLM("smollm2-135m", quantization="int4", max_model_len=256, num_kv_blocks=64)
+    llm = LLM("smollm2-135m", quantization="int4", quantization_config=RTN, max_model_len=256, num_kv_blocks=64)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -38,7 +38,8 @@ def _heads_file(path: Path, kind: str, num: int, hidden: int, exit_layer: int | 
 def _methods(tmp: Path, hidden: int) -> dict[str, dict[str, object]]:
     return {
         "ngram": {"method": "ngram", "num_speculative_tokens": 4},
-        "draft": {"method": "draft", "model": "smollm2-135m", "quantization": "int4", "num_speculative_tokens": 3},
+        "draft": {"method": "draft", "model": "smollm2-135m", "quantization": "int4",
+                  "quantization_config": {"calibration": "none"}, "num_speculative_tokens": 3},
         "early_exit": {"method": "early_exit", "num_speculative_tokens": 2,
                        "heads": _heads_file(tmp / "exit.safetensors", "early_exit", 1, hidden, 20)},
         "medusa": {"method": "medusa", "num_speculative_tokens": "auto",

@@ -39,9 +39,11 @@ def check_parallel(args: WorkerArgs) -> None:
     if tp > 1 and quant is not None and method(quant).from_file_blocks:
         raise UserError("-q gguf keeps a GGUF file's whole blocks, which tensor parallelism cannot slice: use int8, "
                          "int4, w8a8 or ternary (each shard is quantized), or pipeline parallelism alone")
-    if tp > 1 and quant is not None and quant.calibration is not None:
+    if tp > 1 and quant is not None and quant.calibrated:
         raise UserError("calibrated quantization (GPTQ, SmoothQuant) runs on the whole model: quantize once with "
-                         "`brisk quantize`, then run that checkpoint with pipeline parallelism, or drop calibration")
+                         "`brisk quantize`, then run that checkpoint with pipeline parallelism, or give "
+                         "--quant-config '{\"calibration\": \"none\"}' (round-to-nearest; int4 and w8a8 "
+                         "calibrate on the model's own text by default)")
 
 
 def _check_shard_widths(cfg: ModelConfig, tp: int, quant: QuantConfig) -> None:

@@ -20,7 +20,7 @@ def build_rank(args: WorkerArgs, state: ParallelState) -> tuple[LoadedModel, ran
     (only what this rank keeps is quantized). Calibrated quantization runs the whole model, so
     there the other stages' layers are dropped after it."""
     quant = args.quant
-    calibrated = quant is not None and quant.calibration is not None
+    calibrated = quant is not None and quant.calibrated
 
     def reshape(model: CausalLM) -> None:
         if state.tp_size > 1:
