@@ -68,7 +68,7 @@ TEMPERATURE, TOP_P, SEED = 0.8, 0.95, 0  # varied text, without the unlikely tai
 VERSION = 1  # bump when the prompts or the sampling change: cached texts are then made again
 # bump when a calibrated method's rounding changes (quant/gptq.py, w8a8.py, sparse24.py): cached
 # calibrated models are then made again
-QUANT_VERSION = 1
+QUANT_VERSION = 2  # 2: GPTQ refits scales and offsets after its sweep
 
 
 def calibration_ids(quant: QuantConfig, model: CausalLM, tokenizer: Tokenizer, source: ModelSource) -> list[int] | None:

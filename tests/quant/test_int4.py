@@ -135,6 +135,36 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs() -> None:
     assert err(gptq) < 0.9 * err(rtn)
 
 
+def test_refit_finds_the_grid_of_weights_on_a_grid_and_never_adds_error() -> None:
+    from brisk.quant.gptq import refit_groups
+
+    torch.manual_seed(5)
+    x = torch.randn(1024, 128) @ (torch.eye(128) + torch.randn(128, 128) / 12)
+    xtx = x.T @ x / x.shape[0]
+    q = torch.randint(0, 16, (40, 128), dtype=torch.uint8)
+    scale = (torch.rand(40, 2) * 0.1 + 0.01).half()
+    zero = (torch.randn(40, 2) * 0.1).half()
+    w = dequantize_reference(pack_nibbles(q), scale, zero, 64, 4)  # exactly on the grid
+    s2, z2 = refit_groups(w, xtx, q, (scale.float() * 1.3).half(), (zero.float() - 0.05).half(), 64)
+    torch.testing.assert_close(s2, scale, atol=2e-3, rtol=2e-3)  # the grid the integers came from
+    torch.testing.assert_close(z2, zero, atol=2e-3, rtol=2e-3)
+    # on real GPTQ output every row's error under H is at most the static grid's
+    w = torch.randn(40, 128) * 0.05
+    packed, scale, zero = gptq_quantize(w, xtx, 64)
+    qi = unpack_nibbles(packed)
+
+    def row_err(s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        d = w - dequantize_reference(packed, s, z, 64, 4)
+        return ((d @ xtx) * d).sum(dim=1)
+
+    s3, z3 = refit_groups(w, xtx, qi, scale, zero, 64)
+    assert torch.equal(s3, scale) and torch.equal(z3, zero)  # gptq_quantize refitted already: a fixed point
+    noisy_s, noisy_z = (scale.float() * 1.1).half(), zero
+    s4, z4 = refit_groups(w, xtx, qi, noisy_s, noisy_z, 64)
+    assert bool((row_err(s4, z4) <= row_err(noisy_s, noisy_z)).all())
+    assert float(row_err(s4, z4).sum()) < 0.9 * float(row_err(noisy_s, noisy_z).sum())
+
+
 def test_int4_apply_quantizes_body_in_4_bits_and_a_tied_head_in_8(tiny_llama) -> None:
     model = tiny_llama(tied=True)
     assert apply(model, QuantConfig("int4", group_size=32)) == 2 * 4 + 1
