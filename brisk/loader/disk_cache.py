@@ -72,7 +72,7 @@ def store_tensors(kind: str, key: str, tensors: dict[str, torch.Tensor]) -> None
     _store(_path(kind, key, ".safetensors"), lambda tmp: save_file(cpu, tmp))
 
 
-def _store(path: Path, write: Callable[[str], None]) -> bool:
+def _store(path: Path, write: Callable[[str], None]) -> None:
     """Written to a temporary file and renamed, so a reader never sees half an entry; a cache
     that cannot be written is skipped with a debug line."""
     tmp = None
@@ -83,10 +83,8 @@ def _store(path: Path, write: Callable[[str], None]) -> bool:
         write(tmp)
         os.replace(tmp, path)
         tmp = None
-        return True
     except OSError as e:
         log.debug("not caching %s: %s", path, e)
-        return False
     finally:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)

@@ -45,13 +45,13 @@ def gptq_quantize(weight: torch.Tensor, xtx: torch.Tensor, group: int
     out, in_features = weight.shape
     check_group(in_features, group)
     cpu = torch.device("cpu")  # a sequential sweep of small ops: the CPU, wherever the model lives
-    w = weight.detach().float().to(cpu)
+    w0 = weight.detach().float().to(cpu)  # read only (it may be `weight` itself)
     xtx = xtx.to(cpu)
     column_weight = torch.diagonal(xtx).float()  # the inputs' mean square per column
     groups = in_features // group
-    scale, zero = group_params(w.reshape(out, groups, group), column_weight.reshape(groups, group))
+    scale, zero = group_params(w0.reshape(out, groups, group), column_weight.reshape(groups, group))
     order = torch.argsort(column_weight, descending=True, stable=True)  # act-order
-    w = w[:, order]  # a copy: the sweep updates it in place
+    w = w0[:, order]  # a copy: the sweep updates it in place, w0 stays for the refit
     hinv, dead = _inverse_hessian(xtx[order][:, order], in_features)
     w[:, dead] = 0
     q = torch.zeros(out, in_features, dtype=torch.uint8, device=cpu)
@@ -68,7 +68,7 @@ def gptq_quantize(weight: torch.Tensor, xtx: torch.Tensor, group: int
             wb[:, i:] -= e[:, None] * hb[i, i:][None, :]
             err[:, i] = e
         w[:, b1:] -= err @ hinv[b0:b1, b1:]
-    scale, zero = refit_groups(weight.detach().float().to(cpu), xtx, q, scale, zero, group)
+    scale, zero = refit_groups(w0, xtx, q, scale, zero, group)
     dev = weight.device
     return pack_nibbles(q).to(dev), scale.contiguous().to(dev), zero.contiguous().to(dev)
 
@@ -89,7 +89,7 @@ def refit_groups(w: torch.Tensor, xtx: torch.Tensor, q: torch.Tensor, scale: tor
     groups = n // group
     h = xtx.float() + RIDGE * torch.diagonal(xtx).float().mean() * torch.eye(n)
     h_sum = h.reshape(n, groups, group).sum(dim=-1)  # [in, groups]: H's columns summed per group
-    a_zz = h_sum.reshape(groups, group, groups).sum(dim=1).double()  # [groups, groups]
+    a_zz = h_sum.reshape(groups, group, groups).sum(dim=1)  # [groups, groups]
     new_scale, new_zero = scale.clone(), zero.clone()
     rows = max(1, REFIT_ELEMENTS // (n * groups))
     for r0 in range(0, out, rows):
@@ -101,7 +101,7 @@ def refit_groups(w: torch.Tensor, xtx: torch.Tensor, q: torch.Tensor, scale: tor
         a_ss = torch.einsum("rgi,rgih->rgh", qg, hq.reshape(-1, groups, group, groups))
         a_sz = torch.einsum("rgi,gih->rgh", qg, h_sum.reshape(groups, group, groups))
         a = torch.cat([torch.cat([a_ss, a_sz], dim=2),
-                       torch.cat([a_sz.transpose(1, 2), a_zz.float().expand(r1 - r0, -1, -1)], dim=2)], dim=1).double()
+                       torch.cat([a_sz.transpose(1, 2), a_zz.expand(r1 - r0, -1, -1)], dim=2)], dim=1).double()
         wh = (wc @ h).reshape(-1, groups, group)
         b = torch.cat([(qg * wh).sum(-1), wh.sum(-1)], dim=1).double()
         theta, info = torch.linalg.solve_ex(a, b)
