@@ -85,10 +85,25 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
 
 
+# Where AMX-BF16 is usable oneDNN's bf16 GEMM picks its kernel by M (rows 24-32 of a 960 x 576
+# weight, 12-31 and more of 576 x 1536, 1-20 of a 49152-row head came out otherwise than in a batch
+# of 70): bf16 rows then go through in chunks of this many, the last padded with zeros, so a row's
+# numbers stay the same in any batch (costs ~1.5x on a 64-row head, ~0.05 ms on small layers).
+PACKED_BF16_ROW_CHUNK = 64
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, in] @ W^T (+ bias) with W from `pack_weight`. Each row's result does not depend on M
-    for M >= 2 (oneDNN's reduction order is fixed by the packed layout): checked in the tests."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    for M >= 2 (oneDNN's reduction order is fixed by the packed layout; bf16 on AMX in fixed row
+    chunks): checked in the tests."""
+    if x.dtype != torch.bfloat16 or not CAPS.cpu_amx:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    m, chunk = x.shape[0], PACKED_BF16_ROW_CHUNK
+    padded = torch.zeros(-(-m // chunk) * chunk, x.shape[1], dtype=x.dtype)
+    padded[:m] = x
+    parts = [torch.ops.mkldnn._linear_pointwise(padded[c:c + chunk], packed, bias, "none", [], "")
+             for c in range(0, padded.shape[0], chunk)]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts))[:m]
 
 
 def _have_onednn_qlinear() -> bool:
@@ -269,6 +284,21 @@ def block_dequantize(blocks: torch.Tensor, ggml_type: int, in_features: int, r0:
     """float32 [r1 - r0, in]: rows of GGUF blocks as the values d q - m the block kernels multiply."""
     assert _C is not None
     return _C.block_dequantize(blocks, ggml_type, in_features, r0, r1)
+
+
+def bf16_tiles_supported() -> bool:
+    """Batched block work runs as bfloat16 tiles of the weight in torch's GEMM: the CPU's AMX-BF16
+    tiles are usable (KernelCaps.amx; `BRISK_AMX=0` or `BRISK_CPU_ISA` below avx512 turn it off)."""
+    return CAPS.amx and CAPS.has("block_dequantize_bf16")
+
+
+def block_dequantize_bf16(blocks: torch.Tensor, ggml_type: int, in_features: int, r0: int, r1: int,
+                          out: torch.Tensor) -> torch.Tensor:
+    """Rows [r0, r1) of GGUF blocks into `out` (bfloat16 [r1 - r0, in], contiguous): the values of
+    `block_dequantize` rounded as `.bfloat16()` rounds them, without the float32 matrix."""
+    assert _C is not None
+    _C.block_dequantize_bf16(blocks, ggml_type, in_features, r0, r1, out)
+    return out
 
 
 KGEMM_TYPES = frozenset((Q2_KX4, Q3_KX4, Q4_KX4, Q5_KX4, Q6_KX4))

@@ -43,6 +43,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("blocks"), py::arg("types"), py::arg("first_rows"), py::arg("y"));
   m.def("block_dequantize", &block_dequantize, "rows [r0, r1) of GGUF blocks as float32 (w = d q - m), AVX2+",
         py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("r0"), py::arg("r1"));
+  m.def("block_dequantize_bf16", &block_dequantize_bf16,
+        "rows [r0, r1) of GGUF blocks as bfloat16 into out (torch's rounding of block_dequantize's floats), AVX2+",
+        py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("r0"), py::arg("r1"), py::arg("out"));
   m.def("block_tile", &block_tile, "Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL blocks [rows, row bytes] repacked 4 rows at a time (kTiled | type)",
         py::arg("blocks"), py::arg("type"));
   m.def("block_untile", &block_untile, "a tiled weight's rows back in the file's layout", py::arg("tiles"),
@@ -87,6 +90,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "lower the instruction set the kernels use (never above the CPU's); before any kernel runs", py::arg("name"));
   m.def("cpu_avx_vnni", &brisk_isa::cpu_avx_vnni, "whether this CPU has AVX-VNNI (vpdpbusd on 256-bit vectors)");
   m.def("avx_vnni", &brisk_isa::avx_vnni, "whether the avx2 level's block kernels use AVX-VNNI now");
+  m.def("cpu_amx_bf16", &brisk_isa::cpu_amx_bf16,
+        "whether this CPU's AMX-BF16 tiles are usable here (CPU, OS state, Linux permission): torch's bf16 GEMMs run on them");
   m.def("set_avx_vnni", &brisk_isa::set_avx_vnni,
         "use AVX-VNNI in the avx2 level's block kernels where the CPU has it (default) or not; before any kernel runs",
         py::arg("on"));

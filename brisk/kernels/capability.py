@@ -22,6 +22,7 @@ from brisk.errors import UserError
 
 ISA_ENV = "BRISK_CPU_ISA"
 AVX_VNNI_ENV = "BRISK_AVX_VNNI"  # 0: the avx2 level's block kernels use maddubs + madd even where AVX-VNNI is
+AMX_ENV = "BRISK_AMX"  # 0: prompt work on GGUF blocks stays on the integer kernels even where AMX-BF16 is
 LEVELS = ("scalar", "avx2", "avx512")  # ascending
 BUILD_HINT = "pip install torch==2.13.0 ninja && pip install --no-build-isolation -e .  (with a C++ compiler)"
 
@@ -35,6 +36,8 @@ class KernelCaps:
     vnni: bool  # AVX512-VNNI integer kernels usable (needs isa avx512)
     names: frozenset[str]  # the kernels this build has
     avx_vnni: bool = False  # the avx2 level's block kernels use AVX-VNNI (256-bit vpdpbusd)
+    amx: bool = False  # AMX-BF16 tiles usable (CPU, OS, permission), isa avx512, not turned off by BRISK_AMX
+    cpu_amx: bool = False  # AMX-BF16 usable at all: oneDNN's bf16 GEMMs run on it whatever brisk's level
 
     @property
     def avx512(self) -> bool:
@@ -50,7 +53,17 @@ class KernelCaps:
             return f"C++ kernels not built ({self.load_error}); CPU {self.cpu_isa}"
         lowered = f" (lowered by {ISA_ENV})" if self.isa != self.cpu_isa else ""
         return (f"C++ kernels built; ISA {self.isa}{lowered}, CPU {self.cpu_isa}, VNNI {'yes' if self.vnni else 'no'}"
-                + (", AVX-VNNI" if self.avx_vnni else ""))
+                + (", AVX-VNNI" if self.avx_vnni else "") + (", AMX-BF16" if self.amx else ""))
+
+
+def _cpuinfo_amx() -> bool:
+    """AMX-BF16 in /proc/cpuinfo's flags (builds without brisk._C; the kernel lists it only where the
+    OS supports the tiles)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+    except OSError:
+        return False
 
 
 def _torch_cpu_isa() -> str:
@@ -86,11 +99,24 @@ def requested_avx_vnni(cpu_has: bool, env: dict[str, str] | None = None) -> bool
     return value == "1"
 
 
+def requested_amx(cpu_has: bool, env: dict[str, str] | None = None) -> bool:
+    """Whether BRISK_AMX lets batched GGUF block work use AMX-BF16 tiles (on by default where the CPU
+    and OS have them); 1 where they are not usable, or a value other than 0 / 1, is an error at start-up."""
+    value = (os.environ if env is None else env).get(AMX_ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return cpu_has
+    if value not in ("0", "1"):
+        raise UserError(f"{AMX_ENV}={value!r}: use 0 (integer prompt kernels) or 1 (AMX-BF16 tiles), or unset it")
+    if value == "1" and not cpu_has:
+        raise UserError(f"{AMX_ENV}=1 but AMX-BF16 is not usable here (CPU, OS or permission); unset it")
+    return value == "1"
+
+
 def detect(ext: ModuleType | None, load_error: str | None) -> KernelCaps:
     """Decide the ISA once and tell the extension (before any kernel runs)."""
     if ext is None:
         cpu = _torch_cpu_isa()
-        return KernelCaps(False, load_error, cpu, requested_isa(cpu), False, frozenset())
+        return KernelCaps(False, load_error, cpu, requested_isa(cpu), False, frozenset(), cpu_amx=_cpuinfo_amx())
     cpu = str(ext.cpu_isa()) if hasattr(ext, "cpu_isa") else str(ext.isa())
     isa = requested_isa(cpu)
     if hasattr(ext, "set_isa"):
@@ -103,8 +129,10 @@ def detect(ext: ModuleType | None, load_error: str | None) -> KernelCaps:
     if "set_avx_vnni" in names:
         ext.set_avx_vnni(requested_avx_vnni(bool(ext.cpu_avx_vnni())))
         avx_vnni = bool(ext.avx_vnni())
+    cpu_amx = bool(ext.cpu_amx_bf16()) if "cpu_amx_bf16" in names else _cpuinfo_amx()
+    amx = "cpu_amx_bf16" in names and requested_amx(cpu_amx) and str(ext.isa()) == "avx512"
     return KernelCaps(True, None, cpu, str(ext.isa()), bool(ext.have_vnni()) if "have_vnni" in names else False, names,
-                      avx_vnni)
+                      avx_vnni, amx, cpu_amx)
 
 
 def warn_missing(caps: KernelCaps) -> None:

@@ -689,6 +689,62 @@ torch::Tensor block_dequantize(const torch::Tensor& blocks, int64_t type, int64_
   return out;
 }
 
+#ifdef BRISK_X86
+namespace {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+// n floats as bfloat16 (n % 16 == 0), rounded as torch rounds (c10::BFloat16: to nearest even, a NaN
+// to 0x7FC0), so the bits equal `.bfloat16()` of the float32 rows.
+void to_bf16_avx2(const float* src, uint16_t* dst, int64_t n) {
+  const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1), nan = _mm256_set1_epi32(0x7FC0);
+  for (int64_t i = 0; i < n; i += 16) {
+    __m256i h[2];
+    for (int k = 0; k < 2; ++k) {
+      const __m256 v = _mm256_loadu_ps(src + i + 8 * k);
+      const __m256i u = _mm256_castps_si256(v);
+      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+      const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(bias, lsb)), 16);
+      h[k] = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    }
+    // packus interleaves 128-bit lanes: [h0 lo, h1 lo, h0 hi, h1 hi] -> in order
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h[0], h[1]), _MM_SHUFFLE(3, 1, 2, 0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), packed);
+  }
+}
+#pragma GCC pop_options
+}  // namespace
+#endif
+
+// Rows [r0, r1) of one segment's weight as bfloat16 into out [r1 - r0, in] (contiguous): the same
+// values as block_dequantize's float32 rounded as torch rounds, without the float32 matrix (each
+// thread decodes four rows into a scratch row set and rounds them). Prompt work on a CPU whose
+// AMX-BF16 tiles run torch's bf16 GEMMs (quant/gguf.py).
+void block_dequantize_bf16(const torch::Tensor& blocks, int64_t type, int64_t in, int64_t r0, int64_t r1,
+                           const torch::Tensor& out) {
+  const auto segs = check_segments({blocks}, {type}, in);
+  TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= blocks.size(0), "brisk block_dequantize_bf16: rows out of range");
+  TORCH_CHECK(out.scalar_type() == torch::kBFloat16 && out.is_contiguous() && out.device().is_cpu() && out.dim() == 2 &&
+                  out.size(0) == r1 - r0 && out.size(1) == in,
+              "brisk block_dequantize_bf16: out must be a contiguous bfloat16 CPU tensor [r1 - r0, in]");
+  TORCH_CHECK(in % 16 == 0, "brisk block_dequantize_bf16: input width ", in, " is not a multiple of 16");
+#ifdef BRISK_X86
+  TORCH_CHECK(brisk_isa::active() != brisk_isa::Level::kScalar, "brisk block_dequantize_bf16: needs AVX2");
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  // units of four rows from a multiple of 4, so a thread decodes whole tiles of a tiled type
+  const int64_t u0 = r0 / 4, u1 = (r1 + 3) / 4;
+  at::parallel_for(u0, u1, 4, [&](int64_t a, int64_t b) {
+    std::vector<float> scratch(static_cast<size_t>(4 * in));
+    for (int64_t u = a; u < b; ++u) {
+      const int64_t ra = std::max(r0, 4 * u), rb = std::min(r1, 4 * u + 4);
+      brisk_blocks::avx2::dequant_rows(segs[0], scratch.data(), ra, rb);
+      to_bf16_avx2(scratch.data(), o + (ra - r0) * in, (rb - ra) * in);
+    }
+  });
+#else
+  TORCH_CHECK(false, "brisk block_dequantize_bf16: needs an x86-64 CPU with AVX2");
+#endif
+}
+
 // Blocks of a type with tiles [rows, row bytes] (rows % 4 == 0) in that type's tiled layout (blocks.h
 // kTiled): four rows interleaved block by block for the tile kernel, the same bytes (Q3_K / Q4_K /
 // Q5_K: their scales unpacked, 4 bytes more a row's block).

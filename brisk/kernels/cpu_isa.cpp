@@ -4,6 +4,14 @@
 
 #include <atomic>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace brisk_isa {
 namespace {
 
@@ -34,9 +42,29 @@ bool detect_avx_vnni() {
 #endif
 }
 
+// AMX-BF16 tiles usable by this process: the CPU has them (cpuid 7: AMX-TILE, AMX-BF16), the OS
+// saves their state (XCR0 bits 17, 18), and Linux grants the process the tile data (arch_prctl
+// ARCH_REQ_XCOMP_PERM, as oneDNN asks too). torch's bf16 GEMMs (oneDNN) then run on the tiles.
+bool detect_amx_bf16() {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__linux__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE: xgetbv allowed
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!(d & (1u << 22)) || !(d & (1u << 24))) return false;  // AMX-BF16, AMX-TILE
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & (3u << 17)) != (3u << 17)) return false;  // XTILECFG and XTILEDATA state enabled
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+#else
+  return false;
+#endif
+}
+
 const Level kCpu = detect();
 const bool kVnni = detect_vnni();
 const bool kAvxVnni = detect_avx_vnni();
+const bool kAmxBf16 = detect_amx_bf16();
 std::atomic<int> g_active{static_cast<int>(kCpu)};
 std::atomic<bool> g_avx_vnni{kAvxVnni};
 
@@ -46,6 +74,7 @@ Level cpu() { return kCpu; }
 Level active() { return static_cast<Level>(g_active.load(std::memory_order_relaxed)); }
 bool vnni() { return kVnni && avx512(); }
 bool cpu_avx_vnni() { return kAvxVnni; }
+bool cpu_amx_bf16() { return kAmxBf16; }
 bool avx_vnni() { return g_avx_vnni.load(std::memory_order_relaxed) && active() == Level::kAvx2; }
 void set_avx_vnni(bool on) { g_avx_vnni.store(on && kAvxVnni, std::memory_order_relaxed); }
 

@@ -16,6 +16,7 @@ bool vnni();      // AVX512-VNNI and AVX512-BW present, and avx512 active
 bool cpu_avx_vnni();  // AVX-VNNI (vpdpbusd on 256-bit vectors, without AVX-512) present
 bool avx_vnni();      // cpu_avx_vnni(), avx2 active, and not turned off by set_avx_vnni(false)
 void set_avx_vnni(bool on);  // off: the avx2 level's maddubs + madd (same integers); call before any kernel
+bool cpu_amx_bf16();  // AMX-BF16 tiles present, enabled by the OS and granted to this process
 
 inline bool avx512() { return active() == Level::kAvx512; }
 inline bool at_least_avx2() { return active() >= Level::kAvx2; }

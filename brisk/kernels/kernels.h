@@ -33,6 +33,8 @@ torch::Tensor block_gemm(const torch::Tensor& x, const std::vector<torch::Tensor
 void block_kgemm(const torch::Tensor& x, const std::vector<torch::Tensor>& blocks, const std::vector<int64_t>& types,
                  const std::vector<int64_t>& first_rows, const torch::Tensor& y);
 torch::Tensor block_dequantize(const torch::Tensor& blocks, int64_t type, int64_t in, int64_t r0, int64_t r1);
+void block_dequantize_bf16(const torch::Tensor& blocks, int64_t type, int64_t in, int64_t r0, int64_t r1,
+                           const torch::Tensor& out);
 torch::Tensor block_tile(const torch::Tensor& blocks, int64_t type);
 torch::Tensor block_untile(const torch::Tensor& tiles, int64_t type);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);

@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from brisk import kernels
-from brisk.kernels.capability import AVX_VNNI_ENV, ISA_ENV, LEVELS, requested_avx_vnni, requested_isa
+from brisk.kernels.capability import (
+    AMX_ENV,
+    AVX_VNNI_ENV,
+    ISA_ENV,
+    LEVELS,
+    requested_amx,
+    requested_avx_vnni,
+    requested_isa,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 LOWER = [level for level in LEVELS if LEVELS.index(level) < LEVELS.index(kernels.CAPS.cpu_isa)]
@@ -37,6 +45,26 @@ def test_avx_vnni_is_on_where_the_cpu_has_it_unless_turned_off() -> None:
     if kernels.CAPS.built:  # what the extension reports agrees with the capability object
         want = requested_avx_vnni(bool(kernels._C.cpu_avx_vnni())) and kernels.CAPS.isa == "avx2"
         assert kernels.CAPS.avx_vnni == want
+
+
+def test_amx_tiles_are_used_where_usable_unless_turned_off() -> None:
+    assert requested_amx(True, {}) is True and requested_amx(False, {}) is False
+    assert requested_amx(True, {AMX_ENV: "0"}) is False and requested_amx(True, {AMX_ENV: "1"}) is True
+    with pytest.raises(ValueError, match=r"BRISK_AMX=1 but AMX-BF16 is not usable here \(CPU, OS or permission\)"):
+        requested_amx(False, {AMX_ENV: "1"})
+    with pytest.raises(ValueError, match=r"BRISK_AMX='on': use 0 \(integer prompt kernels\) or 1"):
+        requested_amx(True, {AMX_ENV: "on"})
+    if not kernels.CAPS.built:
+        return
+    has = bool(kernels._C.cpu_amx_bf16())
+    assert kernels.CAPS.amx == (requested_amx(has) and kernels.CAPS.isa == "avx512")
+    if has and kernels.CAPS.cpu_isa == "avx512":  # a lower level, or BRISK_AMX=0, keeps the integer kernels
+        code = "from brisk import kernels; print(kernels.CAPS.amx, kernels.bf16_tiles_supported())"
+        env = {k: v for k, v in os.environ.items() if k not in (ISA_ENV, AMX_ENV)}
+        for extra, want in (({}, "True True"), ({ISA_ENV: "avx2"}, "False False"), ({AMX_ENV: "0"}, "False False")):
+            out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, **extra}, capture_output=True,
+                                 text=True, check=True, timeout=300).stdout.strip().splitlines()[-1]
+            assert out == want, extra
 
 
 def test_requested_isa_never_exceeds_the_cpu() -> None:

@@ -104,12 +104,14 @@ K_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]  # prompt work as integers (k
 
 @pytest.mark.skipif(not kernels.block_dequantize_supported(), reason="the tiled float path needs AVX2")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_many_rows_multiply_the_same_weights_in_floats(qtype: GGMLQuantizationType) -> None:
-    """Past BLOCK_KERNEL_MAX_ROWS (prompt chunks) the weight is made float a tile at a time: the
-    dequantized weights times float x; K-quant tiles instead meet x in int8 per 128 columns
+def test_many_rows_multiply_the_same_weights_in_floats(qtype: GGMLQuantizationType,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past BLOCK_KERNEL_MAX_ROWS (prompt chunks) without AMX the weight is made float a tile at a
+    time: the dequantized weights times float x; K-quant tiles instead meet x in int8 per 128 columns
     (block_kgemm, the next test)."""
     from brisk.quant import gguf as native
 
+    monkeypatch.setattr(native, "bf16_tiles_supported", lambda: False)
     blocks = random_blocks(qtype, 40, 512, seed=int(qtype) + 1)
     layer = BlockLinear([(int(qtype), blocks[:24]), (int(qtype), blocks[24:])], 512, torch.randn(40), (24, 16),
                         torch.float32)
@@ -119,6 +121,63 @@ def test_many_rows_multiply_the_same_weights_in_floats(qtype: GGMLQuantizationTy
     xk = quantize_act_blocks(x, "int8", 128) if qtype in K_TYPES else x
     ref = F.linear(xk.double(), w.double(), layer.bias.double()).float()
     torch.testing.assert_close(layer(x), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.skipif(not kernels.CAPS.has("block_dequantize_bf16") or not kernels.block_dequantize_supported(),
+                    reason="brisk._C without block_dequantize_bf16, or a CPU without AVX2")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_many_rows_in_bf16_tiles_where_amx_is(qtype: GGMLQuantizationType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AMX path of prompt work (taken where kernels.bf16_tiles_supported(); forced here, torch's
+    bf16 GEMM runs on any CPU): every stored type's rows dequantized straight to bf16 with torch's
+    rounding (the same bits as `.bfloat16()` of the float32 rows, from any first row), tiles of
+    rows smaller than a part, and y = bf16(x) @ bf16(W)^T summed in float32, rounded to bf16."""
+    from brisk.quant import base
+    from brisk.quant import gguf as native
+
+    blocks = random_blocks(qtype, 40, 512, seed=int(qtype) + 3)
+    w = dequantize(blocks, int(qtype), (40, 512))
+    for r0, r1 in ((0, 40), (3, 40), (5, 6)):
+        out = torch.empty(r1 - r0, 512, dtype=torch.bfloat16)
+        kernels.block_dequantize_bf16(blocks, int(qtype), 512, r0, r1, out)
+        assert torch.equal(out, w[r0:r1].bfloat16()), (r0, r1)
+    monkeypatch.setattr(native, "bf16_tiles_supported", lambda: True)
+    monkeypatch.setattr(base, "BF16_TILE_BYTES", 2 * 512 * 8)  # 8-row tiles: parts of 24 and 16 rows
+    layer = BlockLinear([(int(qtype), blocks[:24]), (int(qtype), blocks[24:])], 512, torch.randn(40), (24, 16),
+                        torch.float32)
+    x = torch.randn(native.BLOCK_KERNEL_MAX_ROWS + 7, 512, generator=torch.Generator().manual_seed(5))
+    ref = F.linear(x.bfloat16().double(), w.bfloat16().double()).float()
+    got = layer(x) - layer.bias
+    torch.testing.assert_close(got, ref, rtol=2 ** -7, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.skipif(not kernels.CAPS.has("block_dequantize_bf16") or not kernels.block_dequantize_supported(),
+                    reason="brisk._C without block_dequantize_bf16, or a CPU without AVX2")
+def test_bf16_tiles_give_a_row_the_same_numbers_in_any_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN's bf16 GEMM changes a row's numbers with the number of rows beside it; the chunks of
+    a fixed row count keep every row's output the same in any batch and at any place in it."""
+    from brisk.quant import gguf as native
+
+    monkeypatch.setattr(native, "bf16_tiles_supported", lambda: True)
+    blocks = random_blocks(T.Q4_K, 512, 1536, seed=11)  # whole batches of 65-200 rows at once differ here
+    layer = BlockLinear([(int(T.Q4_K), blocks)], 1536, None, (512,), torch.float32)
+    x = torch.randn(300, 1536, generator=torch.Generator().manual_seed(12))
+    y = layer(x)
+    perm = torch.randperm(300, generator=torch.Generator().manual_seed(13))
+    assert torch.equal(layer(x[perm]), y[perm])
+    for m in (65, 127, 129, 200):
+        assert torch.equal(layer(x[300 - m:]), y[300 - m:]), m
+
+
+def test_bad_bf16_dequantize_buffers_are_a_clear_error() -> None:
+    if not kernels.CAPS.has("block_dequantize_bf16"):
+        pytest.skip("brisk._C without block_dequantize_bf16")
+    blocks = random_blocks(T.Q4_K, 8, 256, seed=1)
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        kernels.block_dequantize_bf16(blocks, int(T.Q4_K), 256, 0, 8, torch.empty(8, 256))
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        kernels.block_dequantize_bf16(blocks, int(T.Q4_K), 256, 0, 8, torch.empty(7, 256, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="rows out of range"):
+        kernels.block_dequantize_bf16(blocks, int(T.Q4_K), 256, 4, 9, torch.empty(5, 256, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
