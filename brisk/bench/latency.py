@@ -68,6 +68,25 @@ def _interleaved(runs: list[tuple[Any, Any]], ids: list[int], new_tokens: int,
     return [(_summary(s), t) for s, t in zip(samples, tokens)]
 
 
+# llama.cpp's AMX backend (compiled in by GGML_NATIVE=ON on a CPU with AMX) segfaults in
+# ggml_backend_amx_mul_mat on some Sapphire Rapids machines (ggml-org/llama.cpp#20824; seen on the
+# Xeon of 2026-12-05 with every file): a build with the AVX-512 flags and AMX off runs.
+LLAMACPP_NO_AMX_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON '
+                         '-DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON '
+                         '-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" '
+                         'pip install --no-cache-dir llama-cpp-python==0.3.36')
+
+
+def _crash_hint(code: int) -> str:
+    """What to do when the peer died of a segfault on a CPU with AMX (its AMX backend's known crash)."""
+    from brisk.kernels import CAPS
+
+    if code != -11 or not CAPS.cpu_amx:
+        return ""
+    return (". This CPU has AMX, whose llama.cpp backend crashes on some machines (ggml-org/llama.cpp#20824): "
+            f"rebuild the peer's venv without it: {LLAMACPP_NO_AMX_BUILD}")
+
+
 class LlamaCppPeer:
     """llama-cpp-python in its own venv (bench/llamacpp_peer.py), one JSON line per run."""
 
@@ -87,7 +106,8 @@ class LlamaCppPeer:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the llama.cpp peer exited (code {self.proc.wait()}); see its stderr above")
+            code = self.proc.wait()
+            raise RuntimeError(f"the llama.cpp peer exited (code {code}); see its stderr above" + _crash_hint(code))
         return json.loads(line)  # type: ignore[no-any-return]
 
     def ask(self, job: dict[str, Any]) -> dict[str, Any]:
