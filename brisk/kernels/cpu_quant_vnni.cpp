@@ -214,10 +214,24 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void vnni_tile(c
 // the weights are read from memory once whatever the batch. `Kernel::tile<MB>` is one
 // tile's kernel for MB rows of x (vnni_tile, a16_tile); MB = 8 where `Kernel::kWide` (a kernel
 // whose accumulators are one register an x row).
+template <typename Kernel>
+constexpr bool kPairs = false;  // Kernel::pair<MB> runs two whole tiles (8 rows) at once
+
 template <typename Kernel, typename A>
 void tile_range(const GroupWeights& w, const A& x, float* y, int64_t m_rows, int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t r = 4 * t;
+    if constexpr (kPairs<Kernel>) {
+      if (t + 1 < t1 && r + 8 <= w.out) {
+        int64_t m0 = 0;
+        for (; m0 + 8 <= m_rows; m0 += 8) Kernel::template pair<8>(w, x, y, m0, r);
+        for (; m0 + 4 <= m_rows; m0 += 4) Kernel::template pair<4>(w, x, y, m0, r);
+        for (; m0 + 2 <= m_rows; m0 += 2) Kernel::template pair<2>(w, x, y, m0, r);
+        for (; m0 < m_rows; ++m0) Kernel::template pair<1>(w, x, y, m0, r);
+        ++t;
+        continue;
+      }
+    }
     const int nrows = static_cast<int>(std::min<int64_t>(4, w.out - r));
     int64_t m0 = 0;
     if constexpr (Kernel::kWide) for (; m0 + 8 <= m_rows; m0 += 8) Kernel::template tile<8>(w, x, y, m0, r, nrows);
@@ -597,13 +611,91 @@ struct Int16Kernel256 {
   }
 };
 
-struct Int16Kernel256x8 {  // 8-bit weights; also the AVX-512 level's kernel for them (no 512-bit form)
+struct Int16Kernel256x8 {  // 8-bit weights; the AVX-512 level runs two tiles at once (int16_pair8)
   static constexpr bool kWide = true;
   template <int MB>
   static void tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
     avx2::with_blocks(w, [&](auto pg) { avx2::int16_tile8<MB, decltype(pg)::value>(w, x, y, m0, r, nrows); });
   }
 };
+
+// avx2::int16_tile8 on two tiles (rows r..r+7) at once, AVX-512 (BW): every 512-bit vector's low half
+// is int16_tile8's 256-bit vector for the first tile, its high half that for the second, fed the
+// same operations in the same order (vpmaddwd, vpsllw/vpsraw, vcvtdq2ps and vfmadd act within
+// their lanes; vphaddd, which has no 512-bit form, becomes the even + odd lanes of vshufps: the same
+// integer sums), so each tile's results are its int16_tile8 bits. The Q8_0 layers and heads of GGUF
+// files (the default model's head) spent half their decode time in int16_tile8 at this level.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) inline __m512i hadd512(__m512i a, __m512i b) {
+  const __m512 fa = _mm512_castsi512_ps(a), fb = _mm512_castsi512_ps(b);
+  const __m512i even = _mm512_castps_si512(_mm512_shuffle_ps(fa, fb, _MM_SHUFFLE(2, 0, 2, 0)));
+  const __m512i odd = _mm512_castps_si512(_mm512_shuffle_ps(fa, fb, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_epi32(even, odd);  // per 128-bit lane: [a0+a1, a2+a3, b0+b1, b2+b3], vphaddd's
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) inline __m512i join512(__m256i lo, __m256i hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+template <int MB, int PG>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void int16_pair8(
+    const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r) {
+  __m512 acc[MB];
+  for (int k = 0; k < MB; ++k) acc[k] = _mm512_setzero_ps();
+  const uint8_t* p0 = w.run(r, 0);
+  const uint8_t* p1 = w.run(r + 4, 0);
+  const int64_t blocks = PG ? PG : w.group / kBlock;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m512 gacc[MB];
+    for (int k = 0; k < MB; ++k) gacc[k] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int64_t e = 0; e < blocks; ++e) {
+      const int64_t b = g * blocks + e;
+      __m256i v0[4], v1[4];
+      p0 = avx2::load_run<8, PG>(w, r, b, 4, p0, v0);
+      p1 = avx2::load_run<8, PG>(w, r + 4, b, 4, p1, v1);
+      __m512i even[4], odd[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m512i v = join512(v0[i], v1[i]);
+        even[i] = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);
+        odd[i] = _mm512_srai_epi16(v, 8);
+      }
+      for (int k = 0; k < MB; ++k) {
+        const int16_t* xq = x.q + (m0 + k) * x.in + b * kBlock;
+        const __m256i x0h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+        const __m256i x1h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
+        const __m512i x0 = join512(x0h, x0h), x1 = join512(x1h, x1h);
+        __m512i d[4];
+        for (int i = 0; i < 4; ++i)
+          d[i] = _mm512_add_epi32(_mm512_madd_epi16(even[i], x0), _mm512_madd_epi16(odd[i], x1));
+        const __m512i rows = hadd512(hadd512(d[0], d[1]), hadd512(d[2], d[3]));
+        gacc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rows), _mm512_set1_ps(x.a[(m0 + k) * x.blocks + b]), gacc[k]);
+      }
+    }
+    __m128 s0, s1, z;
+    group_params<8>(w, r, g, 4, s0, z);
+    group_params<8>(w, r + 4, g, 4, s1, z);
+    const __m512 s8 = _mm512_castpd_ps(_mm512_insertf64x4(
+        _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set_m128(s0, s0))), _mm256_castps_pd(_mm256_set_m128(s1, s1)), 1));
+    for (int k = 0; k < MB; ++k) acc[k] = _mm512_fmadd_ps(gacc[k], s8, acc[k]);
+  }
+  for (int k = 0; k < MB; ++k)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 a = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[k]), h));
+      alignas(16) float t[4];
+      _mm_store_ps(t, _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)));
+      for (int j = 0; j < 4; ++j) y[(m0 + k) * w.out + r + 4 * h + j] = t[j];
+    }
+}
+
+struct Int16Kernel512x8 : Int16Kernel256x8 {
+  // rows r..r+7 (two whole tiles) for MB rows of x
+  template <int MB>
+  static void pair(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r) {
+    avx2::with_blocks(w, [&](auto pg) { int16_pair8<MB, decltype(pg)::value>(w, x, y, m0, r); });
+  }
+};
+template <>
+constexpr bool kPairs<Int16Kernel512x8> = true;
 #endif  // BRISK_X86
 
 // ---- the portable path -----------------------------------------------------------------------
@@ -804,6 +896,8 @@ void group_qact_rows(const GroupWeights& w, const QuantizedActs& x, float* y, in
   const bool a16 = x.levels == kAct16Levels;
 #ifdef BRISK_X86
   const int64_t t0 = r0 / 4, t1 = (std::min(r1, w.out) + 3) / 4;
+  if (a16 && w.run_bytes != 16 && brisk_isa::vnni())  // AVX-512 with BW: two tiles a pass, the same bits
+    return tile_range<Int16Kernel512x8>(w, acts_of<int16_t>(w, x), y, m, t0, t1);
   if (a16 && w.run_bytes != 16 && brisk_isa::at_least_avx2())
     return tile_range<Int16Kernel256x8>(w, acts_of<int16_t>(w, x), y, m, t0, t1);
   if (brisk_isa::vnni()) {
