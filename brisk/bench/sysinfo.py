@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
-             "neon", "asimd")
+             "amx_bf16", "amx_int8", "neon", "asimd")
 
 
 def _cpuinfo() -> dict[str, str]:
@@ -82,8 +82,10 @@ def collect(measure_bandwidth: bool = True) -> dict[str, Any]:
         "isa_env": os.environ.get("BRISK_CPU_ISA") or None,
         "vnni_kernels": caps.vnni,
         "avx_vnni_kernels": caps.avx_vnni,  # the avx2 level's block kernels on AVX-VNNI (BRISK_AVX_VNNI)
+        "amx_bf16_cpu": caps.cpu_amx,  # AMX-BF16 usable here (oneDNN's bf16 GEMMs run on it)
+        "amx_prompt_tiles": caps.amx,  # GGUF blocks' prompt work as bf16 tiles on it (BRISK_AMX)
         "kernels": sorted(caps.names - {"isa", "cpu_isa", "set_isa", "have_vnni", "cpu_avx_vnni", "avx_vnni",
-                                        "set_avx_vnni"}),
+                                        "set_avx_vnni", "cpu_amx_bf16"}),
         "cuda_gpus": gpu,
     }
 

@@ -202,5 +202,6 @@ def test_brisk_env_reports_the_isa_and_kernels() -> None:
     assert env["isa_in_use"] == "scalar" and env["isa_env"] == "scalar" and env["isa_cpu"] == kernels.CAPS.cpu_isa
     assert env["kernels_built"] == kernels.CAPS.built and env["torch_threads"] >= 1 and env["torch"]
     assert env["avx_vnni_kernels"] is False  # the scalar level has none
+    assert env["amx_prompt_tiles"] is False and env["amx_bf16_cpu"] == kernels.CAPS.cpu_amx  # below avx512: off
     if kernels.CAPS.built:
         assert "gemv" in env["kernels"] and "paged_attention" in env["kernels"]
