@@ -92,6 +92,14 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 PACKED_BF16_ROW_CHUNK = 64
 
 
+def pad_rows(x: torch.Tensor, multiple: int, dtype: torch.dtype) -> torch.Tensor:
+    """x [M, in] as `dtype`, zero rows appended up to a multiple of `multiple`: oneDNN's bf16 GEMMs
+    on AMX called in fixed row chunks (a row's numbers then do not depend on the batch)."""
+    padded = torch.zeros(-(-x.shape[0] // multiple) * multiple, x.shape[1], dtype=dtype)
+    padded[:x.shape[0]] = x
+    return padded
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, in] @ W^T (+ bias) with W from `pack_weight`. Each row's result does not depend on M
     for M >= 2 (oneDNN's reduction order is fixed by the packed layout; bf16 on AMX in fixed row
@@ -99,8 +107,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     if x.dtype != torch.bfloat16 or not CAPS.cpu_amx:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     m, chunk = x.shape[0], PACKED_BF16_ROW_CHUNK
-    padded = torch.zeros(-(-m // chunk) * chunk, x.shape[1], dtype=x.dtype)
-    padded[:m] = x
+    padded = pad_rows(x, chunk, x.dtype)
     parts = [torch.ops.mkldnn._linear_pointwise(padded[c:c + chunk], packed, bias, "none", [], "")
              for c in range(0, padded.shape[0], chunk)]
     return (parts[0] if len(parts) == 1 else torch.cat(parts))[:m]

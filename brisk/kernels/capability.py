@@ -86,30 +86,29 @@ def requested_isa(cpu_isa: str, env: dict[str, str] | None = None) -> str:
     return value
 
 
-def requested_avx_vnni(cpu_has: bool, env: dict[str, str] | None = None) -> bool:
-    """Whether BRISK_AVX_VNNI lets the avx2 level use AVX-VNNI (on by default where the CPU has it);
-    1 on a CPU without it, or a value other than 0 / 1, is an error at start-up."""
-    value = (os.environ if env is None else env).get(AVX_VNNI_ENV, "").strip().lower()
+def _requested_switch(name: str, cpu_has: bool, env: dict[str, str] | None, off: str, on: str, absent: str) -> bool:
+    """An on/off switch over a CPU feature: unset or "auto" follows the CPU; 0 / 1 (`off` / `on` say
+    what each does); 1 where the feature is absent, or another value, is an error at start-up."""
+    value = (os.environ if env is None else env).get(name, "").strip().lower()
     if value in ("", "auto"):
         return cpu_has
     if value not in ("0", "1"):
-        raise UserError(f"{AVX_VNNI_ENV}={value!r}: use 0 (maddubs + madd) or 1 (AVX-VNNI), or unset it")
+        raise UserError(f"{name}={value!r}: use 0 ({off}) or 1 ({on}), or unset it")
     if value == "1" and not cpu_has:
-        raise UserError(f"{AVX_VNNI_ENV}=1 but this CPU has no AVX-VNNI; unset it")
+        raise UserError(f"{name}=1 but {absent}; unset it")
     return value == "1"
+
+
+def requested_avx_vnni(cpu_has: bool, env: dict[str, str] | None = None) -> bool:
+    """Whether BRISK_AVX_VNNI lets the avx2 level use AVX-VNNI (on by default where the CPU has it)."""
+    return _requested_switch(AVX_VNNI_ENV, cpu_has, env, "maddubs + madd", "AVX-VNNI", "this CPU has no AVX-VNNI")
 
 
 def requested_amx(cpu_has: bool, env: dict[str, str] | None = None) -> bool:
     """Whether BRISK_AMX lets batched GGUF block work use AMX-BF16 tiles (on by default where the CPU
-    and OS have them); 1 where they are not usable, or a value other than 0 / 1, is an error at start-up."""
-    value = (os.environ if env is None else env).get(AMX_ENV, "").strip().lower()
-    if value in ("", "auto"):
-        return cpu_has
-    if value not in ("0", "1"):
-        raise UserError(f"{AMX_ENV}={value!r}: use 0 (integer prompt kernels) or 1 (AMX-BF16 tiles), or unset it")
-    if value == "1" and not cpu_has:
-        raise UserError(f"{AMX_ENV}=1 but AMX-BF16 is not usable here (CPU, OS or permission); unset it")
-    return value == "1"
+    and OS have them)."""
+    return _requested_switch(AMX_ENV, cpu_has, env, "integer prompt kernels", "AMX-BF16 tiles",
+                             "AMX-BF16 is not usable here (CPU, OS or permission)")
 
 
 def detect(ext: ModuleType | None, load_error: str | None) -> KernelCaps:

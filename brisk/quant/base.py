@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
 import torch
 from torch import nn
 
@@ -137,45 +135,3 @@ class TiledLinear(QuantizedLinear):
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         self._untile()  # other devices and kernels read row-major
         return super()._apply(fn, recurse)
-
-
-# Batched work (prompt chunks) where AMX-BF16 is usable (kernels.bf16_tiles_supported): torch's bf16
-# GEMM (oneDNN on the AMX tiles) on the weight made bfloat16 a tile of rows at a time, up to
-# BF16_TILE_BYTES. 1.5B-shaped Q4_K layers at 512 rows ran 390-480 GMAC/s against the integer
-# block_kgemm's 90-100 on two cores (the GEMM alone runs ~1,000-1,400). Big tiles pay: oneDNN
-# repacks each for the AMX tiles (256-row tiles ran ~30% slower). oneDNN picks its kernel and
-# blocking by the number of rows, so a row's numbers would change with the batch around it (seen
-# for most row counts below 1024): x goes through in chunks of a fixed BF16_ROW_CHUNK rows, the last
-# padded with zeros, and a row's numbers are then the same in any batch and at any place in it
-# (tests; 128 costs ~10% against whole 512-row prompts).
-BF16_TILE_BYTES = 32 << 20
-BF16_TILE_MAX_ROWS = 4096
-BF16_ROW_CHUNK = 128
-
-# (first output column, rows, fill): fill(buf) writes the tile's weight rows into buf, a bfloat16
-# [rows, in] view, and returns the rows to multiply (buf itself, or a tensor of its own)
-Tile = tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]
-
-
-def bf16_tile_rows(in_features: int) -> int:
-    """Rows of a weight tile: BF16_TILE_BYTES of bfloat16, whole fours (the block tiles' rows)."""
-    return max(4, min(BF16_TILE_MAX_ROWS, BF16_TILE_BYTES // (2 * in_features)) // 4 * 4)
-
-
-def bf16_tiles_matmul(x: torch.Tensor, in_features: int, out_features: int, tiles: Iterable[Tile]) -> torch.Tensor:
-    """float32 [M, out]: x @ W^T with x and each weight tile rounded to bfloat16, products summed in
-    float32 and rounded to bfloat16 (oneDNN), x in chunks of BF16_ROW_CHUNK rows. One tile buffer
-    is reused for every tile (never the whole matrix)."""
-    m = x.shape[0]
-    padded = -(-m // BF16_ROW_CHUNK) * BF16_ROW_CHUNK
-    xb = torch.zeros(padded, in_features, dtype=torch.bfloat16)
-    xb[:m] = x
-    y = torch.empty(padded, out_features, dtype=torch.float32)
-    buf = torch.empty(0, dtype=torch.bfloat16)
-    for first, rows, fill in tiles:
-        if buf.numel() < rows * in_features:
-            buf = torch.empty(rows * in_features, dtype=torch.bfloat16)
-        w = fill(buf[:rows * in_features].view(rows, in_features)).t()
-        for c in range(0, padded, BF16_ROW_CHUNK):
-            y[c:c + BF16_ROW_CHUNK, first:first + rows] = xb[c:c + BF16_ROW_CHUNK] @ w
-    return y[:m]

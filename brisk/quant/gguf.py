@@ -21,8 +21,7 @@ to the float loader (dequantized once).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from functools import partial
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,11 +43,12 @@ from brisk.kernels import (
     block_tile_supported,
     block_types,
     block_untile,
+    pad_rows,
 )
 from brisk.kernels.plan_ops import KIND_BLOCKS, LinearOp
 from brisk.loader.dequant import dequantize
 from brisk.model.layers import WHOLE
-from brisk.quant.base import QuantizedLinear, Tile, bf16_tile_rows, bf16_tiles_matmul
+from brisk.quant.base import QuantizedLinear
 from brisk.quant.grouped import GroupLinear, quantize_act_blocks
 
 GROUP = 32
@@ -60,10 +60,20 @@ GROUP = 32
 # float TILE_ROWS rows at a time (~1.2 MB, L2). Rows up to it keep the decode kernels' numbers.
 BLOCK_KERNEL_MAX_ROWS = 64
 TILE_ROWS = 512
-# Where AMX-BF16 is usable (kernels.bf16_tiles_supported) every type's batched work instead runs as
-# bf16 tiles of the weight in torch's GEMM (quant/base.py bf16_tiles_matmul): ~4-5x block_kgemm, and
-# closer to the dequantized file (bf16 x keeps 8 bits of every value where int8 per 128 columns
-# loses the small ones beside a large one: Q6_K +0.02% perplexity against +0.24%, window 512).
+# Where AMX-BF16 is usable (kernels.bf16_tiles_supported) every type's batched work instead runs
+# torch's bf16 GEMM (oneDNN on the AMX tiles) on the weight made bfloat16 a tile of rows at a time,
+# up to BF16_TILE_BYTES (`_bf16_tiles`): 1.5B-shaped Q4_K layers at 512 rows ran 390-480 GMAC/s
+# against block_kgemm's 90-100 on two cores (the GEMM alone runs ~1,000-1,400), and closer to the
+# dequantized file (bf16 x keeps 8 bits of every value where int8 per 128 columns loses the small
+# ones beside a large one: Q6_K +0.01% perplexity against +0.24%, window 512). Big tiles pay:
+# oneDNN repacks each for the AMX tiles (256-row tiles ran ~30% slower). oneDNN picks its kernel
+# and blocking by the number of rows, so a row's numbers would change with the batch around it
+# (seen for most row counts below 1024): x goes through in chunks of a fixed BF16_ROW_CHUNK rows,
+# the last padded with zeros, and a row's numbers are then the same in any batch and at any place
+# in it (tests; 128 costs ~10% against whole 512-row prompts).
+BF16_TILE_BYTES = 32 << 20
+BF16_TILE_MAX_ROWS = 4096
+BF16_ROW_CHUNK = 128
 # type -> (block bytes, has m, 4-bit)
 NATIVE = {GGMLQuantizationType.Q4_0: (18, False, True), GGMLQuantizationType.Q4_1: (20, True, True),
           GGMLQuantizationType.Q8_0: (34, False, False)}
@@ -327,18 +337,23 @@ class BlockLinear(QuantizedLinear):
         return y if bias is None else y.add_(bias)
 
     def _bf16_tiles(self, x: torch.Tensor) -> torch.Tensor:
-        """bf16_tiles_matmul over the segments, each tile's rows dequantized straight to bf16."""
-        step = bf16_tile_rows(self.in_features)
-
-        def tiles() -> Iterator[Tile]:
-            first = 0
-            for t, rows in zip(self.types, self.blocks):
-                for r0 in range(0, rows.shape[0], step):
-                    r1 = min(rows.shape[0], r0 + step)
-                    yield first + r0, r1 - r0, partial(block_dequantize_bf16, rows, t, self.in_features, r0, r1)
-                first += rows.shape[0]
-
-        return bf16_tiles_matmul(x, self.in_features, self.out_features, tiles())
+        """float32 x @ W^T, x and each weight tile rounded to bfloat16, products summed in float32 and
+        rounded to bfloat16 (oneDNN): every segment's rows dequantized straight to bf16 a tile at a
+        time into one buffer (never the whole matrix), x in chunks of BF16_ROW_CHUNK rows."""
+        m, inp = x.shape[0], self.in_features
+        step = max(4, min(BF16_TILE_MAX_ROWS, BF16_TILE_BYTES // (2 * inp)) // 4 * 4)  # whole tiles of 4 rows
+        xb = pad_rows(x, BF16_ROW_CHUNK, torch.bfloat16)
+        y = torch.empty(xb.shape[0], self.out_features, dtype=torch.float32)
+        buf = torch.empty(min(step, max(rows.shape[0] for rows in self.blocks)) * inp, dtype=torch.bfloat16)
+        first = 0
+        for t, rows in zip(self.types, self.blocks):
+            for r0 in range(0, rows.shape[0], step):
+                r1 = min(rows.shape[0], r0 + step)
+                w = block_dequantize_bf16(rows, t, inp, r0, r1, buf[:(r1 - r0) * inp].view(r1 - r0, inp)).t()
+                for c in range(0, xb.shape[0], BF16_ROW_CHUNK):
+                    y[c:c + BF16_ROW_CHUNK, first + r0:first + r1] = xb[c:c + BF16_ROW_CHUNK] @ w
+            first += rows.shape[0]
+        return y[:m]
 
     def extra_repr(self) -> str:
         names = "+".join(GGMLQuantizationType(t & ~TILED).name + ("x4" if t & TILED else "") for t in self.types)

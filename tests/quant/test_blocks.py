@@ -131,7 +131,6 @@ def test_many_rows_in_bf16_tiles_where_amx_is(qtype: GGMLQuantizationType, monke
     bf16 GEMM runs on any CPU): every stored type's rows dequantized straight to bf16 with torch's
     rounding (the same bits as `.bfloat16()` of the float32 rows, from any first row), tiles of
     rows smaller than a part, and y = bf16(x) @ bf16(W)^T summed in float32, rounded to bf16."""
-    from brisk.quant import base
     from brisk.quant import gguf as native
 
     blocks = random_blocks(qtype, 40, 512, seed=int(qtype) + 3)
@@ -141,7 +140,7 @@ def test_many_rows_in_bf16_tiles_where_amx_is(qtype: GGMLQuantizationType, monke
         kernels.block_dequantize_bf16(blocks, int(qtype), 512, r0, r1, out)
         assert torch.equal(out, w[r0:r1].bfloat16()), (r0, r1)
     monkeypatch.setattr(native, "bf16_tiles_supported", lambda: True)
-    monkeypatch.setattr(base, "BF16_TILE_BYTES", 2 * 512 * 8)  # 8-row tiles: parts of 24 and 16 rows
+    monkeypatch.setattr(native, "BF16_TILE_BYTES", 2 * 512 * 8)  # 8-row tiles: parts of 24 and 16 rows
     layer = BlockLinear([(int(qtype), blocks[:24]), (int(qtype), blocks[24:])], 512, torch.randn(40), (24, 16),
                         torch.float32)
     x = torch.randn(native.BLOCK_KERNEL_MAX_ROWS + 7, 512, generator=torch.Generator().manual_seed(5))
