@@ -255,10 +255,11 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from brisk.config import QuantConfig
     from brisk.loader.convert import quantize_to_dir
+    from brisk.loader.quantized import quantization_of
 
     quant = QuantConfig.parse(args.method, args.quant_config)
     out = quantize_to_dir(args.model, quant, args.out, args.dtype)
-    print(f"wrote {out} ({quant.describe()})")
+    print(f"wrote {out} ({(quantization_of(out) or quant).describe()})")  # as resolved for the source
     return 0
 
 

@@ -288,13 +288,16 @@ class SchedulerConfig:
 QUANT_METHODS = ("int8", "int4", "w8a8", "ternary", "gguf", "sparse24", "sparse24_int8")  # one QuantMethod each in quant/methods.py (checked there)
 QUANT_OPTIONS = ("group_size", "calibration", "calibration_tokens", "activations")
 CALIBRATED_METHODS = ("int4", "w8a8", "sparse24", "sparse24_int8")
+DEFAULT_GROUP = 64  # int4's columns per scale and offset unless the source file's own grid is kept
 ACTIVATION_MODES = ("float", "int16", "int8")  # what int4 / gguf weights multiply (GroupLinear.activations)
 
 
 @dataclass(frozen=True)
 class QuantConfig:
     """How to quantize at load (`LLM(quantization=..., quantization_config={...})`, `-q`,
-    `--quant-config '<json>'`). `group_size` applies to int4 (columns per scale and offset);
+    `--quant-config '<json>'`). `group_size` applies to int4 (columns per scale and offset; None:
+    the loader's choice, `group`: 32 for a GGUF whose layers are Q4_0 / Q4_1 blocks, whose grid int4
+    g32 holds exactly, else 64);
     `calibration` drives GPTQ rounding (int4), SmoothQuant's outlier migration (w8a8) and SparseGPT
     (sparse24): a text file's path (its first `calibration_tokens` tokens), "self" (the default for
     those methods: `calibration_tokens` of the model's own answers to built-in prompts,
@@ -306,7 +309,7 @@ class QuantConfig:
     slower decode); None: a saved checkpoint's choice, else "int16" (`act_mode`)."""
 
     method: str
-    group_size: int = 64
+    group_size: int | None = None
     calibration: str | None = None
     calibration_tokens: int = 4096
     activations: str | None = None
@@ -314,7 +317,8 @@ class QuantConfig:
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
             raise UserError(f"unknown quantization method {self.method!r}; available: {', '.join(QUANT_METHODS)}")
-        if not isinstance(self.group_size, int) or self.group_size <= 0 or self.group_size % 32:
+        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size <= 0
+                                            or self.group_size % 32):
             raise UserError(f"quantization group_size must be a positive multiple of 32 (32, 64, 128), "
                              f"got {self.group_size!r}")
         if not isinstance(self.calibration_tokens, int) or self.calibration_tokens < 16:
@@ -330,6 +334,11 @@ class QuantConfig:
                              f"(SparseGPT's 2:4), not {self.method}")
         if self.calibration is None and self.method in CALIBRATED_METHODS:
             object.__setattr__(self, "calibration", "self")  # calibrated unless asked not to
+
+    @property
+    def group(self) -> int:
+        """int4's columns per scale and offset: `group_size`, else the default."""
+        return self.group_size or DEFAULT_GROUP
 
     @property
     def calibrated(self) -> bool:
@@ -363,7 +372,7 @@ class QuantConfig:
         acts = {"float": "", "int8": " a8", "int16": " a16"}[self.act_mode]
         source = " self" if self.calibration == "self" else ""  # the calibration text: the model's own
         if self.method == "int4":
-            return f"int4 g{self.group_size} {'gptq' + source if self.calibrated else 'rtn'}{acts}"
+            return f"int4 g{self.group} {'gptq' + source if self.calibrated else 'rtn'}{acts}"
         if self.method == "gguf":
             return f"gguf{acts}"
         if self.method == "w8a8":

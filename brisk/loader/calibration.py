@@ -161,7 +161,7 @@ def _state_key(quant: QuantConfig, model: CausalLM, source: ModelSource) -> str:
     forwards see (max positions), the dtype and device kind they ran in, the rounding's version."""
     text = quant.calibration if quant.calibration == "self" else \
         hashlib.sha256(_text_file(quant).read_bytes()).hexdigest()
-    return _key({"files": _file_stats(source), "method": quant.method, "group_size": quant.group_size,
+    return _key({"files": _file_stats(source), "method": quant.method, "group_size": quant.group,
                  "calibration": text, "tokens": quant.calibration_tokens, "self": [VERSION, PROMPTS],
                  "positions": model.max_positions, "dtype": str(model.dtype), "device": model.device.type,
                  "version": QUANT_VERSION})

@@ -61,6 +61,7 @@ def quantize_to_dir(ref: str, quant: QuantConfig, out: Path, dtype: str = "float
     if saved is not None:
         raise UserError(f"{ref} is already quantized ({saved.describe()}); quantize the original model")
     loaded = load_model(ref, dtype=dtype, quant=quant)
-    save_quantized(loaded.model, quant, out, dtype)
+    assert loaded.quantization is not None
+    save_quantized(loaded.model, loaded.quantization, out, dtype)  # as resolved for the file (load.keep_file_grid)
     write_tokenizer_files(loaded.tokenizer, loaded.config, out)
     return out

@@ -289,6 +289,12 @@ def is_quantized(file: GGUFFile) -> bool:
     return any(t.tensor_type not in _FLOAT_TYPES for t in file.reader.tensors)
 
 
+def layer_weight_types(file: GGUFFile) -> set[str]:
+    """The GGML type names of the decoder layers' 2-D weights (the Linears: `blk.N.*`)."""
+    return {gguf.GGMLQuantizationType(t.tensor_type).name for t in file.reader.tensors
+            if len(t.shape) == 2 and t.name.startswith("blk.") and t.name not in _ROPE_TENSORS}
+
+
 def tensor_types(file: GGUFFile) -> dict[str, int]:
     """How many tensors of each GGML type the file holds (for messages and `brisk info`)."""
     counts: dict[str, int] = {}
@@ -298,5 +304,5 @@ def tensor_types(file: GGUFFile) -> dict[str, int]:
     return counts
 
 
-__all__ = ["GGUFFile", "gguf_blocks", "gguf_model_config", "gguf_tensor", "gguf_weights", "is_quantized", "open_gguf",
-           "release_tensor", "tensor_types"]
+__all__ = ["GGUFFile", "gguf_blocks", "gguf_model_config", "gguf_tensor", "gguf_weights", "is_quantized",
+           "layer_weight_types", "open_gguf", "release_tensor", "tensor_types"]

@@ -20,6 +20,7 @@ from brisk.loader.gguf_loader import (
     gguf_tensor,
     gguf_weights,
     is_quantized,
+    layer_weight_types,
     open_gguf,
     release_tensor,
 )
@@ -95,6 +96,23 @@ def keeps_blocks(source: ModelSource, file: GGUFFile | None, quant: QuantConfig 
     return not dequantize and torch.device(device).type == "cpu" and is_quantized(file)
 
 
+def keep_file_grid(quant: QuantConfig, file: GGUFFile) -> QuantConfig:
+    """int4 at its defaults on a file whose layers are all Q4_0 / Q4_1 blocks: groups of 32,
+    round-to-nearest, which lands on the blocks' own grid exactly (`quantize_rtn_4bit`). Groups of
+    64 would round those weights a second time (+9% perplexity on the default model's Q4_1 file even
+    with GPTQ; BENCHMARKS.md), and calibrating cannot do better than the file. A given group_size or
+    calibration text is kept as asked."""
+    if quant.method != "int4" or quant.group_size is not None or quant.calibration != "self":
+        return quant
+    types = layer_weight_types(file)
+    if not types or not types <= {"Q4_0", "Q4_1"}:
+        return quant
+    log.info("int4: the file's layers are %s blocks (4-bit groups of 32): kept on that grid (int4 g32, "
+             "no second rounding, nothing to calibrate); give group_size to round them again",
+             " and ".join(sorted(types)))
+    return dataclasses.replace(quant, group_size=32, calibration="none")
+
+
 def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_len: int | None = None,
                quant: QuantConfig | None = None,
                before_quant: Callable[[CausalLM], None] | None = None,
@@ -115,7 +133,7 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
     saved = quantization_of(source.path) if source.kind == "hf" else None
     if saved is not None:
         if quant is not None and (quant.method != saved.method
-                                  or (method(quant).group_sized and quant.group_size != saved.group_size)):
+                                  or (method(quant).group_sized and quant.group_size not in (None, saved.group_size))):
             raise UserError(f"{ref} is already quantized ({saved.describe()}); drop the quantization option "
                              f"({quant.describe()}) or quantize the original model")
         check_hf_dir(source.path)
@@ -134,6 +152,8 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
         raise UserError(f"quantization gguf keeps a GGUF file's own blocks, but {ref} is not a .gguf file; "
                          "choose int8 or int4 for other models")
     file = open_gguf(source.path) if source.kind == "gguf" else None
+    if quant is not None and file is not None:
+        quant = keep_file_grid(quant, file)
     if keeps_blocks(source, file, quant, dequantize, device):
         assert file is not None
         return _load_blocks(file, source, tdtype, device, max_model_len, quant or QuantConfig("gguf"), before_quant)

@@ -57,7 +57,7 @@ def _options(quant: QuantConfig) -> dict[str, object]:
     if quant.method not in CALIBRATED_METHODS:
         return {}
     acts = {"activations": quant.act_mode} if quant.method == "int4" else {}  # explicit: the default changed once
-    return {"group_size": quant.group_size, "calibration": quant.calibration,
+    return {"group_size": quant.group, "calibration": quant.calibration,
             "calibration_tokens": quant.calibration_tokens, **acts}
 
 

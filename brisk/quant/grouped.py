@@ -101,13 +101,14 @@ CLIPS = (0.0, 0.04, 0.08, 0.12, 0.16, 0.2)
 SEARCH_ROWS = 16384  # groups per slice of the search
 
 
-def group_params(w: torch.Tensor, column_weight: torch.Tensor | None = None, search: bool = True
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def group_params(w: torch.Tensor, column_weight: torch.Tensor | None = None, search: bool = True,
+                 symmetric: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """float16 (scale, zero) for the groups w [..., group]: the asymmetric grid [lo, hi] / 15 (Q4_1's
     min/max) or, with `search`, the clipped range [lo + a r, hi - b r] (a, b in CLIPS, r = hi - lo) whose
     rounding error, weighted per column by `column_weight` (broadcast to w: the inputs' mean square),
     is least. Clipping gives the bulk of a group finer steps at the cost of its extremes; a = b = 0 is
-    a candidate, so a group min/max fits exactly (a Q4_1 block at group 32) stays exact."""
+    a candidate, so a group min/max fits exactly (a Q4_1 block at group 32) stays exact. `symmetric`
+    adds Q4_0's grid to the search (`_q4_0_grid`), so a Q4_0 block at group 32 stays exact too."""
     if not search:
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)
         return ((hi - lo) / 15).clamp(min=SCALE_MIN).half(), lo.half()
@@ -115,29 +116,39 @@ def group_params(w: torch.Tensor, column_weight: torch.Tensor | None = None, sea
     flat = w.reshape(-1, group)
     weights = None if column_weight is None else column_weight.expand_as(w).reshape(-1, group)
     # slices of SEARCH_ROWS groups keep the candidates' temporaries in cache: 3x faster than whole matrices
-    parts = [_search(flat[i:i + SEARCH_ROWS], None if weights is None else weights[i:i + SEARCH_ROWS])
+    parts = [_search(flat[i:i + SEARCH_ROWS], None if weights is None else weights[i:i + SEARCH_ROWS], symmetric)
              for i in range(0, flat.shape[0], SEARCH_ROWS)]
     scale, zero = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     return scale.reshape(w.shape[:-1]), zero.reshape(w.shape[:-1])
 
 
-def _search(w: torch.Tensor, column_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _q4_0_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0's grid d (q - 8) for the groups w [n, group], d = -(the value of largest |w|) / 8 (llama.cpp
+    puts that value at q = 0), as scale d and zero -8 d: d may be negative, as in a Q4_0 block."""
+    peak = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+    d = (-peak / 8).half()
+    return torch.where(d == 0, torch.full_like(d, SCALE_MIN), d), (-8 * d.float()).half()
+
+
+def _search(w: torch.Tensor, column_weight: torch.Tensor | None, symmetric: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """`group_params`' search over groups w [n, group], every (a, b) pair: ~40 ms per million weights
     here (a coordinate search, a then b, took a third of that but left 2-3% more error)."""
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
     span = hi - lo
+    candidates = [(((span * (1 - a - b)) / 15).clamp(min=SCALE_MIN).half(), (lo + a * span).half())
+                  for a in CLIPS for b in CLIPS]
+    if symmetric:
+        candidates.append(_q4_0_grid(w))
     best_err = torch.full_like(lo, float("inf"))
     best_scale, best_zero = torch.zeros_like(lo, dtype=torch.float16), torch.zeros_like(lo, dtype=torch.float16)
-    for a in CLIPS:
-        for b in CLIPS:
-            scale = ((span * (1 - a - b)) / 15).clamp(min=SCALE_MIN).half()
-            zero = (lo + a * span).half()
-            sf, zf = scale.float()[..., None], zero.float()[..., None]
-            err = (w - torch.round((w - zf) / sf).clamp_(0, 15) * sf - zf).square_()
-            err = (err if column_weight is None else err * column_weight).sum(dim=-1)
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_scale, best_zero = torch.where(better, scale, best_scale), torch.where(better, zero, best_zero)
+    for scale, zero in candidates:
+        sf, zf = scale.float()[..., None], zero.float()[..., None]
+        err = (w - torch.round((w - zf) / sf).clamp_(0, 15) * sf - zf).square_()
+        err = (err if column_weight is None else err * column_weight).sum(dim=-1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale, best_zero = torch.where(better, scale, best_scale), torch.where(better, zero, best_zero)
     return best_scale, best_zero
 
 
@@ -158,13 +169,13 @@ def shapes_only() -> Iterator[None]:
 
 def quantize_rtn_4bit(weight: torch.Tensor, group: int, search: bool | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round-to-nearest, asymmetric: per group a float16 scale and zero (`group_params`: Q4_1's
-    min/max, or the clipping with the least error; `search` None: CLIP_SEARCH), and q chosen
-    against the rounded scale and zero, the grid used."""
+    """Round-to-nearest: per group a float16 scale and zero (`group_params`: Q4_1's min/max, or of
+    the clippings and Q4_0's symmetric grid the one with the least error; `search` None: CLIP_SEARCH),
+    and q chosen against the rounded scale and zero, the grid used."""
     out, in_features = weight.shape
     check_group(in_features, group)
     w = weight.float().reshape(out, -1, group)
-    scale, zero = group_params(w, search=CLIP_SEARCH.get() if search is None else search)
+    scale, zero = group_params(w, search=CLIP_SEARCH.get() if search is None else search, symmetric=True)
     q = torch.round((w - zero.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15).to(torch.uint8)
     return pack_nibbles(q.reshape(out, in_features)), scale.contiguous(), zero.contiguous()
 

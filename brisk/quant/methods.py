@@ -84,9 +84,9 @@ class QuantMethod:
 # dense model of the same dtype.
 METHODS: dict[str, QuantMethod] = {m.name: m for m in (
     QuantMethod("int8", lambda lin, cfg, x: Int8Linear.from_linear(lin), lambda lin, cfg, x: Int8Linear.from_linear(lin)),
-    QuantMethod("int4", lambda lin, cfg, x: GroupLinear.from_linear(lin, cfg.group_size, 4, calibration=x),
+    QuantMethod("int4", lambda lin, cfg, x: GroupLinear.from_linear(lin, cfg.group, 4, calibration=x),
                 lambda lin, cfg, x: GroupLinear.from_linear(lin, 32, 8), _gptq,
-                shard_multiple=lambda cfg: cfg.group_size, group_sized=True),
+                shard_multiple=lambda cfg: cfg.group, group_sized=True),
     QuantMethod("w8a8", lambda lin, cfg, x: W8A8Linear.from_linear(lin), lambda lin, cfg, x: W8A8Linear.from_linear(lin),
                 _smoothquant),
     QuantMethod("ternary", lambda lin, cfg, x: TernaryLinear.from_linear(lin),

@@ -120,6 +120,20 @@ def test_gguf_blocks_give_exactly_the_loaders_dequantized_weights(kind: GGMLQuan
     assert torch.equal(module.dequantize(), ours)
 
 
+@pytest.mark.parametrize("kind", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1])
+def test_round_to_nearest_at_group_32_lands_on_a_q4_blocks_own_grid(kind: GGMLQuantizationType) -> None:
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((24, 256)) * 0.05).astype(np.float32)
+    x[:, ::37] *= 4  # groups whose largest |w| is on either side (Q4_0's d of either sign)
+    stored = dequantize(quantize(x, kind), kind, (24, 256))
+    q, scale, zero = quantize_rtn_4bit(stored, 32)
+    assert torch.equal(dequantize_reference(q, scale, zero, 32, 4), stored)  # no second rounding
+    if kind == GGMLQuantizationType.Q4_0:
+        assert (scale < 0).any() and (scale > 0).any()  # Q4_0's own grid, d of either sign, was kept
+
+
 def test_gptq_beats_round_to_nearest_on_correlated_inputs() -> None:
     torch.manual_seed(4)
     mix = torch.randn(96, 96) / 96**0.5

@@ -46,6 +46,34 @@ def test_gguf_native_blocks_are_the_float_models_weights(brisk_llm: LLM) -> None
     assert weight_bytes(llm.model) < 0.2 * weight_bytes(brisk_llm.model)
 
 
+def test_int4_keeps_a_q4_1_files_grid_exactly_and_calibrates_nothing(brisk_llm: LLM) -> None:
+    llm = LLM("smollm2-135m", quantization="int4", num_kv_blocks=64, max_model_len=512)
+    assert llm.quantization is not None and llm.quantization.describe() == "int4 g32 rtn a16"
+    float_layers = dict(brisk_llm.model.named_modules())
+    quantized = {name: m for name, m in llm.model.named_modules() if isinstance(m, GroupLinear) and m.bits == 4}
+    assert len(quantized) == 4 * len(llm.model.layers)  # qkv, o, gate_up, down
+    for name, module in quantized.items():  # every 4-bit weight is the file's Q4_1 weight as stored
+        assert module.group == 32 and torch.equal(module.dequantize(), float_layers[name].weight), name
+    ref = brisk_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in ref]
+
+
+def test_int4_rounds_again_only_when_asked_or_when_the_file_is_not_q4(gguf_path: Path, tmp_path: Path) -> None:
+    from brisk.loader.gguf_loader import open_gguf
+    from brisk.loader.gguf_write import write_synthetic
+    from brisk.loader.load import keep_file_grid
+
+    q4 = open_gguf(gguf_path)
+    assert keep_file_grid(QuantConfig("int4"), q4) == QuantConfig("int4", group_size=32, calibration="none")
+    for asked in (QuantConfig("int4", group_size=64), QuantConfig("int4", calibration="none"),
+                  QuantConfig("int4", calibration="text.txt"), QuantConfig("w8a8")):
+        assert keep_file_grid(asked, q4) == asked
+    write_synthetic(gguf_path, tmp_path / "f32.gguf", hidden=64, intermediate=128, layers=2, heads=2, kv_heads=1,
+                    head_dim=32)
+    assert keep_file_grid(QuantConfig("int4"), open_gguf(tmp_path / "f32.gguf")).group == 64
+
+
 def test_gguf_needs_a_gguf_file(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="keeps a GGUF file's own blocks"):
