@@ -311,6 +311,15 @@ def block_dequantize_bf16(blocks: torch.Tensor, ggml_type: int, in_features: int
 KGEMM_TYPES = frozenset((Q2_KX4, Q3_KX4, Q4_KX4, Q5_KX4, Q6_KX4))
 
 
+def float_prompt_tiles() -> bool:
+    """Batched K-quant work without AMX runs float32 GEMMs on tiles of the weight made float (exact
+    but for the sums' order) rather than block_kgemm's integer products on x rounded to int8: where
+    512-bit FMAs run at full rate (KernelCaps.wide_fma) the float GEMM is the faster one too (1.5x on
+    1.5B-shaped Q4_K / Q6_K layers, an Intel Xeon at AVX-512); at 256 bits block_kgemm is (1.2x on
+    an AVX2 AMD EPYC)."""
+    return CAPS.wide_fma
+
+
 def block_kgemm_supported(tiled_type: int) -> bool:
     """`block_kgemm` multiplies weights of this type: a K-quant (Q2_K ... Q6_K) held in tiles."""
     return tiled_type in KGEMM_TYPES and CAPS.has("block_kgemm")

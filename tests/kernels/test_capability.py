@@ -3,6 +3,7 @@ refuses what the CPU cannot do, and the lowered paths give the native path's tok
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ from brisk import kernels
 from brisk.kernels.capability import (
     AMX_ENV,
     AVX_VNNI_ENV,
+    FULL_RATE,
     ISA_ENV,
     LEVELS,
     requested_amx,
@@ -65,6 +67,22 @@ def test_amx_tiles_are_used_where_usable_unless_turned_off() -> None:
             out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, **extra}, capture_output=True,
                                  text=True, check=True, timeout=300).stdout.strip().splitlines()[-1]
             assert out == want, extra
+
+
+def test_float_prompt_tiles_where_512_bit_fmas_run_at_full_rate() -> None:
+    caps = kernels.CAPS
+    if caps.built and caps.cpu_isa == "avx512":  # timed: ~2 (two 512-bit FMA ports) or ~1 (halves)
+        assert 0.7 < caps.fma512_ratio < 2.6
+    else:
+        assert caps.fma512_ratio == 0.0
+    assert kernels.float_prompt_tiles() == (caps.avx512 and caps.fma512_ratio >= FULL_RATE)
+    wide = dataclasses.replace(caps, built=True, isa="avx512", fma512_ratio=1.9)
+    assert wide.wide_fma and "full-rate 512-bit FMAs" in wide.describe()
+    assert not dataclasses.replace(wide, fma512_ratio=1.0).wide_fma  # Zen 4: 512 bits as two halves
+    assert not dataclasses.replace(wide, isa="avx2").wide_fma  # a lowered ISA keeps the integer kernel
+    if caps.built and caps.cpu_isa == "avx512":
+        r = _run("from brisk import kernels; print(kernels.float_prompt_tiles())", "avx2")
+        assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
 
 
 def test_requested_isa_never_exceeds_the_cpu() -> None:
@@ -203,5 +221,6 @@ def test_brisk_env_reports_the_isa_and_kernels() -> None:
     assert env["kernels_built"] == kernels.CAPS.built and env["torch_threads"] >= 1 and env["torch"]
     assert env["avx_vnni_kernels"] is False  # the scalar level has none
     assert env["amx_prompt_tiles"] is False and env["amx_bf16_cpu"] == kernels.CAPS.cpu_amx  # below avx512: off
+    assert env["kquant_prompt"] == "int8 block_kgemm" and env["fma512_ratio"] == round(kernels.CAPS.fma512_ratio, 2)
     if kernels.CAPS.built:
         assert "gemv" in env["kernels"] and "paged_attention" in env["kernels"]
