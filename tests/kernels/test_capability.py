@@ -221,6 +221,7 @@ def test_brisk_env_reports_the_isa_and_kernels() -> None:
     assert env["kernels_built"] == kernels.CAPS.built and env["torch_threads"] >= 1 and env["torch"]
     assert env["avx_vnni_kernels"] is False  # the scalar level has none
     assert env["amx_prompt_tiles"] is False and env["amx_bf16_cpu"] == kernels.CAPS.cpu_amx  # below avx512: off
-    assert env["kquant_prompt"] == "int8 block_kgemm" and env["fma512_ratio"] == round(kernels.CAPS.fma512_ratio, 2)
+    assert env["kquant_prompt"] == "int8 block_kgemm"  # the scalar level: neither AMX nor float tiles
+    assert (env["fma512_ratio"] > 0) == (kernels.CAPS.fma512_ratio > 0)  # timed again in that process
     if kernels.CAPS.built:
         assert "gemv" in env["kernels"] and "paged_attention" in env["kernels"]
