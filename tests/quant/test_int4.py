@@ -67,6 +67,25 @@ def test_clipping_search_never_loses_to_min_max_and_wins_on_outliers() -> None:
     assert not torch.equal(s_plain, s_heavy)
 
 
+def test_the_search_skips_clippings_only_where_a_grid_already_fits() -> None:
+    from brisk.quant.grouped import CLIPS, _clipped, _pick, _q4_0_grid, _search
+
+    torch.manual_seed(3)
+    w = torch.randn(600, 64) * 0.05
+    w[:, ::13] *= 3
+    q, scale, zero = quantize_rtn_4bit(w[:200], 64, search=False)
+    w[:200] = dequantize_reference(q, scale, zero, 64, 4)  # groups already on a min/max grid
+    lo, hi = w.amin(-1), w.amax(-1)
+    every = [_clipped(lo, hi - lo, a, b) for a in CLIPS for b in CLIPS] + [_q4_0_grid(w)]
+    zeros = torch.zeros(600, dtype=torch.float16)
+    for column_weight in (None, torch.rand(600, 64)):
+        best_err, _, _ = _pick(w, column_weight, every, (torch.full((600,), float("inf")), zeros, zeros))
+        scale, zero = _search(w, column_weight, symmetric=True)
+        err, _, _ = _pick(w, column_weight, [(scale, zero)], (torch.full((600,), float("inf")), zeros, zeros))
+        assert torch.equal(err, best_err)  # the exhaustive search's least error, every group
+        assert (err[:200] == 0).all()
+
+
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
 def test_kernel_dequantization_equals_the_reference(bits: int) -> None:
