@@ -10,7 +10,8 @@ from brisk.loader.resolve import BUILTIN_MODELS, DEFAULT_MODEL
 # The methods are checked by brisk.config.QuantConfig before any model loads (importing quant here
 # would pull torch into every `brisk --help`); this line only describes them.
 QUANT_HELP = ("int8: weight-only per output channel; int4: weight-only, groups of group_size (default 64; 32 on a "
-              "Q4_0 / Q4_1 .gguf, whose grid it keeps exactly), GPTQ-rounded on calibration text; w8a8: int8 weights and per-token int8 activations, "
+              "Q4_0 / Q4_1 .gguf, whose grid it keeps exactly), GPTQ-rounded on calibration text; "
+              "w8a8: int8 weights and per-token int8 activations, "
               "SmoothQuant from calibration text; ternary: BitNet b1.58 absmean {-1,0,1} x scale, 2-bit "
               "(destroys a model not trained for it); gguf: a .gguf file's own blocks as stored, the default for quantized .gguf files")
 QUANT_CONFIG_HELP = ('options as JSON: \'{"group_size": 64}\' (int4), \'{"calibration": "text.txt", '
