@@ -3,6 +3,7 @@ server, and (gguf) the file's own blocks giving the float model's greedy text.""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,8 @@ def test_int4_keeps_a_q4_1_files_grid_exactly_and_calibrates_nothing(brisk_llm: 
         [o.outputs[0].token_ids for o in ref]
 
 
-def test_int4_rounds_again_only_when_asked_or_when_the_file_is_not_q4(gguf_path: Path, tmp_path: Path) -> None:
+def test_int4_rounds_again_only_when_asked_or_when_the_file_is_not_q4(gguf_path: Path, tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
     from brisk.loader.gguf_loader import open_gguf
     from brisk.loader.gguf_write import write_synthetic
     from brisk.loader.load import keep_file_grid
@@ -68,10 +70,16 @@ def test_int4_rounds_again_only_when_asked_or_when_the_file_is_not_q4(gguf_path:
     assert keep_file_grid(QuantConfig("int4"), q4) == QuantConfig("int4", group_size=32, calibration="none")
     for asked in (QuantConfig("int4", group_size=64), QuantConfig("int4", calibration="none"),
                   QuantConfig("int4", calibration="text.txt"), QuantConfig("w8a8")):
-        assert keep_file_grid(asked, q4) == asked
+        with caplog.at_level(logging.WARNING, logger="brisk.loader.load"):
+            caplog.clear()
+            assert keep_file_grid(asked, q4) == asked
+        # rounding the file's blocks again is the user's explicit choice, and said so
+        assert ("Q4_1 weights a second time" in caplog.text) == (asked.method == "int4")
     write_synthetic(gguf_path, tmp_path / "f32.gguf", hidden=64, intermediate=128, layers=2, heads=2, kv_heads=1,
                     head_dim=32)
+    caplog.clear()
     assert keep_file_grid(QuantConfig("int4"), open_gguf(tmp_path / "f32.gguf")).group == 64
+    assert "second time" not in caplog.text  # float weights: rounded once
 
 
 def test_gguf_needs_a_gguf_file(tmp_path: Path) -> None:
