@@ -71,8 +71,8 @@ def test_amx_tiles_are_used_where_usable_unless_turned_off() -> None:
 
 def test_float_prompt_tiles_where_512_bit_fmas_run_at_full_rate() -> None:
     caps = kernels.CAPS
-    if caps.built and caps.cpu_isa == "avx512":  # timed: ~2 (two 512-bit FMA ports) or ~1 (halves)
-        assert 0.7 < caps.fma512_ratio < 2.6
+    if caps.built and caps.cpu_isa == "avx512":  # timed: ~2 (two 512-bit FMA ports), ~1 (halves), less emulated
+        assert 0 < caps.fma512_ratio < 2.6
     else:
         assert caps.fma512_ratio == 0.0
     assert kernels.float_prompt_tiles() == (caps.avx512 and caps.fma512_ratio >= FULL_RATE)
