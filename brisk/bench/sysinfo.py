@@ -84,11 +84,11 @@ def collect(measure_bandwidth: bool = True) -> dict[str, Any]:
         "avx_vnni_kernels": caps.avx_vnni,  # the avx2 level's block kernels on AVX-VNNI (BRISK_AVX_VNNI)
         "amx_bf16_cpu": caps.cpu_amx,  # AMX-BF16 usable here (oneDNN's bf16 GEMMs run on it)
         "amx_prompt_tiles": caps.amx,  # GGUF blocks' prompt work as bf16 tiles on it (BRISK_AMX)
-        "fma512_ratio": round(caps.fma512_ratio, 2),  # 512-bit over 256-bit FMA work a second (~2: full rate)
+        "cpu_vendor": caps.vendor,  # the K-quant prompt path follows it (kernels.float_prompt_tiles)
         "kquant_prompt": "bf16 tiles (AMX)" if caps.amx else "float32 tiles" if kernels.float_prompt_tiles()
         else "int8 block_kgemm",  # what K-quant prompt work runs on (quant/gguf.py BlockLinear._batched)
         "kernels": sorted(caps.names - {"isa", "cpu_isa", "set_isa", "have_vnni", "cpu_avx_vnni", "avx_vnni",
-                                        "set_avx_vnni", "cpu_amx_bf16", "cpu_fma512_ratio"}),
+                                        "set_avx_vnni", "cpu_amx_bf16", "cpu_vendor"}),
         "cuda_gpus": gpu,
     }
 

@@ -92,9 +92,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("avx_vnni", &brisk_isa::avx_vnni, "whether the avx2 level's block kernels use AVX-VNNI now");
   m.def("cpu_amx_bf16", &brisk_isa::cpu_amx_bf16,
         "whether this CPU's AMX-BF16 tiles are usable here (CPU, OS state, Linux permission): torch's bf16 GEMMs run on them");
-  m.def("cpu_fma512_ratio", &brisk_isa::cpu_fma512_ratio,
-        "float work a second of 512-bit FMAs over 256-bit ones on this CPU: ~2 at full rate, ~1 split in halves, "
-        "0 without AVX-512 (timed once, ~1 ms)");
+  m.def("cpu_vendor", &brisk_isa::cpu_vendor, "the CPU's maker: intel, amd or other");
   m.def("set_avx_vnni", &brisk_isa::set_avx_vnni,
         "use AVX-VNNI in the avx2 level's block kernels where the CPU has it (default) or not; before any kernel runs",
         py::arg("on"));

@@ -24,7 +24,6 @@ ISA_ENV = "BRISK_CPU_ISA"
 AVX_VNNI_ENV = "BRISK_AVX_VNNI"  # 0: the avx2 level's block kernels use maddubs + madd even where AVX-VNNI is
 AMX_ENV = "BRISK_AMX"  # 0: prompt work on GGUF blocks stays on the integer kernels even where AMX-BF16 is
 LEVELS = ("scalar", "avx2", "avx512")  # ascending
-FULL_RATE = 1.5  # KernelCaps.fma512_ratio from which 512-bit FMAs count as full rate (measured ~1.85-1.9 or ~1)
 BUILD_HINT = "pip install torch==2.13.0 ninja && pip install --no-build-isolation -e .  (with a C++ compiler)"
 
 
@@ -39,15 +38,7 @@ class KernelCaps:
     avx_vnni: bool = False  # the avx2 level's block kernels use AVX-VNNI (256-bit vpdpbusd)
     amx: bool = False  # AMX-BF16 tiles usable (CPU, OS, permission), isa avx512, not turned off by BRISK_AMX
     cpu_amx: bool = False  # AMX-BF16 usable at all: oneDNN's bf16 GEMMs run on it whatever brisk's level
-    # float work a second of 512-bit FMAs over 256-bit ones (~2: both FMA ports 512 bits wide; ~1: Zen 4's
-    # halves, one-port parts), timed once; 0 below the avx512 level
-    fma512_ratio: float = 0.0
-
-    @property
-    def wide_fma(self) -> bool:
-        """512-bit FMAs run at full rate and the kernels are at the avx512 level: float32 GEMMs then
-        outrun the 256-bit integer prompt kernel (kernels.float_prompt_tiles)."""
-        return self.avx512 and self.fma512_ratio >= FULL_RATE
+    vendor: str = "other"  # the CPU's maker: intel, amd or other (the K-quant prompt path follows it)
 
     @property
     def avx512(self) -> bool:
@@ -64,7 +55,7 @@ class KernelCaps:
         lowered = f" (lowered by {ISA_ENV})" if self.isa != self.cpu_isa else ""
         return (f"C++ kernels built; ISA {self.isa}{lowered}, CPU {self.cpu_isa}, VNNI {'yes' if self.vnni else 'no'}"
                 + (", AVX-VNNI" if self.avx_vnni else "") + (", AMX-BF16" if self.amx else "")
-                + (", full-rate 512-bit FMAs" if self.wide_fma else ""))
+                + f"; {self.vendor} CPU")
 
 
 def _cpuinfo_amx() -> bool:
@@ -141,9 +132,9 @@ def detect(ext: ModuleType | None, load_error: str | None) -> KernelCaps:
         avx_vnni = bool(ext.avx_vnni())
     cpu_amx = bool(ext.cpu_amx_bf16()) if "cpu_amx_bf16" in names else _cpuinfo_amx()
     amx = "cpu_amx_bf16" in names and requested_amx(cpu_amx) and str(ext.isa()) == "avx512"
-    fma512 = float(ext.cpu_fma512_ratio()) if "cpu_fma512_ratio" in names else 0.0
+    vendor = str(ext.cpu_vendor()) if "cpu_vendor" in names else "other"
     return KernelCaps(True, None, cpu, str(ext.isa()), bool(ext.have_vnni()) if "have_vnni" in names else False, names,
-                      avx_vnni, amx, cpu_amx, fma512)
+                      avx_vnni, amx, cpu_amx, vendor)
 
 
 def warn_missing(caps: KernelCaps) -> None:

@@ -3,11 +3,9 @@
 #include <torch/extension.h>
 
 #include <atomic>
-#include <chrono>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
-#include <immintrin.h>
 #endif
 #if defined(__linux__)
 #include <sys/syscall.h>
@@ -63,48 +61,14 @@ bool detect_amx_bf16() {
 #endif
 }
 
+// "intel", "amd" or "other": brisk picks the K-quant prompt path by it (kernels.float_prompt_tiles).
+std::string detect_vendor() {
 #if defined(__x86_64__) || defined(_M_X64)
-// Seconds for kIters steps of kChains independent FMA chains on vectors of one width (enough chains
-// to keep two FMA ports busy through their 4-cycle latency); the best of three runs. A macro, so
-// each width's loop is compiled inside a function of its own target.
-constexpr int kChains = 12;
-constexpr long kIters = 1 << 14;
-
-#define BRISK_FMA_SECONDS(V, SET, FMA)                                                   \
-  double best = 1e9;                                                                     \
-  for (int run = 0; run < 3; ++run) {                                                    \
-    V acc[kChains];                                                                      \
-    for (int c = 0; c < kChains; ++c) acc[c] = SET(1.0f + 1e-3f * c);                    \
-    const V m = SET(0.9999f), a = SET(1e-4f);                                            \
-    const auto t0 = std::chrono::steady_clock::now();                                    \
-    for (long i = 0; i < kIters; ++i)                                                    \
-      for (int c = 0; c < kChains; ++c) acc[c] = FMA(acc[c], m, a);                      \
-    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); \
-    V sum = acc[0];                                                                      \
-    for (int c = 1; c < kChains; ++c) sum = FMA(sum, m, acc[c]);                         \
-    volatile float sink = reinterpret_cast<const float*>(&sum)[0]; /* keeps the chains */ \
-    (void)sink;                                                                          \
-    best = std::min(best, t);                                                            \
-  }                                                                                      \
-  return best;
-
-__attribute__((target("avx2,fma"))) double fma256_seconds() { BRISK_FMA_SECONDS(__m256, _mm256_set1_ps, _mm256_fmadd_ps) }
-__attribute__((target("avx512f"))) double fma512_seconds() { BRISK_FMA_SECONDS(__m512, _mm512_set1_ps, _mm512_fmadd_ps) }
-#undef BRISK_FMA_SECONDS
+  __builtin_cpu_init();
+  if (__builtin_cpu_is("intel")) return "intel";
+  if (__builtin_cpu_is("amd")) return "amd";
 #endif
-
-// How much more float work a second 512-bit FMAs do than 256-bit ones: ~2 where they run at full
-// rate (Intel's server cores with two 512-bit FMA ports), ~1 where not (AMD's Zen 4 runs each as two
-// 256-bit halves; Intel parts with one 512-bit port). CPUID does not say; ~1 ms of timed FMA loops on
-// one core do. 0 below the avx512 level.
-double detect_fma512_ratio() {
-#if defined(__x86_64__) || defined(_M_X64)
-  if (detect() != Level::kAvx512) return 0.0;
-  const double t256 = fma256_seconds(), t512 = fma512_seconds();
-  return 2.0 * t256 / t512;
-#else
-  return 0.0;
-#endif
+  return "other";
 }
 
 const Level kCpu = detect();
@@ -121,9 +85,9 @@ Level active() { return static_cast<Level>(g_active.load(std::memory_order_relax
 bool vnni() { return kVnni && avx512(); }
 bool cpu_avx_vnni() { return kAvxVnni; }
 bool cpu_amx_bf16() { return kAmxBf16; }
-double cpu_fma512_ratio() {
-  static const double ratio = detect_fma512_ratio();  // timed once, when first asked
-  return ratio;
+std::string cpu_vendor() {
+  static const std::string vendor = detect_vendor();
+  return vendor;
 }
 bool avx_vnni() { return g_avx_vnni.load(std::memory_order_relaxed) && active() == Level::kAvx2; }
 void set_avx_vnni(bool on) { g_avx_vnni.store(on && kAvxVnni, std::memory_order_relaxed); }

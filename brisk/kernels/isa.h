@@ -17,7 +17,7 @@ bool cpu_avx_vnni();  // AVX-VNNI (vpdpbusd on 256-bit vectors, without AVX-512)
 bool avx_vnni();      // cpu_avx_vnni(), avx2 active, and not turned off by set_avx_vnni(false)
 void set_avx_vnni(bool on);  // off: the avx2 level's maddubs + madd (same integers); call before any kernel
 bool cpu_amx_bf16();  // AMX-BF16 tiles present, enabled by the OS and granted to this process
-double cpu_fma512_ratio();  // float work a second of 512-bit FMAs over 256-bit ones (timed once; 0 below avx512)
+std::string cpu_vendor();  // "intel", "amd" or "other"
 
 inline bool avx512() { return active() == Level::kAvx512; }
 inline bool at_least_avx2() { return active() >= Level::kAvx2; }

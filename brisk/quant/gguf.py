@@ -58,9 +58,9 @@ GROUP = 32
 # hundreds of rows than a float GEMM (Q4_K 576x1536, 512 rows: 9.8 ms int8, 4.6 ms float plus the
 # tiles' dequantization). K-quant tiles then run block_kgemm (x in int8 per 128 columns, summed as
 # integers: 1.25-1.35x the float GEMM on an AVX2 CPU); the other types a float32 GEMM, the weight
-# made float TILE_ROWS rows at a time (~1.2 MB, L2). Where 512-bit FMAs run at full rate that float
-# GEMM outruns block_kgemm's 256-bit integers (~135 against ~85 GMAC/s on an Intel Xeon's two cores)
-# and K-quants take it too (kernels.float_prompt_tiles), with no int8 rounding of x.
+# made float TILE_ROWS rows at a time (~1.2 MB, L2). On Intel CPUs torch's float GEMM is at least as
+# fast as block_kgemm (~135 against ~85 GMAC/s on a Xeon's two cores at AVX-512, even at AVX2), so
+# K-quants take it too (kernels.float_prompt_tiles), with no int8 rounding of x.
 # Rows up to it keep the decode kernels' numbers.
 BLOCK_KERNEL_MAX_ROWS = 64
 TILE_ROWS = 512
@@ -321,13 +321,13 @@ class BlockLinear(QuantizedLinear):
     def _batched(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W^T (+ bias) for many rows of x: with AMX-BF16, bf16 tiles of W in torch's GEMM
         (`_bf16_tiles`); else K-quant tiles by integer dot products on x quantized per 128 columns
-        (block_kgemm) unless float GEMMs are faster here (kernels.float_prompt_tiles), the other
+        (block_kgemm) unless float GEMMs are as fast here (kernels.float_prompt_tiles), the other
         types, and then every type, with W made float a tile of rows at a time (never the whole matrix)."""
         if bf16_tiles_supported():
             y = self._bf16_tiles(x)
             return y if bias is None else y.add_(bias)
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        integer = not (float_prompt_tiles() and block_dequantize_supported())
+        integer = not float_prompt_tiles()
         first, kparts = 0, []
         for t, rows in zip(self.types, self.blocks):
             if integer and block_kgemm_supported(t):

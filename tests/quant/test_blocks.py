@@ -109,8 +109,8 @@ def test_many_rows_multiply_the_same_weights_in_floats(qtype: GGMLQuantizationTy
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Past BLOCK_KERNEL_MAX_ROWS (prompt chunks) without AMX the weight is made float a tile at a
     time: the dequantized weights times float x; K-quant tiles instead meet x in int8 per 128 columns
-    (block_kgemm, the next test) unless float GEMMs are the faster here (kernels.float_prompt_tiles:
-    full-rate 512-bit FMAs; forced both ways here)."""
+    (block_kgemm, the next test) unless float GEMMs are as fast here (kernels.float_prompt_tiles:
+    Intel CPUs; forced both ways here)."""
     from brisk.quant import gguf as native
 
     monkeypatch.setattr(native, "bf16_tiles_supported", lambda: False)
