@@ -85,8 +85,9 @@ def collect(measure_bandwidth: bool = True) -> dict[str, Any]:
         "amx_bf16_cpu": caps.cpu_amx,  # AMX-BF16 usable here (oneDNN's bf16 GEMMs run on it)
         "amx_prompt_tiles": caps.amx,  # GGUF blocks' prompt work as bf16 tiles on it (BRISK_AMX)
         "cpu_vendor": caps.vendor,  # the K-quant prompt path follows it (kernels.float_prompt_tiles)
-        "kquant_prompt": "bf16 tiles (AMX)" if caps.amx else "float32 tiles" if kernels.float_prompt_tiles()
-        else "int8 block_kgemm",  # what K-quant prompt work runs on (quant/gguf.py BlockLinear._batched)
+        # what K-quant prompt work runs on (quant/gguf.py BlockLinear._batched; BRISK_AMX, BRISK_FLOAT_PROMPT_TILES)
+        "kquant_prompt": "torch (no kernels)" if not caps.built else "bf16 tiles (AMX)" if caps.amx
+        else "float32 tiles" if kernels.float_prompt_tiles() else "int8 block_kgemm",
         "kernels": sorted(caps.names - {"isa", "cpu_isa", "set_isa", "have_vnni", "cpu_avx_vnni", "avx_vnni",
                                         "set_avx_vnni", "cpu_amx_bf16", "cpu_vendor"}),
         "cuda_gpus": gpu,

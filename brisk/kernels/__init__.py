@@ -314,10 +314,11 @@ KGEMM_TYPES = frozenset((Q2_KX4, Q3_KX4, Q4_KX4, Q5_KX4, Q6_KX4))
 def float_prompt_tiles() -> bool:
     """Batched K-quant work without AMX runs float32 GEMMs on tiles of the weight made float (exact
     but for the sums' order) rather than block_kgemm's integer products on x rounded to int8 (+0.2-0.4%
-    perplexity at window 512) where torch's float GEMM is at least as fast: on Intel CPUs (an Intel
-    Xeon: 1.5x block_kgemm at AVX-512, 1.0-1.05x with MKL and oneDNN held to AVX2), not on AMD ones
-    (an AVX2 EPYC: 0.82x). Needs block_dequantize (AVX2)."""
-    return CAPS.vendor == "intel" and block_dequantize_supported()
+    perplexity at window 512): on Intel CPUs, where torch's float GEMM is at least as fast (a Xeon:
+    1.5x block_kgemm at AVX-512, 1.0-1.05x with MKL and oneDNN held to AVX2), not on AMD ones (an
+    AVX2 EPYC: 0.82x), or as BRISK_FLOAT_PROMPT_TILES says (KernelCaps.float_tiles). Needs
+    block_dequantize (AVX2)."""
+    return CAPS.float_tiles and block_dequantize_supported()
 
 
 def block_kgemm_supported(tiled_type: int) -> bool:

@@ -23,6 +23,7 @@ from brisk.errors import UserError
 ISA_ENV = "BRISK_CPU_ISA"
 AVX_VNNI_ENV = "BRISK_AVX_VNNI"  # 0: the avx2 level's block kernels use maddubs + madd even where AVX-VNNI is
 AMX_ENV = "BRISK_AMX"  # 0: prompt work on GGUF blocks stays on the integer kernels even where AMX-BF16 is
+FLOAT_TILES_ENV = "BRISK_FLOAT_PROMPT_TILES"  # 1 / 0: K-quant prompt work in float32 tiles or block_kgemm
 LEVELS = ("scalar", "avx2", "avx512")  # ascending
 BUILD_HINT = "pip install torch==2.13.0 ninja && pip install --no-build-isolation -e .  (with a C++ compiler)"
 
@@ -38,7 +39,8 @@ class KernelCaps:
     avx_vnni: bool = False  # the avx2 level's block kernels use AVX-VNNI (256-bit vpdpbusd)
     amx: bool = False  # AMX-BF16 tiles usable (CPU, OS, permission), isa avx512, not turned off by BRISK_AMX
     cpu_amx: bool = False  # AMX-BF16 usable at all: oneDNN's bf16 GEMMs run on it whatever brisk's level
-    vendor: str = "other"  # the CPU's maker: intel, amd or other (the K-quant prompt path follows it)
+    vendor: str = "other"  # the CPU's maker: intel, amd or other
+    float_tiles: bool = False  # K-quant prompt work in float32 tiles, not block_kgemm (requested_float_tiles)
 
     @property
     def avx512(self) -> bool:
@@ -113,6 +115,20 @@ def requested_amx(cpu_has: bool, env: dict[str, str] | None = None) -> bool:
                              "AMX-BF16 is not usable here (CPU, OS or permission)")
 
 
+def requested_float_tiles(vendor: str, env: dict[str, str] | None = None) -> bool:
+    """Whether K-quant prompt work runs float32 GEMMs on tiles of the weight made float (exact but for
+    the sums' order) rather than block_kgemm on x rounded to int8: by default on Intel CPUs, where
+    torch's float GEMM was at least as fast (BENCHMARKS.md), not on AMD ones, where MKL's was 0.82x;
+    BRISK_FLOAT_PROMPT_TILES=1 / 0 chooses either on any CPU."""
+    value = (os.environ if env is None else env).get(FLOAT_TILES_ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return vendor == "intel"
+    if value not in ("0", "1"):
+        raise UserError(f"{FLOAT_TILES_ENV}={value!r}: use 1 (float32 tiles) or 0 (block_kgemm on int8 x), "
+                         "or unset it (Intel CPUs: 1, others: 0)")
+    return value == "1"
+
+
 def detect(ext: ModuleType | None, load_error: str | None) -> KernelCaps:
     """Decide the ISA once and tell the extension (before any kernel runs)."""
     if ext is None:
@@ -134,7 +150,7 @@ def detect(ext: ModuleType | None, load_error: str | None) -> KernelCaps:
     amx = "cpu_amx_bf16" in names and requested_amx(cpu_amx) and str(ext.isa()) == "avx512"
     vendor = str(ext.cpu_vendor()) if "cpu_vendor" in names else "other"
     return KernelCaps(True, None, cpu, str(ext.isa()), bool(ext.have_vnni()) if "have_vnni" in names else False, names,
-                      avx_vnni, amx, cpu_amx, vendor)
+                      avx_vnni, amx, cpu_amx, vendor, requested_float_tiles(vendor))
 
 
 def warn_missing(caps: KernelCaps) -> None:

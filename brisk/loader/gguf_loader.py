@@ -292,7 +292,7 @@ def is_quantized(file: GGUFFile) -> bool:
 def layer_weight_types(file: GGUFFile) -> set[str]:
     """The GGML type names of the decoder layers' 2-D weights (the Linears: `blk.N.*`)."""
     return {gguf.GGMLQuantizationType(t.tensor_type).name for t in file.reader.tensors
-            if len(t.shape) == 2 and t.name.startswith("blk.") and t.name not in _ROPE_TENSORS}
+            if len(t.shape) == 2 and t.name.startswith("blk.")}
 
 
 def tensor_types(file: GGUFFile) -> dict[str, int]:

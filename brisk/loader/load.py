@@ -28,6 +28,7 @@ from brisk.loader.hf_loader import check_hf_dir, hf_model_config, hf_weights
 from brisk.loader.resolve import ModelSource, resolve_model
 from brisk.loader.tokenizer import Tokenizer
 from brisk.model.base import CausalLM
+from brisk.model.layers import Linear
 from brisk.model.registry import build_model
 
 log = logging.getLogger(__name__)
@@ -100,25 +101,44 @@ FLOAT_TYPE_NAMES = frozenset({"F32", "F16", "BF16"})
 
 
 def keep_file_grid(quant: QuantConfig, file: GGUFFile) -> QuantConfig:
-    """int4 at its defaults on a file whose layers are all Q4_0 / Q4_1 blocks: groups of 32,
-    round-to-nearest, which lands on the blocks' own grid exactly (`quantize_rtn_4bit`). Groups of
-    64 would round those weights a second time (+9% perplexity on the default model's Q4_1 file even
-    with GPTQ; BENCHMARKS.md), and calibrating cannot do better than the file. A given group_size or
-    calibration text is kept as asked. Any other quantized file is rounded again, with a warning."""
+    """int4 with no group_size on a file whose layers are all Q4_0 / Q4_1 blocks, calibrated on the
+    model's own text (the default) or not at all: groups of 32, round-to-nearest, which lands on
+    blocks written by llama.cpp's quantizer exactly (`quantize_rtn_4bit`; `check_kept_grid` says
+    where it did not). Groups of 64 would round those weights a second time (+9% perplexity on the
+    default model's Q4_1 file even with GPTQ; BENCHMARKS.md), and calibrating cannot do better than
+    the file. A given group_size or calibration text is kept as asked. Any other quantized file is
+    rounded again, with a warning."""
     if quant.method != "int4":
         return quant
     types = layer_weight_types(file)
-    if not types or not types <= {"Q4_0", "Q4_1"} or quant.group_size is not None or quant.calibration != "self":
+    if not types or not types <= {"Q4_0", "Q4_1"} or quant.group_size is not None or \
+            quant.calibration not in ("self", "none"):  # a text of the user's: GPTQ on it, as asked
         if types - FLOAT_TYPE_NAMES:  # llama.cpp's quantize refuses this without --allow-requantize
             log.warning("int4 rounds this file's %s weights a second time (measured: +9%% perplexity on the "
                         "default model's Q4_1 file at g64, +17%% on Gemma 3 270M's Q4_K_M file, both GPTQ-"
                         "calibrated); the file as stored, brisk's default without -q, runs them exactly",
                         "/".join(sorted(types - FLOAT_TYPE_NAMES)))
         return quant
-    log.info("int4: the file's layers are %s blocks (4-bit groups of 32): kept on that grid (int4 g32, "
-             "no second rounding, nothing to calibrate); give group_size to round them again",
+    log.info("int4: the file's layers are %s blocks (4-bit groups of 32): kept on that grid (int4 g32 "
+             "round-to-nearest, nothing to calibrate); give group_size to round them again",
              " and ".join(sorted(types)))
     return dataclasses.replace(quant, group_size=32, calibration="none")
+
+
+def check_kept_grid(model: CausalLM, floats: dict[str, torch.Tensor]) -> None:
+    """After `keep_file_grid`: warn where an int4 weight is not its file weight exactly (blocks whose
+    scales llama.cpp chose by an importance matrix need not sit on the grid min/max or Q4_0's rule
+    finds), naming how many Linears were rounded again."""
+    from brisk.quant.grouped import GroupLinear
+
+    moved = [name for name, m in model.named_modules()
+             if isinstance(m, GroupLinear) and m.bits == 4 and name in floats
+             and not torch.equal(m.dequantize(), floats[name].float())]
+    if moved:
+        log.warning("int4 rounded %d of the file's Q4 Linears again (first: %s): their blocks are not on the "
+                    "grid brisk's int4 recovers (an importance-matrix quantization, or a dtype below float32 "
+                    "that rounded them); the file as stored, brisk's default without -q, runs them exactly",
+                    len(moved), moved[0])
 
 
 def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_len: int | None = None,
@@ -160,8 +180,10 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
         raise UserError(f"quantization gguf keeps a GGUF file's own blocks, but {ref} is not a .gguf file; "
                          "choose int8 or int4 for other models")
     file = open_gguf(source.path) if source.kind == "gguf" else None
+    kept_grid = False  # int4 resolved to the file's Q4 grid (keep_file_grid): checked after quantizing
     if quant is not None and file is not None:
-        quant = keep_file_grid(quant, file)
+        asked, quant = quant, keep_file_grid(quant, file)
+        kept_grid = quant != asked
     if keeps_blocks(source, file, quant, dequantize, device):
         assert file is not None
         return _load_blocks(file, source, tdtype, device, max_model_len, quant or QuantConfig("gguf"), before_quant)
@@ -191,7 +213,10 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_
     if before_quant is not None:
         before_quant(model)
     if quant is not None:
+        floats = {n: m.weight for n, m in model.named_modules() if isinstance(m, Linear)} if kept_grid else {}
         quantize_model(model, quant, source, cfg, tokenizer)
+        if kept_grid:
+            check_kept_grid(model, floats)
         if before_quant is None:  # a shard's or stage's state is not the model's
             store_state(quant, model, source)
         set_activations(model, quant.act_mode)

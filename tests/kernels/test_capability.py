@@ -19,6 +19,7 @@ from brisk.kernels.capability import (
     LEVELS,
     requested_amx,
     requested_avx_vnni,
+    requested_float_tiles,
     requested_isa,
 )
 
@@ -67,16 +68,31 @@ def test_amx_tiles_are_used_where_usable_unless_turned_off() -> None:
             assert out == want, extra
 
 
-def test_float_prompt_tiles_on_intel_cpus() -> None:
+def test_float_prompt_tiles_on_intel_cpus_unless_told() -> None:
+    assert requested_float_tiles("intel", {}) is True and requested_float_tiles("amd", {}) is False
+    assert requested_float_tiles("other", {}) is False and requested_float_tiles("intel", {"BRISK_FLOAT_PROMPT_TILES": "auto"})
+    assert requested_float_tiles("amd", {"BRISK_FLOAT_PROMPT_TILES": "1"}) is True
+    assert requested_float_tiles("intel", {"BRISK_FLOAT_PROMPT_TILES": "0"}) is False
+    with pytest.raises(ValueError, match="BRISK_FLOAT_PROMPT_TILES='yes': use 1"):
+        requested_float_tiles("intel", {"BRISK_FLOAT_PROMPT_TILES": "yes"})
     caps = kernels.CAPS
     assert caps.vendor in ("intel", "amd", "other")
+    maker = ""
     if caps.built and Path("/proc/cpuinfo").is_file():
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             maker = next((line.split(":")[1].strip() for line in f if line.startswith("vendor_id")), "")
-        assert caps.vendor == {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(maker, "other")
-    assert kernels.float_prompt_tiles() == (caps.vendor == "intel" and kernels.block_dequantize_supported())
-    if caps.built and caps.cpu_isa != "scalar":  # the scalar level has no block_dequantize: block_kgemm
-        r = _run("from brisk import kernels; print(kernels.float_prompt_tiles())", "scalar")
+    if maker in ("GenuineIntel", "AuthenticAMD"):  # other makers' names differ between cpuid and GCC
+        assert caps.vendor == {"GenuineIntel": "intel", "AuthenticAMD": "amd"}[maker]
+    assert kernels.float_prompt_tiles() == (caps.float_tiles and kernels.block_dequantize_supported())
+    if caps.built and caps.cpu_isa != "scalar":
+        flip = "0" if caps.float_tiles else "1"
+        code = "from brisk import kernels; print(kernels.float_prompt_tiles())"
+        r = _run(code, None)
+        env_run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False,
+                                 timeout=300, env={**os.environ, "BRISK_FLOAT_PROMPT_TILES": flip})
+        assert r.returncode == 0 and env_run.returncode == 0, r.stderr + env_run.stderr
+        assert r.stdout.strip() == str(caps.float_tiles) and env_run.stdout.strip() == str(flip == "1")
+        r = _run(code, "scalar")  # no block_dequantize at the scalar level: block_kgemm
         assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
 
 

@@ -23,7 +23,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 def test_quantized_model_through_the_batched_engine(method: str, brisk_llm: LLM) -> None:
     # round-to-nearest int4: the calibrated default (minutes of GPTQ) has its own test (test_calibration.py)
     llm = LLM("smollm2-135m", quantization=method, num_kv_blocks=256, max_model_len=1024,
-              quantization_config={"calibration": "none"} if method == "int4" else None)
+              quantization_config={"calibration": "none", "group_size": 64} if method == "int4" else None)
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     alone = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     assert batched == alone  # the batched engine changes nothing for a quantized model either
@@ -47,7 +47,8 @@ def test_gguf_native_blocks_are_the_float_models_weights(brisk_llm: LLM) -> None
     assert weight_bytes(llm.model) < 0.2 * weight_bytes(brisk_llm.model)
 
 
-def test_int4_keeps_a_q4_1_files_grid_exactly_and_calibrates_nothing(brisk_llm: LLM) -> None:
+def test_int4_keeps_a_q4_1_files_grid_exactly_and_calibrates_nothing(brisk_llm: LLM,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
     llm = LLM("smollm2-135m", quantization="int4", num_kv_blocks=64, max_model_len=512)
     assert llm.quantization is not None and llm.quantization.describe() == "int4 g32 rtn a16"
     float_layers = dict(brisk_llm.model.named_modules())
@@ -58,6 +59,16 @@ def test_int4_keeps_a_q4_1_files_grid_exactly_and_calibrates_nothing(brisk_llm: 
     ref = brisk_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in ref]
+    # the load's check: silent here, and names what a block off the recoverable grid would cost
+    from brisk.loader.load import check_kept_grid
+
+    floats = {name: float_layers[name].weight for name in quantized}
+    with caplog.at_level(logging.WARNING, logger="brisk.loader.load"):
+        check_kept_grid(llm.model, floats)
+        assert "rounded" not in caplog.text
+        first = next(iter(quantized))
+        check_kept_grid(llm.model, {**floats, first: floats[first] * 1.001})
+    assert f"int4 rounded 1 of the file's Q4 Linears again (first: {first})" in caplog.text
 
 
 def test_int4_rounds_again_only_when_asked_or_when_the_file_is_not_q4(gguf_path: Path, tmp_path: Path,
@@ -68,7 +79,9 @@ def test_int4_rounds_again_only_when_asked_or_when_the_file_is_not_q4(gguf_path:
 
     q4 = open_gguf(gguf_path)
     assert keep_file_grid(QuantConfig("int4"), q4) == QuantConfig("int4", group_size=32, calibration="none")
-    for asked in (QuantConfig("int4", group_size=64), QuantConfig("int4", calibration="none"),
+    assert keep_file_grid(QuantConfig("int4", calibration="none"), q4) == QuantConfig("int4", group_size=32,
+                                                                                      calibration="none")
+    for asked in (QuantConfig("int4", group_size=64), QuantConfig("int4", group_size=64, calibration="none"),
                   QuantConfig("int4", calibration="text.txt"), QuantConfig("w8a8")):
         with caplog.at_level(logging.WARNING, logger="brisk.loader.load"):
             caplog.clear()
@@ -95,7 +108,7 @@ def test_quantized_model_behind_the_server(method: str) -> None:
     from brisk.server import build_app
 
     llm = LLM("smollm2-135m", quantization=method, num_kv_blocks=128, max_model_len=512,
-              quantization_config={"calibration": "none"} if method == "int4" else None)
+              quantization_config={"calibration": "none", "group_size": 64} if method == "int4" else None)
     expected = llm.generate("Water boils at", SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
     app = build_app(llm, api_key="")
     try:

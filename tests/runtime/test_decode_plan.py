@@ -31,8 +31,9 @@ def _outputs(llm: LLM, use_plan: bool) -> list[tuple[list[int], list[tuple[float
 
 
 # int4 and w8a8 calibrate on the model's own text by default (minutes): these tests are about the
-# kernels and the plan, which round-to-nearest weights exercise alike
-RTN = {"calibration": "none"}
+# kernels and the plan, which round-to-nearest weights exercise alike (g64: the default model's Q4_1
+# grid would otherwise be kept at g32, the gguf rows' weights)
+RTN = {"calibration": "none", "group_size": 64}
 
 
 @pytest.mark.parametrize("quantization,config", [("float", None), ("int4", RTN), ("int4", {**RTN, "activations": "int8"}),
