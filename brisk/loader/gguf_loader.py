@@ -62,6 +62,7 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _FLOAT_TYPES = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+FLOAT_TYPE_NAMES = frozenset(t.name for t in _FLOAT_TYPES)  # as `layer_weight_types` names them
 # Architectures whose Q/K llama.cpp permuted for its interleaved rotary.
 _PERMUTED_QK = {"llama", "mistral"}
 
@@ -304,5 +305,5 @@ def tensor_types(file: GGUFFile) -> dict[str, int]:
     return counts
 
 
-__all__ = ["GGUFFile", "gguf_blocks", "gguf_model_config", "gguf_tensor", "gguf_weights", "is_quantized",
+__all__ = ["FLOAT_TYPE_NAMES", "GGUFFile", "gguf_blocks", "gguf_model_config", "gguf_tensor", "gguf_weights", "is_quantized",
            "layer_weight_types", "open_gguf", "release_tensor", "tensor_types"]

@@ -14,6 +14,7 @@ from brisk.config import ModelConfig, QuantConfig
 from brisk.errors import UserError
 from brisk.loader.calibration import cached_state, calibration_ids, store_state
 from brisk.loader.gguf_loader import (
+    FLOAT_TYPE_NAMES,
     GGUFFile,
     gguf_blocks,
     gguf_model_config,
@@ -97,7 +98,7 @@ def keeps_blocks(source: ModelSource, file: GGUFFile | None, quant: QuantConfig 
     return not dequantize and torch.device(device).type == "cpu" and is_quantized(file)
 
 
-FLOAT_TYPE_NAMES = frozenset({"F32", "F16", "BF16"})
+AS_STORED = "the file as stored, brisk's default without -q, runs them exactly"
 
 
 def keep_file_grid(quant: QuantConfig, file: GGUFFile) -> QuantConfig:
@@ -116,8 +117,7 @@ def keep_file_grid(quant: QuantConfig, file: GGUFFile) -> QuantConfig:
         if types - FLOAT_TYPE_NAMES:  # llama.cpp's quantize refuses this without --allow-requantize
             log.warning("int4 rounds this file's %s weights a second time (measured: +9%% perplexity on the "
                         "default model's Q4_1 file at g64, +17%% on Gemma 3 270M's Q4_K_M file, both GPTQ-"
-                        "calibrated); the file as stored, brisk's default without -q, runs them exactly",
-                        "/".join(sorted(types - FLOAT_TYPE_NAMES)))
+                        "calibrated); %s", "/".join(sorted(types - FLOAT_TYPE_NAMES)), AS_STORED)
         return quant
     log.info("int4: the file's layers are %s blocks (4-bit groups of 32): kept on that grid (int4 g32 "
              "round-to-nearest, nothing to calibrate); give group_size to round them again",
@@ -137,8 +137,7 @@ def check_kept_grid(model: CausalLM, floats: dict[str, torch.Tensor]) -> None:
     if moved:
         log.warning("int4 rounded %d of the file's Q4 Linears again (first: %s): their blocks are not on the "
                     "grid brisk's int4 recovers (an importance-matrix quantization, or a dtype below float32 "
-                    "that rounded them); the file as stored, brisk's default without -q, runs them exactly",
-                    len(moved), moved[0])
+                    "that rounded them); %s", len(moved), moved[0], AS_STORED)
 
 
 def load_model(ref: str, dtype: str = "float32", device: str = "cpu", max_model_len: int | None = None,
