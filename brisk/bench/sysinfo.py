@@ -7,9 +7,12 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from brisk.kernels.capability import KernelCaps
 
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
              "amx_bf16", "amx_int8", "neon", "asimd")
@@ -85,13 +88,25 @@ def collect(measure_bandwidth: bool = True) -> dict[str, Any]:
         "amx_bf16_cpu": caps.cpu_amx,  # AMX-BF16 usable here (oneDNN's bf16 GEMMs run on it)
         "amx_prompt_tiles": caps.amx,  # GGUF blocks' prompt work as bf16 tiles on it (BRISK_AMX)
         "cpu_vendor": caps.vendor,  # the K-quant prompt path follows it (kernels.float_prompt_tiles)
-        # what K-quant prompt work runs on (quant/gguf.py BlockLinear._batched; BRISK_AMX, BRISK_FLOAT_PROMPT_TILES)
-        "kquant_prompt": "torch (no kernels)" if not caps.built else "bf16 tiles (AMX)" if caps.amx
-        else "float32 tiles" if kernels.float_prompt_tiles() else "int8 block_kgemm",
+        "kquant_prompt": _kquant_prompt(caps),
         "kernels": sorted(caps.names - {"isa", "cpu_isa", "set_isa", "have_vnni", "cpu_avx_vnni", "avx_vnni",
                                         "set_avx_vnni", "cpu_amx_bf16", "cpu_vendor"}),
         "cuda_gpus": gpu,
     }
+
+
+def _kquant_prompt(caps: KernelCaps) -> str:
+    """What K-quant prompt work runs on (quant/gguf.py BlockLinear._batched; BRISK_AMX, BRISK_FLOAT_PROMPT_TILES)."""
+    from brisk import kernels
+
+    if not caps.built:
+        return "torch (no kernels)"
+    if caps.amx:
+        return "bf16 tiles (AMX)"
+    if kernels.float_prompt_tiles():
+        return "float32 tiles"
+    # the MLP's down projections keep float x where the tiles can be made float (gguf.FLOAT_X_LINEARS)
+    return "int8 block_kgemm (MLP down: float32 tiles)" if kernels.block_dequantize_supported() else "int8 block_kgemm"
 
 
 def render(env: dict[str, Any]) -> str:

@@ -60,7 +60,14 @@ GROUP = 32
 # integers: 1.25-1.35x the float GEMM on an AVX2 CPU); the other types a float32 GEMM, the weight
 # made float TILE_ROWS rows at a time (~1.2 MB, L2). On Intel CPUs torch's float GEMM is at least as
 # fast as block_kgemm (~135 against ~85 GMAC/s on a Xeon's two cores at AVX-512, even at AVX2), so
-# K-quants take it too (kernels.float_prompt_tiles), with no int8 rounding of x.
+# K-quants take it too (kernels.float_prompt_tiles), with no int8 rounding of x. Elsewhere the MLP's
+# down projection keeps float x all the same (FLOAT_X_LINEARS, `BlockLinear.float_x`): its inputs, the
+# gated activations, carry the massive outliers that int8 per 128 columns rounds the small values
+# beside away. Window-512 perplexity with the integer path forced (BRISK_FLOAT_PROMPT_TILES=0): the
+# default model's Q3_K_M mix +0.38% -> exact (its down projections are its only K-quant layers),
+# Gemma 3 270M's KL to the dequantized file 0.0061 -> 0.0015; on the AVX2 EPYC, where MKL ran 0.82x
+# block_kgemm, that costs a 1.5B-shaped prompt ~6% (down is ~30% of its products).
+FLOAT_X_LINEARS = frozenset({"down_proj"})
 # Rows up to it keep the decode kernels' numbers.
 BLOCK_KERNEL_MAX_ROWS = 64
 TILE_ROWS = 512
@@ -185,6 +192,8 @@ def attach_blocks(model: nn.Module, blocks: Blocks, bias_of: Callable[[str], tor
         module = native_module([blocks[n] for n in part_names], linear.in_features, bias, linear.output_sizes,
                                linear.weight.dtype)
         if module is not None:
+            if isinstance(module, BlockLinear):
+                module.float_x = attr in FLOAT_X_LINEARS
             setattr(parent, attr, module)
             for name, copied in zip(part_names, _copied_parts(module)):
                 if copied:
@@ -248,6 +257,7 @@ class BlockLinear(QuantizedLinear):
             self.register_buffer(f"blocks{i}", rows, persistent=False)
         self.register_buffer("bias", bias)
         self.dtype = dtype
+        self.float_x = False  # prompt work keeps x in float32 where block_kgemm would round it (FLOAT_X_LINEARS)
 
     @property
     def blocks(self) -> list[torch.Tensor]:
@@ -321,13 +331,14 @@ class BlockLinear(QuantizedLinear):
     def _batched(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W^T (+ bias) for many rows of x: with AMX-BF16, bf16 tiles of W in torch's GEMM
         (`_bf16_tiles`); else K-quant tiles by integer dot products on x quantized per 128 columns
-        (block_kgemm) unless float GEMMs are as fast here (kernels.float_prompt_tiles), the other
-        types, and then every type, with W made float a tile of rows at a time (never the whole matrix)."""
+        (block_kgemm) unless float GEMMs are as fast here (kernels.float_prompt_tiles) or the layer's
+        inputs carry outliers (`float_x`); the other types, and then every type, with W made float a
+        tile of rows at a time (never the whole matrix)."""
         if bf16_tiles_supported():
             y = self._bf16_tiles(x)
             return y if bias is None else y.add_(bias)
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        integer = not float_prompt_tiles()
+        integer = not (float_prompt_tiles() or (self.float_x and block_dequantize_supported()))
         first, kparts = 0, []
         for t, rows in zip(self.types, self.blocks):
             if integer and block_kgemm_supported(t):

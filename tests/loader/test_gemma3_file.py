@@ -103,6 +103,35 @@ def test_file_as_stored_runs_the_decode_plan_with_the_module_path_numbers(gemma_
     assert results[0] == results[1]
 
 
+def test_mlp_down_projections_keep_float_inputs_in_prompt_work(gemma_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where K-quant prompt work is integer (block_kgemm: CPUs without AMX, not Intel), the MLP's down
+    projections keep x in float32 (gguf.FLOAT_X_LINEARS: their gated inputs carry the outliers that
+    int8 per 128 columns loses the small values beside): a 100-row chunk through the file's Q6_K
+    down projection gives the float-tile numbers, its Q4_K o_proj the integer ones."""
+    from brisk import kernels
+    from brisk.engine.llm import LLM
+    from brisk.quant import gguf as native
+    from brisk.quant.grouped import quantize_act_blocks
+
+    if not kernels.block_dequantize_supported() or not kernels.CAPS.has("block_kgemm"):
+        pytest.skip("needs brisk's block kernels at the AVX2 level or above")
+    llm = LLM(str(gemma_path), max_model_len=256, num_kv_blocks=16)
+    layers = llm.model.layers  # type: ignore[union-attr]
+    down, o_proj, gate_up = layers[0].mlp.down_proj, layers[0].self_attn.o_proj, layers[0].mlp.gate_up_proj
+    assert all(layer.mlp.down_proj.float_x for layer in layers)
+    assert not o_proj.float_x and not gate_up.float_x
+    monkeypatch.setattr(native, "bf16_tiles_supported", lambda: False)
+    monkeypatch.setattr(native, "float_prompt_tiles", lambda: False)
+    for linear in (down, o_proj):
+        assert any(kernels.block_kgemm_supported(t) for t in linear.types)  # Q6_K, Q4_K
+        x = torch.randn(100, linear.in_features, generator=torch.Generator().manual_seed(3))
+        w = linear.dequantize().float()
+        xk = x if linear is down else quantize_act_blocks(x, "int8", 128)
+        ref = torch.nn.functional.linear(xk.double(), w.double()).float()
+        torch.testing.assert_close(linear(x), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+
+
 def test_lossless_speculation_keeps_greedy_tokens(gemma_path: Path) -> None:
     """n-gram lookup and early exit (through `embed`, the sliding layers' windows and the plan)
     change nothing in greedy output."""

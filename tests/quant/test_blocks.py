@@ -103,14 +103,15 @@ K_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]  # prompt work as integers (k
 
 
 @pytest.mark.skipif(not kernels.block_dequantize_supported(), reason="the tiled float path needs AVX2")
-@pytest.mark.parametrize("float_tiles", [False, True], ids=["kgemm", "float-tiles"])
+@pytest.mark.parametrize("float_tiles,float_x", [(False, False), (True, False), (False, True)],
+                         ids=["kgemm", "float-tiles", "float-x"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_many_rows_multiply_the_same_weights_in_floats(qtype: GGMLQuantizationType, float_tiles: bool,
+def test_many_rows_multiply_the_same_weights_in_floats(qtype: GGMLQuantizationType, float_tiles: bool, float_x: bool,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Past BLOCK_KERNEL_MAX_ROWS (prompt chunks) without AMX the weight is made float a tile at a
     time: the dequantized weights times float x; K-quant tiles instead meet x in int8 per 128 columns
     (block_kgemm, the next test) unless float GEMMs are as fast here (kernels.float_prompt_tiles:
-    Intel CPUs; forced both ways here)."""
+    Intel CPUs; forced both ways here) or the layer keeps float x (`float_x`: MLP down projections)."""
     from brisk.quant import gguf as native
 
     monkeypatch.setattr(native, "bf16_tiles_supported", lambda: False)
@@ -118,10 +119,11 @@ def test_many_rows_multiply_the_same_weights_in_floats(qtype: GGMLQuantizationTy
     blocks = random_blocks(qtype, 40, 512, seed=int(qtype) + 1)
     layer = BlockLinear([(int(qtype), blocks[:24]), (int(qtype), blocks[24:])], 512, torch.randn(40), (24, 16),
                         torch.float32)
+    layer.float_x = float_x
     x = torch.randn(native.BLOCK_KERNEL_MAX_ROWS + 7, 512, generator=torch.Generator().manual_seed(5))
     w = dequantize(blocks, int(qtype), (40, 512))
     assert torch.allclose(kernels.block_dequantize(blocks, int(qtype), 512, 3, 40), w[3:], rtol=1e-6, atol=1e-7)
-    xk = quantize_act_blocks(x, "int8", 128) if qtype in K_TYPES and not float_tiles else x
+    xk = quantize_act_blocks(x, "int8", 128) if qtype in K_TYPES and not (float_tiles or float_x) else x
     ref = F.linear(xk.double(), w.double(), layer.bias.double()).float()
     torch.testing.assert_close(layer(x), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
 
