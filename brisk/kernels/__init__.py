@@ -269,11 +269,12 @@ def block_tile_supported(ggml_type: int, rows: torch.Tensor) -> bool:
             and rows.shape[0] % 4 == 0 and CAPS.has("block_tile"))
 
 
-def block_tile(rows: torch.Tensor, ggml_type: int) -> tuple[int, torch.Tensor]:
+def block_tile(rows: torch.Tensor, ggml_type: int, out: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
     """(TILED | type, a copy of `rows` repacked four rows at a time for the tile kernel: ~1.7x a Q5_0
-    row's speed, cpu_blocks_simd.inc tile_x4)."""
+    row's speed, cpu_blocks_simd.inc tile_x4), written into `out` when given (rows of a larger tiled
+    weight, the right width: a first call without it tells)."""
     assert _C is not None
-    return TILED | ggml_type, _C.block_tile(rows, ggml_type)
+    return TILED | ggml_type, _C.block_tile(rows, ggml_type, out)
 
 
 def block_untile(tiles: torch.Tensor, tiled_type: int) -> tuple[int, torch.Tensor]:

@@ -46,8 +46,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_dequantize_bf16", &block_dequantize_bf16,
         "rows [r0, r1) of GGUF blocks as bfloat16 into out (torch's rounding of block_dequantize's floats), AVX2+",
         py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("r0"), py::arg("r1"), py::arg("out"));
-  m.def("block_tile", &block_tile, "Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL blocks [rows, row bytes] repacked 4 rows at a time (kTiled | type)",
-        py::arg("blocks"), py::arg("type"));
+  m.def("block_tile", &block_tile, "blocks of a type with tiles [rows, row bytes] repacked 4 rows at a time (kTiled | type), into out if given",
+        py::arg("blocks"), py::arg("type"), py::arg("out") = py::none());
   m.def("block_untile", &block_untile, "a tiled weight's rows back in the file's layout", py::arg("tiles"),
         py::arg("type"));
   m.def("block_types", []() {

@@ -747,8 +747,9 @@ void block_dequantize_bf16(const torch::Tensor& blocks, int64_t type, int64_t in
 
 // Blocks of a type with tiles [rows, row bytes] (rows % 4 == 0) in that type's tiled layout (blocks.h
 // kTiled): four rows interleaved block by block for the tile kernel, the same bytes (Q3_K / Q4_K /
-// Q5_K: their scales unpacked, 4 bytes more a row's block).
-torch::Tensor block_tile(const torch::Tensor& blocks, int64_t type) {
+// Q5_K: their scales unpacked, 4 bytes more a row's block). Into `out` when given (rows of a larger
+// tiled weight: a loader tiles a file tensor a chunk of rows at a time, quant/gguf.py).
+torch::Tensor block_tile(const torch::Tensor& blocks, int64_t type, const std::optional<torch::Tensor>& out) {
   TORCH_CHECK(brisk_blocks::supported(brisk_blocks::kTiled | static_cast<int>(type)),
               "brisk block_tile: only Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), IQ4_NL (20), IQ4_XS (23) and Q2_K to Q6_K (10-14) have a tiled layout, got ", type);
   const int64_t bytes = brisk_blocks::block_bytes(static_cast<int>(type));
@@ -757,11 +758,15 @@ torch::Tensor block_tile(const torch::Tensor& blocks, int64_t type) {
               "brisk block_tile: blocks must be uint8 CPU [rows, row bytes] with rows % 4 == 0");
   const auto src = blocks.contiguous();
   const int64_t nblocks = src.size(1) / bytes;
-  auto out = torch::empty({src.size(0), nblocks * brisk_blocks::block_bytes(brisk_blocks::kTiled | static_cast<int>(type))},
-                          src.options());
-  brisk_blocks::tile_rows_of(static_cast<int>(type), src.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), src.size(0),
+  const int64_t cols = nblocks * brisk_blocks::block_bytes(brisk_blocks::kTiled | static_cast<int>(type));
+  if (out.has_value())
+    TORCH_CHECK(out->dim() == 2 && out->scalar_type() == torch::kUInt8 && out->device().is_cpu() &&
+                    out->is_contiguous() && out->size(0) == src.size(0) && out->size(1) == cols,
+                "brisk block_tile: out must be a contiguous uint8 CPU tensor [", src.size(0), ", ", cols, "]");
+  auto dst = out.has_value() ? *out : torch::empty({src.size(0), cols}, src.options());
+  brisk_blocks::tile_rows_of(static_cast<int>(type), src.data_ptr<uint8_t>(), dst.data_ptr<uint8_t>(), src.size(0),
                              src.size(1) / bytes);
-  return out;
+  return dst;
 }
 
 // The file's rows of a tiled weight (block_tile's inverse).

@@ -35,7 +35,7 @@ void block_kgemm(const torch::Tensor& x, const std::vector<torch::Tensor>& block
 torch::Tensor block_dequantize(const torch::Tensor& blocks, int64_t type, int64_t in, int64_t r0, int64_t r1);
 void block_dequantize_bf16(const torch::Tensor& blocks, int64_t type, int64_t in, int64_t r0, int64_t r1,
                            const torch::Tensor& out);
-torch::Tensor block_tile(const torch::Tensor& blocks, int64_t type);
+torch::Tensor block_tile(const torch::Tensor& blocks, int64_t type, const std::optional<torch::Tensor>& out);
 torch::Tensor block_untile(const torch::Tensor& tiles, int64_t type);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);

@@ -66,6 +66,20 @@ class GGUFHeader:
         if end > start and hasattr(mmap, "MADV_DONTNEED"):
             self.map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
+    def release_bytes(self, address: int, n_bytes: int) -> None:
+        """`release` for the whole pages inside [address, address + n_bytes), where that range is in
+        the map (rows of a tensor a loader has just copied, a chunk at a time, so the copy and the
+        pages it was read from never count in full together); a range elsewhere, e.g. an anonymous
+        copy, is left alone: MADV_DONTNEED would zero anonymous memory."""
+        base = np.frombuffer(self.map, dtype=np.uint8).ctypes.data
+        offset = address - base
+        if offset < 0 or offset + n_bytes > len(self.map) or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        start, end = -(-offset // page) * page, (offset + n_bytes) // page * page
+        if end > start:
+            self.map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
 
 _U64 = struct.Struct("<Q")
 

@@ -236,8 +236,13 @@ def _load_blocks(file: GGUFFile, source: ModelSource, tdtype: torch.dtype, devic
     def bias_of(weight_name: str) -> torch.Tensor | None:
         return gguf_tensor(file, cfg, weight_name.removesuffix(".weight") + ".bias")
 
+    def release_rows(rows: torch.Tensor) -> None:  # rows of the map just copied (elsewhere: left alone)
+        if rows.is_contiguous():
+            file.reader.release_bytes(rows.data_ptr(), rows.numel() * rows.element_size())
+
     with torch.no_grad():
-        served = attach_blocks(model, gguf_blocks(file, cfg), bias_of, lambda name: release_tensor(file, name))
+        served = attach_blocks(model, gguf_blocks(file, cfg), bias_of, lambda name: release_tensor(file, name),
+                               release_rows)
         model.load_weights(gguf_weights(file, cfg, skip=frozenset(served)))
     if before_quant is not None:
         before_quant(model)

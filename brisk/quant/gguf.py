@@ -44,13 +44,15 @@ from brisk.kernels import (
     block_types,
     block_untile,
     float_prompt_tiles,
+    group_kernel_tiles,
     pad_rows,
 )
 from brisk.kernels.plan_ops import KIND_BLOCKS, LinearOp
 from brisk.loader.dequant import dequantize
 from brisk.model.layers import WHOLE
-from brisk.quant.base import QuantizedLinear
-from brisk.quant.grouped import GroupLinear, quantize_act_blocks
+from brisk.quant.base import TILE_ROWS as KERNEL_TILE_ROWS
+from brisk.quant.base import QuantizedLinear, tile_rows
+from brisk.quant.grouped import CHUNK, GroupLinear, quantize_act_blocks
 
 GROUP = 32
 # Past this many rows (prompt chunks; decode batches stay below max_num_seqs' 64) a BlockLinear
@@ -91,36 +93,66 @@ NATIVE = {GGMLQuantizationType.Q4_0: (18, False, True), GGMLQuantizationType.Q4_
 
 Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]  # q, scale, zero, bits
 Blocks = dict[str, tuple[int, torch.Tensor]]  # HF name -> (GGML type, uint8 [rows, row bytes])
+# A loader's hook: rows of a file tensor were copied, the map's pages under them may go
+# (loader/gguf_file.py `release_bytes`; a no-op for rows that are not the map's)
+ReleaseRows = Callable[[torch.Tensor], None]
+# A module that keeps a copy of a file tensor (a repacked GroupLinear, tiled blocks) makes it this many
+# bytes of the file's rows at a time and lets their pages go after each, so the copy and the pages it
+# was read from never count in full together: the peak of a load was the largest tensor twice
+# (Gemma 3 270M's 168 MB Q8_0 head: 827 MiB peak, 668 after its prompt).
+COPY_CHUNK_BYTES = 1 << 20
+
+
+def _chunks(rows: torch.Tensor) -> list[tuple[int, int]]:
+    """[r0, r1) ranges of about COPY_CHUNK_BYTES of `rows`, on whole tiles of the kernels' 4 rows."""
+    n, four = rows.shape[0], KERNEL_TILE_ROWS
+    step = max(four, COPY_CHUNK_BYTES // max(1, rows.shape[1] * rows.element_size()) // four * four)
+    return [(r0, min(n, r0 + step)) for r0 in range(0, n, step)]
 
 
 def is_native(ggml_type: int) -> bool:
     return ggml_type in NATIVE
 
 
-def to_group(ggml_type: int, raw: torch.Tensor) -> Parts:
-    """uint8 [rows, blocks * block bytes] -> GroupLinear's (q, scale, zero, bits), group 32."""
+def to_group(ggml_type: int, raw: torch.Tensor, tiled: bool = False, release_rows: ReleaseRows | None = None) -> Parts:
+    """uint8 [rows, blocks * block bytes] -> GroupLinear's (q, scale, zero, bits), group 32: row-major,
+    or in the kernels' 4-row tiles (`tiled`, rows a multiple of 4: quant/base.tile_rows), made
+    COPY_CHUNK_BYTES of `raw` at a time, `release_rows` told of each chunk once copied."""
     size, has_m, four_bit = NATIVE[GGMLQuantizationType(ggml_type)]
-    rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, size)  # [rows, n_blocks, size]
-    d = blocks[..., 0:2].contiguous().view(torch.float16).reshape(rows, -1)  # [rows, n_blocks]
+    rows, n_blocks = raw.shape[0], raw.shape[1] // size
     start = 4 if has_m else 2
-    qs = blocks[..., start:].contiguous().reshape(rows, -1)
+    width = CHUNK * (4 if four_bit else 8) // 8  # GroupLinear.tile_width: q bytes of a 32-column run
+    qs = torch.empty(rows, n_blocks * (size - start), dtype=torch.uint8, device=raw.device)
+    d = torch.empty(rows, n_blocks, dtype=torch.float16, device=raw.device)
+    m = torch.empty(rows, n_blocks, dtype=torch.float16, device=raw.device) if has_m else None
+    for r0, r1 in _chunks(raw):
+        blocks = raw[r0:r1].reshape(r1 - r0, n_blocks, size)
+        parts = [(qs, blocks[..., start:].reshape(r1 - r0, -1), width),
+                 (d, blocks[..., 0:2].contiguous().view(torch.float16).reshape(r1 - r0, -1), 1)]
+        if m is not None:
+            parts.append((m, blocks[..., 2:4].contiguous().view(torch.float16).reshape(r1 - r0, -1), 1))
+        for out, part, w in parts:
+            out[r0:r1] = tile_rows(part.contiguous(), w) if tiled else part
+        if release_rows is not None:
+            release_rows(raw[r0:r1])
     if not four_bit:
-        return qs.view(torch.int8), d.contiguous(), None, 8
-    zero = blocks[..., 2:4].contiguous().view(torch.float16).reshape(rows, -1) if has_m else -8 * d  # exact
-    return qs, d.contiguous(), zero.contiguous(), 4
+        return qs.view(torch.int8), d, None, 8
+    return qs, d, m if m is not None else -8 * d, 4  # Q4_0's zero point, exact (elementwise: tiled alike)
 
 
 def _group_linear(parts: list[Parts], output_sizes: tuple[int, ...], bias: torch.Tensor | None,
-                  dtype: torch.dtype) -> GroupLinear:
-    """The parts' rows stacked into one GroupLinear (one part is used as it is: no second copy)."""
+                  dtype: torch.dtype, tiled: bool = False) -> GroupLinear:
+    """The parts' rows stacked into one GroupLinear (one part is used as it is: no second copy);
+    `tiled`: the parts are in 4-row tiles, whole tiles each, so stacked they are the whole's tiles."""
     def stack(ts: list[torch.Tensor]) -> torch.Tensor:
         return ts[0].contiguous() if len(ts) == 1 else torch.cat(ts)
 
     q = stack([p[0] for p in parts])
     scale = stack([p[1] for p in parts])
     zero = None if parts[0][2] is None else stack([p[2] for p in parts])  # type: ignore[misc]
-    return GroupLinear(q, scale, zero, GROUP, parts[0][3], bias, output_sizes, dtype)
+    module = GroupLinear(q, scale, zero, GROUP, parts[0][3], bias, output_sizes, dtype)
+    module.tiled = tiled
+    return module
 
 
 def _as_group(types: list[int]) -> bool:
@@ -137,13 +169,19 @@ def _as_group(types: list[int]) -> bool:
 
 
 def native_module(segments: list[tuple[int, torch.Tensor]], in_features: int, bias: torch.Tensor | None,
-                  output_sizes: tuple[int, ...], dtype: torch.dtype) -> nn.Module | None:
-    """The module that runs these blocks as stored, or None when some part has no kernel."""
+                  output_sizes: tuple[int, ...], dtype: torch.dtype,
+                  release_rows: ReleaseRows | None = None) -> nn.Module | None:
+    """The module that runs these blocks as stored, or None when some part has no kernel. A copy it
+    keeps is made a chunk of rows at a time, `release_rows` told of each (COPY_CHUNK_BYTES); a
+    GroupLinear is made in the kernels' tiles at once where they read tiles (the layout its first
+    kernel call would switch to, through a second whole copy)."""
     types = [t for t, _ in segments]
     if _as_group(types):
-        return _group_linear([to_group(t, rows) for t, rows in segments], output_sizes, bias, dtype)
+        tiled = group_kernel_tiles() and all(rows.shape[0] % KERNEL_TILE_ROWS == 0 for _, rows in segments)
+        return _group_linear([to_group(t, rows, tiled, release_rows) for t, rows in segments], output_sizes, bias,
+                             dtype, tiled)
     if all(t in block_types() for t in types):
-        return BlockLinear(segments, in_features, bias, output_sizes, dtype)
+        return BlockLinear(segments, in_features, bias, output_sizes, dtype, release_rows=release_rows)
     return None
 
 
@@ -159,11 +197,12 @@ def _check_shape(name: str, ggml_type: int, rows: torch.Tensor, out_features: in
 
 
 def attach_blocks(model: nn.Module, blocks: Blocks, bias_of: Callable[[str], torch.Tensor | None],
-                  release: Callable[[str], None] = lambda name: None) -> set[str]:
+                  release: Callable[[str], None] = lambda name: None,
+                  release_rows: ReleaseRows | None = None) -> set[str]:
     """Swap in native modules for every Linear whose parts are all in `blocks` with a kernel, and
     for a quantized LM head and token embedding; `bias_of(HF weight name)` reads a part's bias,
     `release(HF name)` lets go of a tensor's file pages once a module copied them (a GroupLinear, a
-    tiled BlockLinear part).
+    tiled BlockLinear part), `release_rows(rows)` of a chunk's pages as the copy goes.
     Returns the HF names now served (weights and their biases), which the float loader skips."""
     from brisk.quant import modules_changed, quantizable, tie_head
 
@@ -190,7 +229,7 @@ def attach_blocks(model: nn.Module, blocks: Blocks, bias_of: Callable[[str], tor
             continue  # a part without its bias: the float loader reports what is missing
         bias = torch.cat(biases).float() if biases else None  # type: ignore[arg-type]
         module = native_module([blocks[n] for n in part_names], linear.in_features, bias, linear.output_sizes,
-                               linear.weight.dtype)
+                               linear.weight.dtype, release_rows)
         if module is not None:
             if isinstance(module, BlockLinear):
                 module.float_x = attr in FLOAT_X_LINEARS
@@ -207,7 +246,7 @@ def attach_blocks(model: nn.Module, blocks: Blocks, bias_of: Callable[[str], tor
         dtype = model.embed_tokens.weight.dtype  # type: ignore[union-attr]
         if getattr(model, "lm_head", "absent") is None:  # tied: the head's blocks serve the lookups too
             head = native_module([(ggml_type, rows)], model.config.hidden_size, None, (rows.shape[0],),  # type: ignore[union-attr]
-                                 dtype)
+                                 dtype, release_rows)
             if head is not None:
                 tie_head(model, head)
                 if _copied_parts(head)[0]:
@@ -242,7 +281,8 @@ class BlockLinear(QuantizedLinear):
     """
 
     def __init__(self, segments: list[tuple[int, torch.Tensor]], in_features: int, bias: torch.Tensor | None,
-                 output_sizes: tuple[int, ...], dtype: torch.dtype, tile: bool = True) -> None:
+                 output_sizes: tuple[int, ...], dtype: torch.dtype, tile: bool = True,
+                 release_rows: ReleaseRows | None = None) -> None:
         super().__init__()
         self.in_features = in_features
         self.output_sizes = output_sizes
@@ -252,7 +292,7 @@ class BlockLinear(QuantizedLinear):
         self.types: list[int] = []
         self.tile = tile
         for i, (t, rows) in enumerate(segments):
-            t, rows = self._held(int(t), rows)
+            t, rows = self._held(int(t), rows, release_rows)
             self.types.append(t)
             self.register_buffer(f"blocks{i}", rows, persistent=False)
         self.register_buffer("bias", bias)
@@ -263,14 +303,23 @@ class BlockLinear(QuantizedLinear):
     def blocks(self) -> list[torch.Tensor]:
         return [self._buffers[f"blocks{i}"] for i in range(len(self.types))]  # type: ignore[misc]
 
-    def _held(self, t: int, rows: torch.Tensor) -> tuple[int, torch.Tensor]:
+    def _held(self, t: int, rows: torch.Tensor, release_rows: ReleaseRows | None = None) -> tuple[int, torch.Tensor]:
         """(type, rows) in the layout this module keeps a part in where `rows` are: tiled on the CPU
         (`tile`, where the type has tiles and the rows come in fours), the file's layout elsewhere
         (the tiles serve only the CPU kernels; untiling them at every forward on a GPU would be a
-        round trip through the host)."""
+        round trip through the host). Tiles are made a chunk of rows at a time, `release_rows` told
+        of each (COPY_CHUNK_BYTES; a tile's bytes depend on its own four rows only)."""
         if t & TILED:
             return (t, rows) if rows.is_cpu else block_untile(rows, t)
-        return block_tile(rows, t) if self.tile and block_tile_supported(t, rows) else (t, rows)
+        if not (self.tile and block_tile_supported(t, rows)):
+            return t, rows
+        held, four = block_tile(rows[:KERNEL_TILE_ROWS], t)  # one tile tells the tiled width
+        out = torch.empty(rows.shape[0], four.shape[1], dtype=four.dtype, device=four.device)
+        for r0, r1 in _chunks(rows):
+            block_tile(rows[r0:r1], t, out[r0:r1])
+            if release_rows is not None:
+                release_rows(rows[r0:r1])
+        return held, out
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         """Moved (.to), each part is re-laid for its new device once (`_held`)."""
