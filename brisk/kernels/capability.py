@@ -23,7 +23,7 @@ from brisk.errors import UserError
 ISA_ENV = "BRISK_CPU_ISA"
 AVX_VNNI_ENV = "BRISK_AVX_VNNI"  # 0: the avx2 level's block kernels use maddubs + madd even where AVX-VNNI is
 AMX_ENV = "BRISK_AMX"  # 0: prompt work on GGUF blocks stays on the integer kernels even where AMX-BF16 is
-FLOAT_TILES_ENV = "BRISK_FLOAT_PROMPT_TILES"  # 1 / 0: K-quant prompt work in float32 tiles or block_kgemm
+FLOAT_TILES_ENV = "BRISK_FLOAT_PROMPT_TILES"  # 1 / 0: K-quant prompt work in float32 tiles or block_kgemm (MLP down: float either way)
 LEVELS = ("scalar", "avx2", "avx512")  # ascending
 BUILD_HINT = "pip install torch==2.13.0 ninja && pip install --no-build-isolation -e .  (with a C++ compiler)"
 
@@ -119,7 +119,8 @@ def requested_float_tiles(vendor: str, env: dict[str, str] | None = None) -> boo
     """Whether K-quant prompt work runs float32 GEMMs on tiles of the weight made float (exact but for
     the sums' order) rather than block_kgemm on x rounded to int8: by default on Intel CPUs, where
     torch's float GEMM was at least as fast (BENCHMARKS.md), not on AMD ones, where MKL's was 0.82x;
-    BRISK_FLOAT_PROMPT_TILES=1 / 0 chooses either on any CPU."""
+    BRISK_FLOAT_PROMPT_TILES=1 / 0 chooses either on any CPU. The MLP's down projections keep float x
+    either way (quant/gguf.py FLOAT_X_LINEARS)."""
     value = (os.environ if env is None else env).get(FLOAT_TILES_ENV, "").strip().lower()
     if value in ("", "auto"):
         return vendor == "intel"

@@ -60,24 +60,23 @@ class GGUFHeader:
         """Drop the pages of `t` this process has touched (after copying it): a mapped page that was
         read counts in the process's memory until then, and a copy beside it would count twice. The
         page cache keeps them; reading `t.data` again maps them back in."""
-        page = mmap.PAGESIZE
-        start = -(-t.data_offset // page) * page
-        end = (t.data_offset + t.n_bytes) // page * page
-        if end > start and hasattr(mmap, "MADV_DONTNEED"):
-            self.map.madvise(mmap.MADV_DONTNEED, start, end - start)
+        self._drop(t.data_offset, t.n_bytes)
 
     def release_bytes(self, address: int, n_bytes: int) -> None:
-        """`release` for the whole pages inside [address, address + n_bytes), where that range is in
-        the map (rows of a tensor a loader has just copied, a chunk at a time, so the copy and the
-        pages it was read from never count in full together); a range elsewhere, e.g. an anonymous
-        copy, is left alone: MADV_DONTNEED would zero anonymous memory."""
-        base = np.frombuffer(self.map, dtype=np.uint8).ctypes.data
-        offset = address - base
-        if offset < 0 or offset + n_bytes > len(self.map) or not hasattr(mmap, "MADV_DONTNEED"):
-            return
+        """`release` for [address, address + n_bytes) where that range is in the map (rows of a tensor
+        a loader has just copied, a chunk at a time, so the copy and the pages it was read from never
+        count in full together); a range elsewhere, e.g. an anonymous copy, is left alone:
+        MADV_DONTNEED would zero anonymous memory."""
+        offset = address - int(np.frombuffer(self.map, dtype=np.uint8).ctypes.data)  # a view: O(1)
+        if 0 <= offset and offset + n_bytes <= len(self.map):
+            self._drop(offset, n_bytes)
+
+    def _drop(self, offset: int, n_bytes: int) -> None:
+        """MADV_DONTNEED on the whole pages inside [offset, offset + n_bytes) of the map (a kernel that
+        maps the file in huge pages may drop a whole one: read again, it maps back in)."""
         page = mmap.PAGESIZE
         start, end = -(-offset // page) * page, (offset + n_bytes) // page * page
-        if end > start:
+        if end > start and hasattr(mmap, "MADV_DONTNEED"):
             self.map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 

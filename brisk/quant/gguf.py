@@ -52,7 +52,7 @@ from brisk.loader.dequant import dequantize
 from brisk.model.layers import WHOLE
 from brisk.quant.base import TILE_ROWS as KERNEL_TILE_ROWS
 from brisk.quant.base import QuantizedLinear, tile_rows
-from brisk.quant.grouped import CHUNK, GroupLinear, quantize_act_blocks
+from brisk.quant.grouped import GroupLinear, quantize_act_blocks
 
 GROUP = 32
 # Past this many rows (prompt chunks; decode batches stay below max_num_seqs' 64) a BlockLinear
@@ -99,7 +99,7 @@ ReleaseRows = Callable[[torch.Tensor], None]
 # A module that keeps a copy of a file tensor (a repacked GroupLinear, tiled blocks) makes it this many
 # bytes of the file's rows at a time and lets their pages go after each, so the copy and the pages it
 # was read from never count in full together: the peak of a load was the largest tensor twice
-# (Gemma 3 270M's 168 MB Q8_0 head: 827 MiB peak, 668 after its prompt).
+# (Gemma 3 270M's 178 MB Q8_0 head: a 511-token prompt's run peaked at 827 MiB, 666 since).
 COPY_CHUNK_BYTES = 1 << 20
 
 
@@ -121,7 +121,7 @@ def to_group(ggml_type: int, raw: torch.Tensor, tiled: bool = False, release_row
     size, has_m, four_bit = NATIVE[GGMLQuantizationType(ggml_type)]
     rows, n_blocks = raw.shape[0], raw.shape[1] // size
     start = 4 if has_m else 2
-    width = CHUNK * (4 if four_bit else 8) // 8  # GroupLinear.tile_width: q bytes of a 32-column run
+    width = GroupLinear.run_bytes(4 if four_bit else 8)  # its tile_width; scale and zero tile 1 wide
     qs = torch.empty(rows, n_blocks * (size - start), dtype=torch.uint8, device=raw.device)
     d = torch.empty(rows, n_blocks, dtype=torch.float16, device=raw.device)
     m = torch.empty(rows, n_blocks, dtype=torch.float16, device=raw.device) if has_m else None
@@ -151,6 +151,8 @@ def _group_linear(parts: list[Parts], output_sizes: tuple[int, ...], bias: torch
     scale = stack([p[1] for p in parts])
     zero = None if parts[0][2] is None else stack([p[2] for p in parts])  # type: ignore[misc]
     module = GroupLinear(q, scale, zero, GROUP, parts[0][3], bias, output_sizes, dtype)
+    assert not tiled or module.tiled_buffers() == {"qweight": module.tile_width, "scale": 1, "zero": 1}, \
+        "to_group tiles the buffers GroupLinear tiles, at their widths"
     module.tiled = tiled
     return module
 

@@ -228,7 +228,7 @@ class GroupLinear(TiledLinear):
         self.output_sizes = output_sizes
         self.dtype = dtype  # what activations and outputs are
         self.register_buffer("qweight", qweight)  # row-major or tiled (TiledLinear)
-        self.tile_width = CHUNK * bits // 8  # qweight columns of one 32-column run
+        self.tile_width = self.run_bytes(bits)  # qweight columns of one 32-column run
         self.register_buffer("scale", scale)  # [out, in / group] float16
         self.register_buffer("zero", zero)  # [out, in / group] float16, 4-bit only
         self.register_buffer("bias", bias)
@@ -263,6 +263,11 @@ class GroupLinear(TiledLinear):
 
     def set_input_scale(self, input_scale: torch.Tensor) -> None:
         self.input_scale = input_scale.float().contiguous()
+
+    @staticmethod
+    def run_bytes(bits: int) -> int:
+        """qweight columns (bytes) of one 32-column run: a tile's width in qweight."""
+        return CHUNK * bits // 8
 
     def tiled_buffers(self) -> dict[str, int]:
         # a group's scales (and zeros) for the 4 rows of a tile: one 8-byte load in the kernels

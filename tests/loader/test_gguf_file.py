@@ -37,7 +37,9 @@ def test_release_bytes_lets_the_maps_pages_go_and_leaves_other_memory_alone(gguf
     address, n = data.ctypes.data, data.nbytes
     assert _mapped_kib(gguf_path) - before >= 0.9 * n / 1024
     file.reader.release_bytes(address, n)
-    assert _mapped_kib(gguf_path) - before <= 2 * mmap.PAGESIZE / 1024  # the edge pages, shared, stay
+    # the edge pages (shared with the neighbours) stay, and with them whatever the kernel mapped around
+    # them (fault-around: up to 64 KiB each side); a kernel mapping the file in huge pages drops more
+    assert _mapped_kib(gguf_path) - before <= 2 * 64 + 2 * mmap.PAGESIZE / 1024
     assert np.array_equal(data, copy)  # the page cache still holds the file: reading maps them back
     anonymous = torch.arange(1 << 20, dtype=torch.int32)  # not the map's: MADV_DONTNEED would zero it
     file.reader.release_bytes(anonymous.data_ptr(), anonymous.numel() * 4)

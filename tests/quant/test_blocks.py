@@ -102,33 +102,37 @@ def test_block_linear_torch_path_is_the_same_arithmetic(qtype: GGMLQuantizationT
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_copies_made_a_chunk_at_a_time_equal_the_whole(qtype: GGMLQuantizationType,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A module that keeps a copy of a file tensor (tiled blocks; a Q4_1 / Q8_0 GroupLinear,
-    made in the kernels' tiles at once where they read tiles) makes it a chunk of rows at a time and
-    tells the loader of each chunk's rows, in order, so their file pages can go (COPY_CHUNK_BYTES):
-    the same bytes as the whole tensor copied at once, and the same outputs."""
+    """A module that keeps a copy of a file tensor (tiled blocks; a Q4_1 / Q8_0 GroupLinear, made in
+    the kernels' tiles at once where they read tiles) makes it a chunk of rows at a time and tells
+    the loader of each chunk's rows, in order, so their file pages can go (COPY_CHUNK_BYTES): the
+    same bytes as each part copied whole, and the same outputs. Two parts (q|k-like, stacked), of
+    24 and 20 rows in chunks of 8: the second ends on a part chunk."""
     from brisk.quant import gguf as native
     from brisk.quant.base import tile_rows
 
-    blocks = random_blocks(qtype, 40, 512, seed=int(qtype) + 7)
+    blocks = random_blocks(qtype, 44, 512, seed=int(qtype) + 7)
+    segments = [(int(qtype), blocks[:24]), (int(qtype), blocks[24:])]
     seen: list[torch.Tensor] = []
-    monkeypatch.setattr(native, "COPY_CHUNK_BYTES", 2 * blocks.shape[1])  # rounds up to 4 rows: 10 chunks
-    chunked = native.native_module([(int(qtype), blocks)], 512, None, (40,), torch.float32, seen.append)
+    monkeypatch.setattr(native, "COPY_CHUNK_BYTES", 8 * blocks.shape[1])
+    chunked = native.native_module(segments, 512, None, (24, 20), torch.float32, seen.append)
     assert chunked is not None
     if isinstance(chunked, native.GroupLinear):  # Q4_1, Q8_0
         tiled = kernels.group_kernel_tiles()
-        q, scale, zero, bits = native.to_group(int(qtype), blocks)  # row-major, whole
+        whole = [native.to_group(t, rows) for t, rows in segments]  # row-major, each part at once
+        q, scale, zero = (None if whole[0][i] is None else torch.cat([w[i] for w in whole]) for i in range(3))
         for got, want, width in ((chunked.qweight, q, chunked.tile_width), (chunked.scale, scale, 1),
                                  (chunked.zero, zero, 1)):
             if want is not None:
                 assert torch.equal(got, tile_rows(want.contiguous(), width) if tiled else want)
         assert chunked.tiled == tiled
-        ref = native.GroupLinear(q, scale, zero, 32, bits, None, (40,), torch.float32)
+        ref = native.GroupLinear(q, scale, zero, 32, whole[0][3], None, (24, 20), torch.float32)
     else:
-        ref = BlockLinear([(int(qtype), blocks)], 512, None, (40,), torch.float32)  # tiled whole, if at all
-        assert chunked.types == ref.types and torch.equal(chunked.blocks[0], ref.blocks[0])
+        ref = BlockLinear(segments, 512, None, (24, 20), torch.float32)  # tiled whole, if at all
+        assert chunked.types == ref.types and all(torch.equal(a, b) for a, b in zip(chunked.blocks, ref.blocks))
     copied = isinstance(chunked, native.GroupLinear) or chunked.tiled_parts[0]
+    chunks = [(0, 8), (8, 8), (16, 8), (24, 8), (32, 8), (40, 4)]
     assert [(r.data_ptr(), r.shape[0]) for r in seen] == (
-        [(blocks[r0].data_ptr(), 4) for r0 in range(0, 40, 4)] if copied else [])
+        [(blocks[r0].data_ptr(), n) for r0, n in chunks] if copied else [])
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
     assert torch.equal(chunked(x), ref(x))
 
