@@ -92,7 +92,10 @@ def _virtual_layout(model: CausalLM, cache: CacheConfig, scheduler: SchedulerCon
     budget = num_kv_blocks(cache, tensors.bytes_per_tile)
     groups = (KVGroup(0, tuple(range(model.config.num_hidden_layers))),)
     runner = PagedModelRunner(model, rows * row_tiles, probe, pack_weights, groups, virtual=tensors, eager=eager)
-    return runner, VirtualKVManager(rows, row_tiles, probe, budget, cache.enable_prefix_caching)
+    # a tile ahead pays only where a spare core commits it beside the forward; elsewhere it would be
+    # committed on the step's thread all the same, one tile earlier: just in time holds less
+    return runner, VirtualKVManager(rows, row_tiles, probe, budget, cache.enable_prefix_caching,
+                                    commit_ahead=tensors.ahead_thread)
 
 
 class LLMEngine:

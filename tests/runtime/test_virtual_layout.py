@@ -140,7 +140,9 @@ def _rss(buffers: list[Any]) -> int:
 def test_committed_memory_follows_the_tokens_and_falls_after_finish(gguf_path: Path) -> None:
     llm = LLM(MODEL, kv_layout="virtual", enable_prefix_caching=False, max_model_len=1024, max_num_seqs=4)
     engine, memory = llm.engine, llm.engine.runner.virtual
-    memory.ahead_thread = True  # commits ahead beside the forward, as on a CPU with a spare core
+    # commits a tile ahead beside the forward, as on a CPU with a spare core (without one the manager
+    # commits just in time: the next test)
+    memory.ahead_thread = engine.virtual_kv.commit_ahead = True
     tile_bytes = memory.bytes_per_tile
     assert _rss(memory.buffers) == 0  # reserved, nothing committed yet
     engine.add_request("a", list(range(100, 400)), SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
@@ -155,6 +157,26 @@ def test_committed_memory_follows_the_tokens_and_falls_after_finish(gguf_path: P
     # 300 prompt tokens = 19 tiles of 16 (+1 ahead), growing to 360 tokens = 23 (+1)
     assert seen[0] == 20 and seen[-1] == 24 and seen == sorted(seen)
     assert _rss(memory.buffers) == 0 and engine.virtual_kv.num_committed == 0
+
+
+def test_without_a_spare_core_tiles_are_committed_just_in_time(gguf_path: Path) -> None:
+    """Where no core is left for the commit-ahead thread, a tile ahead would be committed on the
+    step's thread all the same, only earlier: the engine's manager commits the tiles a step writes,
+    before its forward (no forward faults), and holds no tile past them."""
+    llm = LLM(MODEL, kv_layout="virtual", enable_prefix_caching=False, max_model_len=1024, max_num_seqs=4)
+    engine, memory = llm.engine, llm.engine.runner.virtual
+    assert engine.virtual_kv.commit_ahead == memory.ahead_thread
+    memory.ahead_thread = engine.virtual_kv.commit_ahead = False  # as on a 2-core machine running 2 threads
+    engine.add_request("a", list(range(100, 400)), SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    seen = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        request = engine.scheduler.get_request("a")
+        if request is not None:
+            seen.append((engine.virtual_kv.num_committed, -(-request.num_tokens // 16)))
+    # 300 prompt tokens = 19 tiles of 16; each decode step's token lies in a committed tile, none past it
+    assert seen[0] == (19, 19) and all(committed == tiles or committed == tiles - 1 for committed, tiles in seen)
+    assert engine.virtual_kv.num_committed == 0
 
 
 def test_bad_settings_are_clear_errors(gguf_path: Path) -> None:
