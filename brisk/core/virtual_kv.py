@@ -32,10 +32,11 @@ Commit ahead (`commit_ahead`, where the runtime has a spare core for it): when a
 reach its last committed tile, the next one is committed too (`ahead`), beside the forward that
 writes the current one, so a step in the steady state never waits on a page fault. Without a
 spare core the tiles a step writes are committed just in time, on the step's thread before its
-forward (the forward still takes no fault), and nothing past them is held. Deferred reclamation: a finished request's row keeps its pages and
-goes to the top of the free rows, so the next request reuses them without faulting; pages no
-table names are given back when the budget runs short (uncached ones first), and uncached ones
-when the engine goes idle (`reclaim`; cached tiles are the prefix cache and stay).
+forward (the forward still takes no fault), and nothing past them is held. Deferred reclamation:
+a finished request's row keeps its pages and goes to the top of the free rows, so the next
+request reuses them without faulting; pages no table names are given back when the budget runs
+short (uncached ones first), and uncached ones when the engine goes idle (`reclaim`; cached tiles
+are the prefix cache and stay).
 """
 
 from __future__ import annotations

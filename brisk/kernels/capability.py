@@ -23,7 +23,8 @@ from brisk.errors import UserError
 ISA_ENV = "BRISK_CPU_ISA"
 AVX_VNNI_ENV = "BRISK_AVX_VNNI"  # 0: the avx2 level's block kernels use maddubs + madd even where AVX-VNNI is
 AMX_ENV = "BRISK_AMX"  # 0: prompt work on GGUF blocks stays on the integer kernels even where AMX-BF16 is
-FLOAT_TILES_ENV = "BRISK_FLOAT_PROMPT_TILES"  # 1 / 0: K-quant prompt work in float32 tiles or block_kgemm (MLP down: float either way)
+# 1 / 0: K-quant prompt work in float32 tiles or block_kgemm (the MLP's down projections: float either way)
+FLOAT_TILES_ENV = "BRISK_FLOAT_PROMPT_TILES"
 LEVELS = ("scalar", "avx2", "avx512")  # ascending
 BUILD_HINT = "pip install torch==2.13.0 ninja && pip install --no-build-isolation -e .  (with a C++ compiler)"
 

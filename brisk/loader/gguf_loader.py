@@ -305,5 +305,5 @@ def tensor_types(file: GGUFFile) -> dict[str, int]:
     return counts
 
 
-__all__ = ["FLOAT_TYPE_NAMES", "GGUFFile", "gguf_blocks", "gguf_model_config", "gguf_tensor", "gguf_weights", "is_quantized",
-           "layer_weight_types", "open_gguf", "release_tensor", "tensor_types"]
+__all__ = ["FLOAT_TYPE_NAMES", "GGUFFile", "gguf_blocks", "gguf_model_config", "gguf_tensor", "gguf_weights",
+           "is_quantized", "layer_weight_types", "open_gguf", "release_tensor", "tensor_types"]
