@@ -12,6 +12,7 @@
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 #define _mm256_dpbusd_avx_epi32(a, b, c) simde_mm256_dpbusd_epi32(a, b, c)
+#define _mm256_dpwssd_avx_epi32(a, b, c) simde_mm256_dpwssd_epi32(a, b, c)
 // Debian's SIMDe aliases _mm512_madd_epi16 with the masked form's four arguments
 #undef _mm512_madd_epi16
 #define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)

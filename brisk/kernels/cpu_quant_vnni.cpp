@@ -324,300 +324,25 @@ struct A16Kernel {
   }
 };
 
-// ---- the same kernels on 256-bit vectors (AVX2) -------------------------------------------------
-// A 4-row tile's run is two (4-bit: rows 2h, 2h + 1 in vector h) or four (8-bit: row j in vector j)
-// 256-bit vectors whose int32 lanes hold exactly the integers the 512-bit kernels' lanes hold:
-// vpdpbusd becomes vpmaddubsw + vpmaddwd (4-bit: nibble x int8 pairs are at most 3,810, no
-// saturation), vpdpwssd becomes vpmaddwd + add. The 8-bit kernel multiplies |q| by x with q's sign
-// (pairs at most 32,512) and adds 128 * sum(x) per lane, the integer vpdpbusd gets from q + 128.
-// The float operations per lane and the final row sums are the AVX-512 kernels' own, so every
-// result is bit-identical to theirs.
+// ---- the same kernels on 256-bit vectors: AVX2, and AVX-VNNI where the CPU has it ----------------
+// (cpu_quant_simd256.inc; the AVX-512 level's int16_pair8 below borrows avx2's loaders)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
-
-template <int Bits>
-constexpr int kVecs = Bits == 4 ? 2 : 4;
-
-template <int Bits>
-inline void load_rows(const GroupWeights& w, int64_t r, int64_t c, int nrows, __m256i (&v)[kVecs<Bits>]) {
-  if (w.tiled) {
-    const uint8_t* p = w.run(r, c);
-    for (int i = 0; i < kVecs<Bits>; ++i) v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
-    return;
-  }
-  alignas(32) uint8_t buf[32 * kVecs<Bits>] = {};
-  for (int j = 0; j < nrows; ++j) std::memcpy(buf + j * w.run_bytes, w.run(r + j, c), w.run_bytes);
-  for (int i = 0; i < kVecs<Bits>; ++i) v[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(buf + 32 * i));
-}
-
-// Each row's scale over its lanes: 4-bit vector h holds rows 2h (lanes 0-3) and 2h + 1 (4-7).
-template <int Bits>
-inline void spread(__m128 s4, __m256 (&out)[kVecs<Bits>]) {
-  const __m256 s = _mm256_castps128_ps256(s4);
-  for (int i = 0; i < kVecs<Bits>; ++i) {
-    const __m256i idx = Bits == 4 ? _mm256_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1)
-                                  : _mm256_set1_epi32(i);
-    out[i] = _mm256_permutevar8x32_ps(s, idx);
-  }
-}
-
-// [row 0, row 1, row 2, row 3] sums, in row_sums' order.
-template <int Bits>
-inline __m128 row_sums(const __m256 (&acc)[kVecs<Bits>]) {
-  __m128 r[4];
-  for (int i = 0; i < kVecs<Bits>; ++i) {
-    const __m128 lo = _mm256_castps256_ps128(acc[i]), hi = _mm256_extractf128_ps(acc[i], 1);
-    if constexpr (Bits == 4) r[2 * i] = lo, r[2 * i + 1] = hi;
-    else r[i] = _mm_add_ps(lo, hi);
-  }
-  return _mm_hadd_ps(_mm_hadd_ps(r[0], r[1]), _mm_hadd_ps(r[2], r[3]));
-}
-
-template <int Bits, int MB>
-inline void finish(const GroupWeights& w, float* y, int64_t m0, int64_t r, int nrows, const __m256 (&acc)[MB][kVecs<Bits>],
-                   const __m128 (&zacc)[MB]) {
-  for (int k = 0; k < MB; ++k) {
-    alignas(16) float t[4];
-    _mm_store_ps(t, _mm_add_ps(row_sums<Bits>(acc[k]), zacc[k]));
-    for (int j = 0; j < nrows; ++j) y[(m0 + k) * w.out + r + j] = t[j];
-  }
-}
-
-// vnni_tile and a16_tile on 256-bit vectors. PG: the 32-column blocks of a group when the weight is
-// tiled and they are 1, 2 or 4 (GGUF's 32-blocks, int4 g64 / g128): the tile's runs are read in
-// order and the block loop is unrolled; 0: any weight, the count read from `w`. The run-time
-// one-iteration block loop of a 32-column group made GCC keep the accumulators on the stack (a
-// store and reload on every group's chain): on a Zen 3 without AVX-512 that ran at under half the
-// speed. Either way the same operations in the same order.
-
-// The run of block b for the 4 rows at r: with PG, the tiled run at `p` (the next one follows it);
-// otherwise load_rows. Returns where the next run starts (PG only).
-template <int Bits, int PG>
-inline const uint8_t* load_run(const GroupWeights& w, int64_t r, int64_t b, int nrows, const uint8_t* p,
-                               __m256i (&v)[kVecs<Bits>]) {
-  if constexpr (PG != 0) {
-    // the stream 512 B on, from DRAM: on an AVX2 Zen 3, decoding two threads, 512 B beat 1 KB in 17
-    // of 21 interleaved pairs across -q gguf, -q int4 and the Q6_K file (+10-20% on the Q6_K file;
-    // Q4_K_M within 1%), and 2 KB lost 6 of 6 (BENCHMARKS.md, issue 18 fifth part)
-    _mm_prefetch(reinterpret_cast<const char*>(p) + 512, _MM_HINT_T0);
-    for (int i = 0; i < kVecs<Bits>; ++i) v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
-    return p + 32 * kVecs<Bits>;
-  } else {
-    if (w.tiled) _mm_prefetch(reinterpret_cast<const char*>(w.run(r, b)) + 512, _MM_HINT_T0);
-    load_rows<Bits>(w, r, b, nrows, v);
-    return p;
-  }
-}
-
-template <int Bits, int MB, int PG>
-void int8_tile(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64_t r, int nrows) {
-  constexpr int V = kVecs<Bits>;
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
-  __m256 acc[MB][V];
-  __m128 zacc[MB];
-  for (int k = 0; k < MB; ++k) {
-    zacc[k] = _mm_setzero_ps();
-    for (int i = 0; i < V; ++i) acc[k][i] = _mm256_setzero_ps();
-  }
-  const uint8_t* p = w.run(r, 0);
-  const int64_t blocks = PG ? PG : w.group / kBlock;
-  for (int64_t g = 0; g < w.groups; ++g) {
-    __m128 s4, z4;
-    group_params<Bits>(w, r, g, nrows, s4, z4);
-    __m256 svec[V];
-    spread<Bits>(s4, svec);
-    __m256 gacc[MB][V];
-    for (int k = 0; k < MB; ++k)
-      for (int i = 0; i < V; ++i) gacc[k][i] = _mm256_setzero_ps();
-#pragma GCC unroll 4
-    for (int64_t e = 0; e < blocks; ++e) {
-      const int64_t b = g * blocks + e;
-      __m256i v[V], lo[V], hi[V];  // lo, hi: 4-bit: the columns 0..15 and 16..31 of both rows; 8-bit: |q|
-      p = load_run<Bits, PG>(w, r, b, nrows, p, v);
-      for (int i = 0; i < V; ++i) {
-        if constexpr (Bits == 4) {
-          lo[i] = _mm256_and_si256(v[i], nibble);
-          hi[i] = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), nibble);
-        } else {
-          lo[i] = _mm256_abs_epi8(v[i]);  // |-128| reads as 128 unsigned
-        }
-      }
-      for (int k = 0; k < MB; ++k) {
-        const int8_t* xq = x.q + (m0 + k) * x.in + b * kBlock;
-        const __m256 ab = _mm256_set1_ps(x.a[(m0 + k) * x.blocks + b]);
-        __m256i d[V];
-        if constexpr (Bits == 4) {
-          const __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
-          const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
-          for (int i = 0; i < V; ++i)
-            d[i] = _mm256_madd_epi16(
-                _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], xlo), _mm256_maddubs_epi16(hi[i], xhi)), ones16);
-        } else {
-          const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-          const __m256i x128 = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xb), ones16), 7);
-          for (int i = 0; i < V; ++i)
-            d[i] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo[i], _mm256_sign_epi8(xb, v[i])), ones16),
-                                    x128);
-        }
-        for (int i = 0; i < V; ++i) gacc[k][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[i]), ab, gacc[k][i]);
-      }
-    }
-    for (int k = 0; k < MB; ++k) {
-      for (int i = 0; i < V; ++i) acc[k][i] = _mm256_fmadd_ps(gacc[k][i], svec[i], acc[k][i]);
-      zacc[k] = _mm_fmadd_ps(z4, _mm_set1_ps(x.c[(m0 + k) * x.groups + g]), zacc[k]);
-    }
-  }
-  finish<Bits, MB>(w, y, m0, r, nrows, acc, zacc);
-}
-
-// A group's end in int16_tile: acc += gacc x the 4 rows' scales, zacc += z C_g.
-template <int Bits, int MB>
-inline void end_group(const GroupWeights& w, const Acts16& x, int64_t m0, int64_t r, int64_t g, int nrows,
-                      const __m256 (&gacc)[MB][kVecs<Bits>], __m256 (&acc)[MB][kVecs<Bits>], __m128 (&zacc)[MB]) {
-  __m128 s4, z4;
-  group_params<Bits>(w, r, g, nrows, s4, z4);
-  __m256 svec[kVecs<Bits>];
-  spread<Bits>(s4, svec);
-  for (int k = 0; k < MB; ++k) {
-    for (int i = 0; i < kVecs<Bits>; ++i) acc[k][i] = _mm256_fmadd_ps(gacc[k][i], svec[i], acc[k][i]);
-    zacc[k] = _mm_fmadd_ps(z4, _mm_set1_ps(x.c[(m0 + k) * x.groups + g]), zacc[k]);
-  }
-}
-
-template <int MB, int PG>
-void int16_tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
-  const __m256i field = _mm256_set1_epi16(0x000F);
-  __m256 acc[MB][2];
-  __m128 zacc[MB];
-  for (int k = 0; k < MB; ++k) acc[k][0] = acc[k][1] = _mm256_setzero_ps(), zacc[k] = _mm_setzero_ps();
-  const uint8_t* p = w.run(r, 0);
-  const int64_t blocks = PG ? PG : w.group / kBlock;
-  const auto bcast8 = [](const int16_t* q) {
-    return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-  };
-  for (int64_t g = 0; g < w.groups; ++g) {
-    __m256 gacc[MB][2];
-    for (int k = 0; k < MB; ++k) gacc[k][0] = gacc[k][1] = _mm256_setzero_ps();
-#pragma GCC unroll 4
-    for (int64_t e = 0; e < blocks; ++e) {
-      const int64_t b = g * blocks + e;
-      __m256i v[2], f[2][4];
-      p = load_run<4, PG>(w, r, b, nrows, p, v);
-      for (int h = 0; h < 2; ++h) {
-        f[h][0] = _mm256_and_si256(v[h], field);
-        f[h][1] = _mm256_and_si256(_mm256_srli_epi16(v[h], 4), field);
-        f[h][2] = _mm256_and_si256(_mm256_srli_epi16(v[h], 8), field);
-        f[h][3] = _mm256_srli_epi16(v[h], 12);
-      }
-      for (int k = 0; k < MB; ++k) {
-        const int16_t* xq = x.q + (m0 + k) * x.in + b * kBlock;
-        const __m256i x0 = bcast8(xq), x1 = bcast8(xq + 8), x2 = bcast8(xq + 16), x3 = bcast8(xq + 24);
-        const __m256 ab = _mm256_set1_ps(x.a[(m0 + k) * x.blocks + b]);
-        for (int h = 0; h < 2; ++h) {
-          const __m256i d01 = _mm256_add_epi32(_mm256_madd_epi16(f[h][0], x0), _mm256_madd_epi16(f[h][1], x1));
-          const __m256i d23 = _mm256_add_epi32(_mm256_madd_epi16(f[h][2], x2), _mm256_madd_epi16(f[h][3], x3));
-          gacc[k][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d01, d23)), ab, gacc[k][h]);
-        }
-      }
-    }
-    end_group<4, MB>(w, x, m0, r, g, nrows, gacc, acc, zacc);
-  }
-  finish<4, MB>(w, y, m0, r, nrows, acc, zacc);
-}
-
-// 8-bit weights x int16 activations (Q8_0 heads and layers: the float kernel's precision at about the
-// int8 kernel's cost). The acts are a16_tile's permuted blocks: slots 0-15 hold the even columns
-// 0..30, slots 16-31 the odd ones, so a row's even bytes (sign-extended in place) meet the first half
-// and its odd bytes the second: int32 lane t of d_j sums row j's columns 4t..4t+3. Two levels of
-// vphaddd then fold the 4 rows' d_j into one vector, lane j + 4 h = row j's columns 16h..16h+15
-// (exact: |sum| <= 16 * 128 * 32767 < 2^26), so each x row of a block costs one int -> float
-// conversion and one fma for all 4 weight rows, and a group's accumulators are one register per x
-// row: the 8-lanes-a-row form needed 4 (16 for a 4-row x tile: more than AVX2's 16 registers, so
-// they lived on the stack). With 8 x rows a tile (tile_range's kWide) this form ran 1.3-1.4x faster
-// at 8 and 32 rows on an AVX2 Zen 3 (Q8_0 576-column layers, alternating builds; BENCHMARKS.md).
-// A lane's float is the int32 rounded to nearest (exact below 2^24, ~6e-8 relative above: far below
-// the int16 activations' ~1.5e-5). Signed weights need no zero term.
-template <int MB, int PG>
-void int16_tile8(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
-  __m256 acc[MB];
-  for (int k = 0; k < MB; ++k) acc[k] = _mm256_setzero_ps();
-  const uint8_t* p = w.run(r, 0);
-  const int64_t blocks = PG ? PG : w.group / kBlock;
-  for (int64_t g = 0; g < w.groups; ++g) {
-    __m256 gacc[MB];
-    for (int k = 0; k < MB; ++k) gacc[k] = _mm256_setzero_ps();
-#pragma GCC unroll 4
-    for (int64_t e = 0; e < blocks; ++e) {
-      const int64_t b = g * blocks + e;
-      __m256i v[4], even[4], odd[4];
-      p = load_run<8, PG>(w, r, b, nrows, p, v);
-      for (int i = 0; i < 4; ++i) {
-        even[i] = _mm256_srai_epi16(_mm256_slli_epi16(v[i], 8), 8);
-        odd[i] = _mm256_srai_epi16(v[i], 8);
-      }
-      for (int k = 0; k < MB; ++k) {
-        const int16_t* xq = x.q + (m0 + k) * x.in + b * kBlock;
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
-        __m256i d[4];
-        for (int i = 0; i < 4; ++i)
-          d[i] = _mm256_add_epi32(_mm256_madd_epi16(even[i], x0), _mm256_madd_epi16(odd[i], x1));
-        const __m256i rows = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
-        gacc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), _mm256_set1_ps(x.a[(m0 + k) * x.blocks + b]), gacc[k]);
-      }
-    }
-    __m128 s4, z4;
-    group_params<8>(w, r, g, nrows, s4, z4);
-    const __m256 s8 = _mm256_set_m128(s4, s4);
-    for (int k = 0; k < MB; ++k) acc[k] = _mm256_fmadd_ps(gacc[k], s8, acc[k]);
-  }
-  for (int k = 0; k < MB; ++k) {
-    alignas(16) float t[4];
-    _mm_store_ps(t, _mm_add_ps(_mm256_castps256_ps128(acc[k]), _mm256_extractf128_ps(acc[k], 1)));
-    for (int j = 0; j < nrows; ++j) y[(m0 + k) * w.out + r + j] = t[j];
-  }
-}
-
-// f(std::integral_constant<int, PG>{}) with the PG this weight runs with (0: not tiled, or a group
-// of another size).
-template <typename F>
-inline void with_blocks(const GroupWeights& w, F&& f) {
-  switch (w.tiled ? w.group / kBlock : 0) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    default: return f(std::integral_constant<int, 0>{});
-  }
-}
-
+#include "cpu_quant_simd256.inc"
 }  // namespace avx2
 #pragma GCC pop_options
 
-template <int Bits>
-struct Int8Kernel256 {
-  static constexpr bool kWide = false;
-  template <int MB>
-  static void tile(const GroupWeights& w, const Acts& x, float* y, int64_t m0, int64_t r, int nrows) {
-    avx2::with_blocks(w, [&](auto pg) { avx2::int8_tile<Bits, MB, decltype(pg)::value>(w, x, y, m0, r, nrows); });
-  }
-};
-
-struct Int16Kernel256 {
-  static constexpr bool kWide = false;
-  template <int MB>
-  static void tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
-    avx2::with_blocks(w, [&](auto pg) { avx2::int16_tile<MB, decltype(pg)::value>(w, x, y, m0, r, nrows); });
-  }
-};
-
-struct Int16Kernel256x8 {  // 8-bit weights; the AVX-512 level runs two tiles at once (int16_pair8)
-  static constexpr bool kWide = true;
-  template <int MB>
-  static void tile(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r, int nrows) {
-    avx2::with_blocks(w, [&](auto pg) { avx2::int16_tile8<MB, decltype(pg)::value>(w, x, y, m0, r, nrows); });
-  }
-};
+// AVX-VNNI (Alder Lake and later client cores, Sapphire Rapids, Zen 5's 256-bit VEX form):
+// vpdpbusd / vpdpwssd on the same 256-bit vectors, the same integers, so the same bits.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+namespace avxvnni {
+#define BRISK_QUANT_AVX_VNNI 1
+#include "cpu_quant_simd256.inc"
+#undef BRISK_QUANT_AVX_VNNI
+}  // namespace avxvnni
+#pragma GCC pop_options
 
 // avx2::int16_tile8 on two tiles (rows r..r+7) at once, AVX-512 (BW): every 512-bit vector's low half
 // is int16_tile8's 256-bit vector for the first tile, its high half that for the second, fed the
@@ -687,7 +412,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void int16_pa
     }
 }
 
-struct Int16Kernel512x8 : Int16Kernel256x8 {
+struct Int16Kernel512x8 : avx2::Int16Kernel256x8 {
   // rows r..r+7 (two whole tiles) for MB rows of x
   template <int MB>
   static void pair(const GroupWeights& w, const Acts16& x, float* y, int64_t m0, int64_t r) {
@@ -862,6 +587,19 @@ torch::Tensor qact_gemm(const char* name, int levels, const torch::Tensor& x, co
   return y;
 }
 
+#ifdef BRISK_X86
+// Tiles [t0, t1) on the 256-bit kernels of one namespace (avx2 or avxvnni: the same bits).
+template <typename K>
+void rows256(const GroupWeights& w, const brisk_range::QuantizedActs& x, float* y, int64_t m, int64_t t0, int64_t t1) {
+  if (x.levels == kAct16Levels) {
+    if (w.run_bytes != 16) return tile_range<typename K::A16x8>(w, acts_of<int16_t>(w, x), y, m, t0, t1);
+    return tile_range<typename K::A16x4>(w, acts_of<int16_t>(w, x), y, m, t0, t1);
+  }
+  if (w.run_bytes == 16) return tile_range<typename K::A8x4>(w, acts_of<int8_t>(w, x), y, m, t0, t1);
+  tile_range<typename K::A8x8>(w, acts_of<int8_t>(w, x), y, m, t0, t1);
+}
+#endif
+
 }  // namespace
 
 // y[M, out] = quantize_act_blocks(x) @ W^T (+ bias) up to float rounding (the sums run in another
@@ -890,26 +628,21 @@ void quantize_acts(int levels, const GroupWeights& w, const float* x, int64_t m,
 }
 
 // Weight rows [r0, r1) (r0 a multiple of 4) of the integer-activation group kernels on x quantized
-// by quantize_acts: AVX512-VNNI where the CPU has it, else the AVX2 kernels, else the portable
-// loop (all three bit-identical).
+// by quantize_acts: AVX512-VNNI where the CPU has it, else the 256-bit kernels (on AVX-VNNI where
+// the CPU has it), else the portable loop (all bit-identical).
 void group_qact_rows(const GroupWeights& w, const QuantizedActs& x, float* y, int64_t m, int64_t r0, int64_t r1) {
   const bool a16 = x.levels == kAct16Levels;
 #ifdef BRISK_X86
   const int64_t t0 = r0 / 4, t1 = (std::min(r1, w.out) + 3) / 4;
   if (a16 && w.run_bytes != 16 && brisk_isa::vnni())  // AVX-512 with BW: two tiles a pass, the same bits
     return tile_range<Int16Kernel512x8>(w, acts_of<int16_t>(w, x), y, m, t0, t1);
-  if (a16 && w.run_bytes != 16 && brisk_isa::at_least_avx2())
-    return tile_range<Int16Kernel256x8>(w, acts_of<int16_t>(w, x), y, m, t0, t1);
   if (brisk_isa::vnni()) {
     if (a16) return tile_range<A16Kernel>(w, acts_of<int16_t>(w, x), y, m, t0, t1);
     if (w.run_bytes == 16) return tile_range<VnniKernel<4>>(w, acts_of<int8_t>(w, x), y, m, t0, t1);
     return tile_range<VnniKernel<8>>(w, acts_of<int8_t>(w, x), y, m, t0, t1);
   }
-  if (brisk_isa::at_least_avx2()) {
-    if (a16) return tile_range<Int16Kernel256>(w, acts_of<int16_t>(w, x), y, m, t0, t1);
-    if (w.run_bytes == 16) return tile_range<Int8Kernel256<4>>(w, acts_of<int8_t>(w, x), y, m, t0, t1);
-    return tile_range<Int8Kernel256<8>>(w, acts_of<int8_t>(w, x), y, m, t0, t1);
-  }
+  if (brisk_isa::avx_vnni()) return rows256<avxvnni::Kernels>(w, x, y, m, t0, t1);
+  if (brisk_isa::at_least_avx2()) return rows256<avx2::Kernels>(w, x, y, m, t0, t1);
 #endif
   if (a16 && w.run_bytes == 16) return portable_rows<4>(w, acts_of<int16_t>(w, x), y, m, r0, r1);
   if (a16) return portable_rows_a16x8(w, acts_of<int16_t>(w, x), y, m, r0, r1);

@@ -33,11 +33,29 @@ def isa(level: str) -> Iterator[None]:
         kernels._C.set_isa(kernels.CAPS.isa)
 
 
+@contextmanager
+def avx_vnni(on: bool) -> Iterator[None]:
+    kernels._C.set_avx_vnni(on)
+    try:
+        yield
+    finally:
+        kernels._C.set_avx_vnni(kernels.CAPS.avx_vnni)
+
+
 def at_each(fn, levels: list[str]) -> dict[str, object]:
+    """fn() at each level; where the CPU has AVX-VNNI, the avx2 level both with it ("avx2") and
+    without it ("avx2-maddubs")."""
     out = {}
     for level in levels:
         with isa(level):
-            out[level] = fn()
+            if level == "avx2" and kernels._C.cpu_avx_vnni():
+                with avx_vnni(False):
+                    out["avx2-maddubs"] = fn()
+                with avx_vnni(True):
+                    assert kernels._C.avx_vnni()
+                    out[level] = fn()
+            else:
+                out[level] = fn()
     return out
 
 
@@ -67,7 +85,7 @@ def test_integer_activation_kernels_are_bit_identical_on_every_path(mode: str, b
     x[1, 32:64] *= 40  # an outlier block with its own scale
     fn = getattr(kernels._C, kernels.ACT_KERNELS[mode])
     got = at_each(partial(fn, x, q, scale, zero, group, bits, None, tiled), HERE)
-    for level in HERE:
+    for level in got:  # AVX-VNNI and maddubs included where the CPU has AVX-VNNI
         assert torch.equal(got[level], got[HERE[-1]]), f"{level} differs from {HERE[-1]}"
 
 
