@@ -13,7 +13,8 @@
 // add give the 16 column indices and one two-register permute picks x's 16 values (AVX-512); on AVX2
 // x is reordered once per call so that the shifted meta word alone indexes two in-lane permutes
 // and a constant blend picks a half tile's 8 (dot_avx2). Every (x row, weight row) pair is summed the same way
-// whatever the batch, so batched rows equal rows alone, bit for bit.
+// whatever the batch, so batched rows equal rows alone, bit for bit; a batch's rows share each
+// tile's indices and values (dot_avx512 / dot_avx2 take four x rows a weight row).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -46,28 +47,44 @@ __attribute__((target("avx512f"))) inline __m512 values16(const V* v) {
   else return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v))));
 }
 
-template <typename V>
-__attribute__((target("avx512f"))) float dot_avx512(const V* v, const int32_t* meta, const float* x, int64_t tiles) {
+// The 16 kept values' columns within their 32-column tile, from its meta word.
+__attribute__((target("avx512f"))) inline __m512i columns16(int32_t word) {
   const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i base = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
-  const __m512i three = _mm512_set1_epi32(3);
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  return _mm512_add_epi32(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(word), shifts), _mm512_set1_epi32(3)),
+                          base);
+}
+
+// MB x rows against one weight row: per tile the column indices and the kept values are made once
+// and serve every x row (a batch's rows shared nothing before: each redid the index arithmetic and
+// the int8 -> float conversion). Each x row keeps its own two chains (even tiles, odd tiles) and
+// the same operations in the same order as alone, so its sums are the same bits whatever MB.
+template <int MB, typename V>
+__attribute__((target("avx512f"))) void dot_avx512(const V* v, const int32_t* meta, const float* x, int64_t xstride,
+                                                   int64_t tiles, float* out) {
+  __m512 acc0[MB], acc1[MB];
+  for (int k = 0; k < MB; ++k) acc0[k] = acc1[k] = _mm512_setzero_ps();
   int64_t t = 0;
   for (; t + 2 <= tiles; t += 2) {  // two chains: the FMA latency stays hidden behind the loads
-    const __m512i i0 = _mm512_add_epi32(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(meta[t]), shifts), three), base);
-    const __m512i i1 = _mm512_add_epi32(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(meta[t + 1]), shifts), three), base);
-    const float* x0 = x + t * kTile;
-    const __m512 a = _mm512_permutex2var_ps(_mm512_loadu_ps(x0), i0, _mm512_loadu_ps(x0 + 16));
-    const __m512 b = _mm512_permutex2var_ps(_mm512_loadu_ps(x0 + 32), i1, _mm512_loadu_ps(x0 + 48));
-    acc0 = _mm512_fmadd_ps(values16(v + t * kKept), a, acc0);
-    acc1 = _mm512_fmadd_ps(values16(v + (t + 1) * kKept), b, acc1);
+    const __m512i i0 = columns16(meta[t]), i1 = columns16(meta[t + 1]);
+    const __m512 w0 = values16(v + t * kKept), w1 = values16(v + (t + 1) * kKept);
+    for (int k = 0; k < MB; ++k) {
+      const float* x0 = x + k * xstride + t * kTile;
+      const __m512 a = _mm512_permutex2var_ps(_mm512_loadu_ps(x0), i0, _mm512_loadu_ps(x0 + 16));
+      const __m512 b = _mm512_permutex2var_ps(_mm512_loadu_ps(x0 + 32), i1, _mm512_loadu_ps(x0 + 48));
+      acc0[k] = _mm512_fmadd_ps(w0, a, acc0[k]);
+      acc1[k] = _mm512_fmadd_ps(w1, b, acc1[k]);
+    }
   }
   if (t < tiles) {
-    const __m512i i0 = _mm512_add_epi32(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(meta[t]), shifts), three), base);
-    const float* x0 = x + t * kTile;
-    acc0 = _mm512_fmadd_ps(values16(v + t * kKept), _mm512_permutex2var_ps(_mm512_loadu_ps(x0), i0, _mm512_loadu_ps(x0 + 16)), acc0);
+    const __m512i i0 = columns16(meta[t]);
+    const __m512 w0 = values16(v + t * kKept);
+    for (int k = 0; k < MB; ++k) {
+      const float* x0 = x + k * xstride + t * kTile;
+      acc0[k] = _mm512_fmadd_ps(w0, _mm512_permutex2var_ps(_mm512_loadu_ps(x0), i0, _mm512_loadu_ps(x0 + 16)), acc0[k]);
+    }
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+  for (int k = 0; k < MB; ++k) out[k] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[k], acc1[k]));
 }
 
 __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
@@ -97,32 +114,39 @@ void avx2_order(const float* x, int64_t n, float* out) {
 // group, as the meta holds it) and a constant blend pick the 8 values: ~8 instructions a half tile
 // where a lane-crossing permute of each half, index arithmetic and a variable blend took ~13 (an
 // AVX2 Zen 3 was compute-bound on them). Each lane's products and sums are as before: same bits.
-template <typename V>
-__attribute__((target("avx2,fma"))) float dot_avx2(const V* v, const int32_t* meta, const float* x, int64_t tiles) {
+// MB x rows at once as dot_avx512: the shifted meta words and the kept values made once a tile.
+template <int MB, typename V>
+__attribute__((target("avx2,fma"))) void dot_avx2(const V* v, const int32_t* meta, const float* x, int64_t xstride,
+                                                  int64_t tiles, float* out) {
   const __m256i lo = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), hi = _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30);
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  __m256 acc0[MB], acc1[MB];
+  for (int k = 0; k < MB; ++k) acc0[k] = acc1[k] = _mm256_setzero_ps();
   for (int64_t t = 0; t < tiles; ++t) {
     const __m256i word = _mm256_set1_epi32(meta[t]);
-    const float* xt = x + t * kTile;
     const __m256i i0 = _mm256_srlv_epi32(word, lo), i1 = _mm256_srlv_epi32(word, hi);
-    const __m256 x0 = _mm256_blend_ps(_mm256_permutevar_ps(_mm256_loadu_ps(xt), i0),
-                                      _mm256_permutevar_ps(_mm256_loadu_ps(xt + 8), i0), 0xCC);
-    const __m256 x1 = _mm256_blend_ps(_mm256_permutevar_ps(_mm256_loadu_ps(xt + 16), i1),
-                                      _mm256_permutevar_ps(_mm256_loadu_ps(xt + 24), i1), 0xCC);
-    acc0 = _mm256_fmadd_ps(values8(v + t * kKept), x0, acc0);
-    acc1 = _mm256_fmadd_ps(values8(v + t * kKept + 8), x1, acc1);
+    const __m256 w0 = values8(v + t * kKept), w1 = values8(v + t * kKept + 8);
+    for (int k = 0; k < MB; ++k) {
+      const float* xt = x + k * xstride + t * kTile;
+      const __m256 x0 = _mm256_blend_ps(_mm256_permutevar_ps(_mm256_loadu_ps(xt), i0),
+                                        _mm256_permutevar_ps(_mm256_loadu_ps(xt + 8), i0), 0xCC);
+      const __m256 x1 = _mm256_blend_ps(_mm256_permutevar_ps(_mm256_loadu_ps(xt + 16), i1),
+                                        _mm256_permutevar_ps(_mm256_loadu_ps(xt + 24), i1), 0xCC);
+      acc0[k] = _mm256_fmadd_ps(w0, x0, acc0[k]);
+      acc1[k] = _mm256_fmadd_ps(w1, x1, acc1[k]);
+    }
   }
-  return hsum256(_mm256_add_ps(acc0, acc1));
+  for (int k = 0; k < MB; ++k) out[k] = hsum256(_mm256_add_ps(acc0[k], acc1[k]));
 }
 #endif
 
-template <typename V>
-float dot(const V* v, const int32_t* meta, const float* x, int64_t tiles) {
+// y[k] for MB x rows (x + k * xstride) against one weight row.
+template <int MB, typename V>
+void dot(const V* v, const int32_t* meta, const float* x, int64_t xstride, int64_t tiles, float* out) {
 #ifdef BRISK_X86
-  if (brisk_isa::avx512()) return dot_avx512(v, meta, x, tiles);
-  if (brisk_isa::at_least_avx2()) return dot_avx2(v, meta, x, tiles);
+  if (brisk_isa::avx512()) return dot_avx512<MB>(v, meta, x, xstride, tiles, out);
+  if (brisk_isa::at_least_avx2()) return dot_avx2<MB>(v, meta, x, xstride, tiles, out);
 #endif
-  return dot_scalar(v, meta, x, tiles);
+  for (int k = 0; k < MB; ++k) out[k] = dot_scalar(v, meta, x + k * xstride, tiles);
 }
 
 // x rows [m, in] as [m, tiles * 32], zero-padded where `in` is not whole tiles (the kernels read
@@ -147,9 +171,18 @@ void rows_of(const V* values, const int32_t* meta, const float* x, float* y, int
     xp = ordered.data();
   }
 #endif
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t k = 0; k < m; ++k)
-      y[k * out + r] = dot(values + r * tiles * kKept, meta + r * tiles, xp + k * tiles * kTile, tiles);
+  const int64_t xs = tiles * kTile;
+  for (int64_t r = r0; r < r1; ++r) {
+    const V* v = values + r * tiles * kKept;
+    const int32_t* mr = meta + r * tiles;
+    float t[4];
+    int64_t k = 0;
+    for (; k + 4 <= m; k += 4) {  // x rows four at a time (AVX2's 16 registers hold 4 rows' chains)
+      dot<4>(v, mr, xp + k * xs, xs, tiles, t);
+      for (int j = 0; j < 4; ++j) y[(k + j) * out + r] = t[j];
+    }
+    for (; k < m; ++k) dot<1>(v, mr, xp + k * xs, xs, tiles, y + k * out + r);
+  }
 }
 
 void check(const torch::Tensor& values, const torch::Tensor& meta, int64_t in) {

@@ -82,13 +82,24 @@ def test_sparsegpt_output_error_is_below_magnitude_selection() -> None:
 
 
 @needs_kernel
-def test_a_row_gives_the_same_floats_alone_and_in_a_batch() -> None:
-    module = Sparse24Linear.from_linear(_linear(64, 576), None)
-    x = torch.randn(16, 576)
-    batched = kernels.sparse24_gemm(x, module.values, module.meta, None, module.bias, 576)
-    for i in range(16):
-        assert torch.equal(batched[i:i + 1], kernels.sparse24_gemm(x[i:i + 1], module.values, module.meta, None,
-                                                                   module.bias, 576))
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("n", [576, 100])
+def test_a_row_gives_the_same_floats_alone_and_in_a_batch(int8: bool, n: int) -> None:
+    """A batch's rows share each tile's indices and values four x rows at a time (11 rows: two
+    fours and three singles); each row's sums are its own, so alone it gives the same bits, on
+    every instruction-set level this CPU has."""
+    module = Sparse24Linear.from_linear(_linear(64, n), None, int8=int8)
+    x = torch.randn(11, n)
+    levels = ("scalar", "avx2", "avx512")
+    try:
+        for level in levels[:levels.index(kernels.CAPS.cpu_isa) + 1]:
+            kernels._C.set_isa(level)
+            batched = kernels.sparse24_gemm(x, module.values, module.meta, module.scale, module.bias, n)
+            for i in range(11):
+                alone = kernels.sparse24_gemm(x[i:i + 1], module.values, module.meta, module.scale, module.bias, n)
+                assert torch.equal(batched[i:i + 1], alone), (level, i)
+    finally:
+        kernels._C.set_isa(kernels.CAPS.isa)
 
 
 LOWERED = """
