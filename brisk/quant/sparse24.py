@@ -31,11 +31,14 @@ from brisk.model.layers import Linear
 from brisk.quant.base import QuantizedLinear
 
 TILE, KEPT = 32, 16  # input columns per meta word, kept values per tile
-KERNEL_MAX_ROWS = 16
+# Up to this many rows the sparse kernel; more: the dense weight through oneDNN. With a batch's rows
+# sharing each tile's indices, the kernel matched the dense path at ~32-48 rows on this Xeon
+# (3072 x 576 and 576 x 1536, float32 and int8; BENCHMARKS.md, Pruning): a decode batch of 32 stays sparse.
+KERNEL_MAX_ROWS = 32
 # Added to the Hessian's diagonal, as a fraction of its mean (SparseGPT's default is 0.01). On the
 # default model, 8,192 calibration tokens, the first 8,192 WikiText-2 test tokens: KL to the dense
 # model 1.55 at 0.01, 1.49 at 0.1, 1.70 at 1.0 (GPTQ's damping here, quant/gptq.py).
-SPARSEGPT_DAMP = 0.1  # up to this many rows the sparse kernel; more: the dense weight through oneDNN
+SPARSEGPT_DAMP = 0.1
 SEMI_STRUCTURED_DTYPES = (torch.float16, torch.bfloat16)
 log = logging.getLogger(__name__)
 

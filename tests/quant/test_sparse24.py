@@ -12,7 +12,7 @@ import torch
 
 from brisk import kernels
 from brisk.model.layers import Linear
-from brisk.quant.sparse24 import Sparse24Linear, dense_24, pack_24, select_24
+from brisk.quant.sparse24 import KERNEL_MAX_ROWS, Sparse24Linear, dense_24, pack_24, select_24
 
 needs_kernel = pytest.mark.skipif(not kernels.CAPS.has("sparse24_gemm"), reason="brisk._C without the 2:4 kernel")
 
@@ -60,8 +60,8 @@ def test_kernel_equals_the_dense_masked_weight(int8: bool, n: int) -> None:
     module = Sparse24Linear.from_linear(_linear(40, n), calib.T @ calib / 256, int8=int8)
     dense = dense_24(module.values, module.meta, module.scale, n)
     x = torch.randn(64, n)
-    for rows in (1, 2, 3, 5, 8, 16, 17, 64):
-        got = module(x[:rows])  # <= 16 rows: the sparse kernel; more: the dense weight through oneDNN
+    for rows in (1, 2, 3, 5, 8, 16, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 64):
+        got = module(x[:rows])  # up to KERNEL_MAX_ROWS the sparse kernel; more: the dense weight through oneDNN
         want = x[:rows] @ dense.T + module.bias
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (rows, float((got - want).abs().max()))
 
