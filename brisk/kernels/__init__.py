@@ -237,8 +237,9 @@ def group_kernel_supported(qweight: torch.Tensor, x: torch.Tensor | None = None)
 
 
 def ternary_supported(plus: torch.Tensor, x: torch.Tensor | None = None) -> bool:
-    """True when `ternary_gemm` can serve these bit planes: CPU with AVX-512 (its only path)."""
-    return CAPS.avx512 and CAPS.has("ternary_gemm") and plus.device.type == "cpu" and (x is None or x.device.type == "cpu")
+    """True when `ternary_gemm` can serve these bit planes: on the CPU, at every level (AVX-512, AVX2
+    and the portable loop give the same floats)."""
+    return CAPS.has("ternary_gemm") and plus.device.type == "cpu" and (x is None or x.device.type == "cpu")
 
 
 def block_types() -> frozenset[int]:
@@ -459,12 +460,15 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _C.act_mul(gate_up, 1)
 
 
-def have_vnni() -> bool:
-    """True when `int8_dot_u8s8` runs here: the extension is built and the CPU has AVX512-VNNI."""
-    return _HAVE_VNNI
+def have_int8_dot() -> bool:
+    """True when W8A8 runs brisk's `quantize_rows` and `int8_dot_u8s8` here: the extension is built
+    and the level is AVX2 or AVX-512 (AVX512-VNNI, AVX-VNNI or vpmaddubsw: the same integers; the
+    portable loop is tested but torch._int_mm is faster where brisk has no vector path)."""
+    return _HAVE_INT8_DOT
 
 
-_HAVE_VNNI = CAPS.has("quantize_rows") and CAPS.vnni  # decided once: W8A8 asks on every call
+# decided once: W8A8 asks on every call
+_HAVE_INT8_DOT = CAPS.has("quantize_rows") and CAPS.has("int8_dot_u8s8") and CAPS.isa in ("avx2", "avx512")
 
 
 def quantize_rows(x: torch.Tensor, unsigned_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -482,7 +486,7 @@ def int8_epilogue(acc: torch.Tensor, a: torch.Tensor, scale: torch.Tensor,
 
 
 def int8_dot_u8s8(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
-    """int32 [M, N] = xq (uint8 [M, K]) . qweight (int8 [N, K]), K a multiple of 64 (VNNI)."""
+    """int32 [M, N] = xq (uint8 [M, K]) . qweight (int8 [N, K]), K a multiple of 64, on every level."""
     assert _C is not None
     if xq.dim() != 2 or qweight.dim() != 2 or xq.shape[1] != qweight.shape[1] or qweight.shape[1] % 64:
         raise UserError(f"int8_dot_u8s8: x {tuple(xq.shape)} does not fit weight {tuple(qweight.shape)} "

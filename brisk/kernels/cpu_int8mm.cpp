@@ -6,6 +6,9 @@
 //   sum_k (xq + 128) w = sum_k xq w + 128 sum_k w.
 // Integer sums are exact, so results do not depend on the batch or the summation order.
 //   y[m, n] = a[m] * s[n] * (acc[m, n] - 128 * wsum[n]) (+ bias[n])
+// The same integers on every level: AVX-VNNI's 256-bit vpdpbusd; plain AVX2 as |w| x (q with w's
+// sign) through vpmaddubsw (q = xq - 128 in [-127, 127]: pair sums <= 2 x 128 x 127, no saturation,
+// which u8 x s8 pairs would reach) plus 128 x sum(w); the portable loop.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -40,14 +43,89 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile(const ui
     for (int k = 0; k < MB; ++k) acc[(m0 + k) * n + r + j] = _mm512_reduce_add_epi32(s[j][k]);
 }
 
+__attribute__((target("avx2"))) inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+// tile on 256-bit vectors with AVX-VNNI's vpdpbusd (AVX2's 16 registers: R x MB <= 8).
 template <int MB, int R>
+__attribute__((target("avx2,avxvnni"))) inline void tile_avx_vnni(const uint8_t* xq, const int8_t* w, int32_t* acc,
+                                                                 int64_t k_dim, int64_t n, int64_t m0, int64_t r) {
+  __m256i s[R][MB];
+  for (int j = 0; j < R; ++j)
+    for (int k = 0; k < MB; ++k) s[j][k] = _mm256_setzero_si256();
+  for (int64_t i = 0; i < k_dim; i += 32) {
+    for (int j = 0; j < R; ++j) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (r + j) * k_dim + i));
+      for (int k = 0; k < MB; ++k)
+        s[j][k] = _mm256_dpbusd_avx_epi32(
+            s[j][k], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (m0 + k) * k_dim + i)), wv);
+    }
+  }
+  for (int j = 0; j < R; ++j)
+    for (int k = 0; k < MB; ++k) acc[(m0 + k) * n + r + j] = hsum_epi32(s[j][k]);
+}
+
+// tile on plain AVX2: sum (xq - 128) w through vpmaddubsw with the sign moved onto x, and
+// 128 sum w from the weight alone (shared by the MB rows of x).
+template <int MB, int R>
+__attribute__((target("avx2"))) inline void tile_avx2(const uint8_t* xq, const int8_t* w, int32_t* acc, int64_t k_dim,
+                                                     int64_t n, int64_t m0, int64_t r) {
+  const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256i s[R][MB], ws[R];
+  for (int j = 0; j < R; ++j) {
+    ws[j] = _mm256_setzero_si256();
+    for (int k = 0; k < MB; ++k) s[j][k] = _mm256_setzero_si256();
+  }
+  for (int64_t i = 0; i < k_dim; i += 32) {
+    for (int j = 0; j < R; ++j) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (r + j) * k_dim + i));
+      const __m256i wabs = _mm256_abs_epi8(wv);
+      ws[j] = _mm256_add_epi32(ws[j], _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, wv), ones16));
+      for (int k = 0; k < MB; ++k) {
+        const __m256i q = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (m0 + k) * k_dim + i)), flip);
+        s[j][k] = _mm256_add_epi32(
+            s[j][k], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(q, wv)), ones16));
+      }
+    }
+  }
+  for (int j = 0; j < R; ++j) {
+    const int32_t w128 = 128 * hsum_epi32(ws[j]);
+    for (int k = 0; k < MB; ++k) acc[(m0 + k) * n + r + j] = hsum_epi32(s[j][k]) + w128;
+  }
+}
+
+// Which tile kernel: 0 AVX512-VNNI, 1 AVX-VNNI, 2 AVX2.
+template <int Path, int MB, int R>
+inline void tile_of(const uint8_t* xq, const int8_t* w, int32_t* acc, int64_t k_dim, int64_t n, int64_t m0, int64_t r) {
+  if constexpr (Path == 0) tile<MB, R>(xq, w, acc, k_dim, n, m0, r);
+  else if constexpr (Path == 1) tile_avx_vnni<MB, R>(xq, w, acc, k_dim, n, m0, r);
+  else tile_avx2<MB, R>(xq, w, acc, k_dim, n, m0, r);
+}
+
+template <int Path, int MB, int R>
 void rows(const uint8_t* xq, const int8_t* w, int32_t* acc, int64_t k_dim, int64_t n, int64_t m0, int64_t r0,
           int64_t r1) {
   int64_t r = r0;
-  for (; r + R <= r1; r += R) tile<MB, R>(xq, w, acc, k_dim, n, m0, r);
-  for (; r < r1; ++r) tile<MB, 1>(xq, w, acc, k_dim, n, m0, r);
+  for (; r + R <= r1; r += R) tile_of<Path, MB, R>(xq, w, acc, k_dim, n, m0, r);
+  for (; r < r1; ++r) tile_of<Path, MB, 1>(xq, w, acc, k_dim, n, m0, r);
 }
 #endif
+
+// The portable loop: the same integer sums.
+void rows_portable(const uint8_t* xq, const int8_t* w, int32_t* acc, int64_t k_dim, int64_t n, int64_t m, int64_t r0,
+                   int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t k = 0; k < m; ++k) {
+      int32_t sum = 0;
+      for (int64_t i = 0; i < k_dim; ++i) sum += static_cast<int32_t>(xq[k * k_dim + i]) * w[r * k_dim + i];
+      acc[k * n + r] = sum;
+    }
+}
 
 }  // namespace
 
@@ -82,11 +160,39 @@ __attribute__((target("avx512f"))) void quantize_row_avx512(const float* row, ui
   for (; i < k; ++i) out[i] = quantize_value(row[i], scale, offset);
   *a = scale;
 }
+
+// quantize_row_avx512 on 8 lanes: the same integers (the max's order does not matter, the division
+// is IEEE, vroundps's nearest-int is round-half-even).
+__attribute__((target("avx2,fma"))) void quantize_row_avx2(const float* row, uint8_t* out, int64_t k, int offset,
+                                                          float* a) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 m = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(row + i), abs_mask), m);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float amax = 0.f;
+  for (float v : lanes) amax = std::max(amax, v);
+  for (; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
+  const float scale = amax > 0.f ? amax / 127.f : 1.f;
+  const __m256 s = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  const __m256i off = _mm256_set1_epi32(offset);
+  for (i = 0; i + 8 <= k; i += 8) {
+    const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + i), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i v = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi)), off);
+    const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    // values in [1, 255] with the offset (unsigned saturation keeps them), [-127, 127] without
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), offset ? _mm_packus_epi16(w16, w16) : _mm_packs_epi16(w16, w16));
+  }
+  for (; i < k; ++i) out[i] = quantize_value(row[i], scale, offset);
+  *a = scale;
+}
 #endif
 
 void quantize_row(const float* row, uint8_t* out, int64_t k, int offset, float* a) {
 #ifdef BRISK_X86
   if (brisk_isa::avx512()) return quantize_row_avx512(row, out, k, offset, a);
+  if (brisk_isa::at_least_avx2()) return quantize_row_avx2(row, out, k, offset, a);
 #endif
   float amax = 0.f;
   for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
@@ -150,20 +256,31 @@ torch::Tensor int8_dot_u8s8(const torch::Tensor& xq, const torch::Tensor& w) {
               "brisk int8_dot_u8s8: uint8 [M, K] and contiguous int8 [N, K] with K a multiple of 64");
   const int64_t m = xq.size(0), k = xq.size(1), n = w.size(0);
   auto acc = torch::empty({m, n}, xq.options().dtype(torch::kInt32));
-#ifdef BRISK_X86
-  TORCH_CHECK(cpu_has_vnni(), "brisk int8_dot_u8s8: needs AVX512-VNNI");
   const uint8_t* xp = xq.data_ptr<uint8_t>();
   const int8_t* wp = w.data_ptr<int8_t>();
   int32_t* ap = acc.data_ptr<int32_t>();
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+#ifdef BRISK_X86
     int64_t m0 = 0;
-    for (; m0 + 8 <= m; m0 += 8) rows<8, 2>(xp, wp, ap, k, n, m0, r0, r1);
-    for (; m0 + 4 <= m; m0 += 4) rows<4, 4>(xp, wp, ap, k, n, m0, r0, r1);
-    for (; m0 < m; ++m0) rows<1, 8>(xp, wp, ap, k, n, m0, r0, r1);
-  });
-#else
-  TORCH_CHECK(false, "brisk int8_dot_u8s8: needs an x86-64 CPU with AVX512-VNNI");
+    if (cpu_has_vnni()) {
+      for (; m0 + 8 <= m; m0 += 8) rows<0, 8, 2>(xp, wp, ap, k, n, m0, r0, r1);
+      for (; m0 + 4 <= m; m0 += 4) rows<0, 4, 4>(xp, wp, ap, k, n, m0, r0, r1);
+      for (; m0 < m; ++m0) rows<0, 1, 8>(xp, wp, ap, k, n, m0, r0, r1);
+      return;
+    }
+    if (brisk_isa::avx_vnni()) {
+      for (; m0 + 4 <= m; m0 += 4) rows<1, 4, 2>(xp, wp, ap, k, n, m0, r0, r1);
+      for (; m0 < m; ++m0) rows<1, 1, 4>(xp, wp, ap, k, n, m0, r0, r1);
+      return;
+    }
+    if (brisk_isa::at_least_avx2()) {
+      for (; m0 + 4 <= m; m0 += 4) rows<2, 4, 2>(xp, wp, ap, k, n, m0, r0, r1);
+      for (; m0 < m; ++m0) rows<2, 1, 4>(xp, wp, ap, k, n, m0, r0, r1);
+      return;
+    }
 #endif
+    rows_portable(xp, wp, ap, k, n, m, r0, r1);
+  });
   return acc;
 }
 

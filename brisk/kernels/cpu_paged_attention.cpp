@@ -242,13 +242,9 @@ __attribute__((target("avx512f"))) void attend_token_avx512(const T* q, T* out, 
 // attend_heads_avx512 on 8-lane vectors: a block's 16 scores are two registers (slots 0-7 and
 // 8-15), each summed over even and odd i apart as s0 and s1 are, the probabilities through
 // exp256_nonpositive and their sum in _mm512_reduce_add_ps's order (GCC's: halves, quarters, then
-// pairs), so every float is the AVX-512 kernel's: the same attention output bit for bit.
-__attribute__((target("avx2,fma"))) inline float reduce_add16(__m256 lo, __m256 hi) {
-  const __m256 t3 = _mm256_add_ps(hi, lo);
-  const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
-  const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
-}
+// pairs: brisk_simd::reduce_add16), so every float is the AVX-512 kernel's: the same attention
+// output bit for bit.
+using brisk_simd::reduce_add16;
 
 __attribute__((target("avx2,fma"))) inline float reduce_max8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

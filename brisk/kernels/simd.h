@@ -77,5 +77,14 @@ __attribute__((target("avx512f"))) inline __m512i round_clamp(__m512 v, int leve
   return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-l)), _mm512_set1_ps(l)));
 }
 
+// The sum of 16 lanes held as two 8-lane halves (lanes 0-7, 8-15) in _mm512_reduce_add_ps's order
+// (GCC's: halves, quarters, then pairs), so an AVX2 path can give an AVX-512 kernel's float.
+__attribute__((target("avx2,fma"))) inline float reduce_add16(__m256 lo, __m256 hi) {
+  const __m256 t3 = _mm256_add_ps(hi, lo);
+  const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+  const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
+}
+
 }  // namespace brisk_simd
 #endif

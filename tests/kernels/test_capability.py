@@ -123,7 +123,7 @@ from brisk.runtime.decode_plan import plan_supported
 c = kernels.CAPS
 print(json.dumps({"isa": c.isa, "cpu": c.cpu_isa, "ext": kernels._C.isa(), "vnni": c.vnni,
                   "small_gemm_rows": kernels.SMALL_GEMM_MAX_ROWS, "plan": plan_supported(),
-                  "have_vnni": kernels.have_vnni(), "describe": c.describe()}))
+                  "int8_dot": kernels.have_int8_dot(), "describe": c.describe()}))
 """
 
 
@@ -135,8 +135,10 @@ def test_a_lowered_isa_reaches_every_kernel(isa: str) -> None:
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert (got["isa"], got["ext"], got["cpu"]) == (isa, isa, kernels.CAPS.cpu_isa)
-    # the small GEMM and the decode plan run at every level; the AVX512-VNNI kernels (W8A8) stand aside
-    assert got["small_gemm_rows"] == 32 and got["plan"] and not got["vnni"] and not got["have_vnni"]
+    # the small GEMM and the decode plan run at every level; the AVX512-VNNI kernels stand aside, W8A8's
+    # integer kernel runs its AVX2 form (torch._int_mm at the portable level)
+    assert got["small_gemm_rows"] == 32 and got["plan"] and not got["vnni"]
+    assert got["int8_dot"] == (isa == "avx2")
     assert f"lowered by {ISA_ENV}" in got["describe"]
 
 

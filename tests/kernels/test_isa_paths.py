@@ -165,3 +165,34 @@ def test_float_group_kernel_on_each_path(bits: int) -> None:
         assert torch.equal(alone, y[3:4]), level
     if "avx2" in got:  # the AVX2 kernel is the portable loop's arithmetic on vectors
         assert torch.equal(got["avx2"], got["scalar"])
+
+
+def test_w8a8_integers_are_the_same_on_every_path() -> None:
+    """W8A8's quantizer and int8 x int8 kernel: AVX512-VNNI, AVX-VNNI, AVX2's vpmaddubsw form and the
+    portable loop give the same integers (the definition's, summed in int64)."""
+    torch.manual_seed(5)
+    x = torch.randn(11, 192) * 3  # 11 rows: tiles of 8 or 4 x rows and single rows
+    x[2, 0] = 127.0  # a = 1: the halves below are exact ties (round half to even)
+    x[2, 1:5] = torch.tensor([2.5, -3.5, 0.5, -0.5])
+    w = torch.randint(-128, 128, (37, 192), dtype=torch.int8)  # -128: the sign form's edge; 37 rows: tails
+    want_q = torch.round(x / (x.abs().amax(dim=1, keepdim=True) / 127)).clamp(-127, 127)
+    want = (want_q.long() + 128) @ w.long().T
+    got = at_each(lambda: (kernels.quantize_rows(x, True)[0], kernels.int8_dot_u8s8(kernels.quantize_rows(x, True)[0], w)),
+                  HERE)
+    for level, (q, acc) in got.items():
+        assert torch.equal(q.long() - 128, want_q.long()), level
+        assert torch.equal(acc.long(), want), level
+
+
+@pytest.mark.parametrize("rows", [1, 5, 9])
+def test_ternary_gives_the_avx512_floats_on_every_path(rows: int) -> None:
+    """The AVX2 path's two 8-lane halves and the portable loop's 16 lanes sum as the AVX-512 kernel's
+    masked adds and reduction do: the same floats."""
+    from brisk.quant.ternary import pack_planes
+
+    torch.manual_seed(6)
+    plus, minus = pack_planes(torch.randint(-1, 2, (21, 160), dtype=torch.int8))
+    x, scale = torch.randn(rows, 160), torch.rand(21) + 0.5
+    got = at_each(lambda: kernels._C.ternary_gemm(x, plus, minus, scale, None), HERE)
+    for level, y in got.items():
+        assert torch.equal(y, got[HERE[-1]]), level

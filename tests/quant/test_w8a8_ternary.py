@@ -17,7 +17,7 @@ from brisk.quant.ternary import (
 )
 from brisk.quant.w8a8 import W8A8Linear, quantize_tokens, smooth_scales
 
-needs_vnni = pytest.mark.skipif(not kernels.have_vnni(), reason="needs the AVX512-VNNI kernel")
+needs_int8_kernel = pytest.mark.skipif(not kernels.CAPS.has("int8_dot_u8s8"), reason="the C++ kernels are not built")
 
 
 def _linear(in_features: int = 128, out: tuple[int, ...] = (40, 24), bias: bool = True) -> Linear:
@@ -58,8 +58,8 @@ def test_w8a8_rows_are_the_same_alone_or_in_any_batch(packed: bool) -> None:
     torch.testing.assert_close(q(x), _w8a8_reference(q, x), rtol=1e-6, atol=1e-6)
 
 
-@needs_vnni
-def test_vnni_kernel_matches_the_integer_sum_exactly() -> None:
+@needs_int8_kernel
+def test_the_int8_kernel_matches_the_integer_sum_exactly() -> None:
     torch.manual_seed(1)
     x = torch.randn(7, 192)
     w = torch.randint(-127, 128, (50, 192), dtype=torch.int8)
@@ -73,7 +73,7 @@ def test_vnni_kernel_matches_the_integer_sum_exactly() -> None:
         kernels.int8_dot_u8s8(torch.zeros(2, 96, dtype=torch.uint8), torch.zeros(4, 96, dtype=torch.int8))
 
 
-@needs_vnni  # the quantizer of the VNNI path
+@needs_int8_kernel  # the quantizer of the C++ path
 @pytest.mark.parametrize("width", [192, 200, 7])
 def test_the_cpu_quantizer_gives_torchs_integers(width: int) -> None:
     """The vectorized quantizer (16 columns at a time, then a scalar tail) against torch.round(x / a):
