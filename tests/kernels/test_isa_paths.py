@@ -8,8 +8,8 @@ each test puts it back."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 
 import pytest
@@ -25,21 +25,20 @@ HERE = [lv for lv in LEVELS if LEVELS.index(lv) <= LEVELS.index(kernels.CAPS.cpu
 
 
 @contextmanager
-def isa(level: str) -> Iterator[None]:
-    kernels._C.set_isa(level)
+def _switched(setter: Callable[[object], None], value: object, start_up: object) -> Iterator[None]:
+    setter(value)
     try:
         yield
     finally:
-        kernels._C.set_isa(kernels.CAPS.isa)
+        setter(start_up)
 
 
-@contextmanager
-def avx_vnni(on: bool) -> Iterator[None]:
-    kernels._C.set_avx_vnni(on)
-    try:
-        yield
-    finally:
-        kernels._C.set_avx_vnni(kernels.CAPS.avx_vnni)
+def isa(level: str) -> AbstractContextManager[None]:
+    return _switched(kernels._C.set_isa, level, kernels.CAPS.isa)
+
+
+def avx_vnni(on: bool) -> AbstractContextManager[None]:
+    return _switched(kernels._C.set_avx_vnni, on, kernels.CAPS.avx_vnni)
 
 
 def at_each(fn, levels: list[str]) -> dict[str, object]:
