@@ -84,7 +84,8 @@ def collect(measure_bandwidth: bool = True) -> dict[str, Any]:
         "isa_in_use": caps.isa,
         "isa_env": os.environ.get("BRISK_CPU_ISA") or None,
         "vnni_kernels": caps.vnni,
-        "avx_vnni_kernels": caps.avx_vnni,  # the avx2 level's block and group kernels on AVX-VNNI (BRISK_AVX_VNNI)
+        # the avx2 level's block, group and W8A8 kernels on AVX-VNNI (BRISK_AVX_VNNI)
+        "avx_vnni_kernels": caps.avx_vnni,
         "amx_bf16_cpu": caps.cpu_amx,  # AMX-BF16 usable here (oneDNN's bf16 GEMMs run on it)
         "amx_prompt_tiles": caps.amx,  # GGUF blocks' prompt work as bf16 tiles on it (BRISK_AMX)
         "cpu_vendor": caps.vendor,  # the K-quant prompt path follows it (kernels.float_prompt_tiles)

@@ -21,7 +21,8 @@ import torch
 from brisk.errors import UserError
 
 ISA_ENV = "BRISK_CPU_ISA"
-AVX_VNNI_ENV = "BRISK_AVX_VNNI"  # 0: the avx2 level's block and group kernels use maddubs + madd even where AVX-VNNI is
+# 0: the avx2 level's block, group and W8A8 kernels use maddubs + madd even where AVX-VNNI is
+AVX_VNNI_ENV = "BRISK_AVX_VNNI"
 AMX_ENV = "BRISK_AMX"  # 0: prompt work on GGUF blocks stays on the integer kernels even where AMX-BF16 is
 # 1 / 0: K-quant prompt work in float32 tiles or block_kgemm (the MLP's down projections: float either way)
 FLOAT_TILES_ENV = "BRISK_FLOAT_PROMPT_TILES"
@@ -37,7 +38,7 @@ class KernelCaps:
     isa: str  # what the kernels use (<= cpu_isa)
     vnni: bool  # AVX512-VNNI integer kernels usable (needs isa avx512)
     names: frozenset[str]  # the kernels this build has
-    avx_vnni: bool = False  # the avx2 level's block and group kernels use AVX-VNNI (256-bit vpdpbusd)
+    avx_vnni: bool = False  # the avx2 level's block, group and W8A8 kernels use AVX-VNNI (256-bit vpdpbusd)
     amx: bool = False  # AMX-BF16 tiles usable (CPU, OS, permission), isa avx512, not turned off by BRISK_AMX
     cpu_amx: bool = False  # AMX-BF16 usable at all: oneDNN's bf16 GEMMs run on it whatever brisk's level
     vendor: str = "other"  # the CPU's maker: intel, amd or other

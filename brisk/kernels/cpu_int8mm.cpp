@@ -178,11 +178,13 @@ __attribute__((target("avx2,fma"))) void quantize_row_avx2(const float* row, uin
   const __m256 s = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
   const __m256i off = _mm256_set1_epi32(offset);
   for (i = 0; i + 8 <= k; i += 8) {
-    const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + i), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r =
+        _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + i), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256i v = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi)), off);
     const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     // values in [1, 255] with the offset (unsigned saturation keeps them), [-127, 127] without
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), offset ? _mm_packus_epi16(w16, w16) : _mm_packs_epi16(w16, w16));
+    const __m128i bytes = offset ? _mm_packus_epi16(w16, w16) : _mm_packs_epi16(w16, w16);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), bytes);
   }
   for (; i < k; ++i) out[i] = quantize_value(row[i], scale, offset);
   *a = scale;

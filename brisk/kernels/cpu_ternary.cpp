@@ -124,7 +124,8 @@ torch::Tensor ternary_gemm(const torch::Tensor& x, const torch::Tensor& plus, co
     }
 #endif
     for (int64_t r = r0; r < r1; ++r)
-      for (int64_t k = 0; k < m; ++k) row_portable(pp + r * (in / 8), np + r * (in / 8), xp + k * in, in, yp + k * out + r);
+      for (int64_t k = 0; k < m; ++k)
+        row_portable(pp + r * (in / 8), np + r * (in / 8), xp + k * in, in, yp + k * out + r);
   });
   y.mul_(scale.view({1, out}));
   if (bias.has_value()) y.add_(bias->to(torch::kFloat32));

@@ -11,9 +11,9 @@ t_k = max|x_k|^alpha / max|W_k|^(1 - alpha) (alpha 0.5) and x_k is divided by it
 (`input_scale` = 1 / t), so both sides quantize well.
 
 Decode-sized batches go through brisk's kernel (`kernels.int8_dot_u8s8`: AVX512-VNNI, 64 int8
-products per instruction, ~150 GMAC/s here; AVX-VNNI or vpmaddubsw on AVX2 CPUs); from 17 rows a oneDNN int8 matmul on a weight packed
-once (`pack()`, 218-320 GMAC/s), or torch._int_mm where nothing is packed (it re-lays the weight
-out on every call).
+products per instruction, ~150 GMAC/s here; AVX-VNNI or vpmaddubsw on AVX2 CPUs); past them
+(VNNI_MAX_ROWS) a oneDNN int8 matmul on a weight packed once (`pack()`, 218-320 GMAC/s), or
+torch._int_mm where nothing is packed (it re-lays the weight out on every call).
 On CUDA torch._int_mm (cuBLASLt) serves every batch (padded past 16 rows); elsewhere the same
 integers are summed in float64 (exact, slow). Results never change with the path: integer sums
 have no rounding order, and every path quantizes x to the same integers.

@@ -176,8 +176,11 @@ def test_w8a8_integers_are_the_same_on_every_path() -> None:
     w = torch.randint(-128, 128, (37, 192), dtype=torch.int8)  # -128: the sign form's edge; 37 rows: tails
     want_q = torch.round(x / (x.abs().amax(dim=1, keepdim=True) / 127)).clamp(-127, 127)
     want = (want_q.long() + 128) @ w.long().T
-    got = at_each(lambda: (kernels.quantize_rows(x, True)[0], kernels.int8_dot_u8s8(kernels.quantize_rows(x, True)[0], w)),
-                  HERE)
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        q = kernels.quantize_rows(x, True)[0]
+        return q, kernels.int8_dot_u8s8(q, w)
+
+    got = at_each(run, HERE)
     for level, (q, acc) in got.items():
         assert torch.equal(q.long() - 128, want_q.long()), level
         assert torch.equal(acc.long(), want), level
