@@ -28,6 +28,7 @@
 namespace {
 
 constexpr int64_t kTile = 32, kKept = 16;
+constexpr int64_t kAhead = 1024;  // bytes of values prefetched ahead (rows run on into the next)
 
 template <typename V>
 float dot_scalar(const V* v, const int32_t* meta, const float* x, int64_t tiles) {
@@ -66,6 +67,9 @@ __attribute__((target("avx512f"))) void dot_avx512(const V* v, const int32_t* me
   for (int k = 0; k < MB; ++k) acc0[k] = acc1[k] = _mm512_setzero_ps();
   int64_t t = 0;
   for (; t + 2 <= tiles; t += 2) {  // two chains: the FMA latency stays hidden behind the loads
+    const char* ahead = reinterpret_cast<const char*>(v + t * kKept) + kAhead;
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    if constexpr (sizeof(V) == 4) _mm_prefetch(ahead + 64, _MM_HINT_T0);  // float: two tiles are two lines
     const __m512i i0 = columns16(meta[t]), i1 = columns16(meta[t + 1]);
     const __m512 w0 = values16(v + t * kKept), w1 = values16(v + (t + 1) * kKept);
     for (int k = 0; k < MB; ++k) {
@@ -122,6 +126,7 @@ __attribute__((target("avx2,fma"))) void dot_avx2(const V* v, const int32_t* met
   __m256 acc0[MB], acc1[MB];
   for (int k = 0; k < MB; ++k) acc0[k] = acc1[k] = _mm256_setzero_ps();
   for (int64_t t = 0; t < tiles; ++t) {
+    _mm_prefetch(reinterpret_cast<const char*>(v + t * kKept) + kAhead, _MM_HINT_T0);
     const __m256i word = _mm256_set1_epi32(meta[t]);
     const __m256i i0 = _mm256_srlv_epi32(word, lo), i1 = _mm256_srlv_epi32(word, hi);
     const __m256 w0 = values8(v + t * kKept), w1 = values8(v + t * kKept + 8);
