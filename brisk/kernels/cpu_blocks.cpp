@@ -470,10 +470,7 @@ __attribute__((target("avx512f"))) void quantize_block_avx512(const float* xb, i
 }
 
 __attribute__((target("avx2"))) inline int32_t sum16_avx2(__m256i x, __m256i y) {  // all 16 int32 lanes
-  const __m256i t = _mm256_add_epi32(x, y);
-  __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-  u = _mm_add_epi32(u, _mm_unpackhi_epi64(u, u));
-  return _mm_cvtsi128_si32(_mm_add_epi32(u, _mm_shuffle_epi32(u, 1)));
+  return brisk_simd::hsum_epi32(_mm256_add_epi32(x, y));
 }
 
 // max |x| over n floats (n a multiple of 8): the activations' scale before the / 127.

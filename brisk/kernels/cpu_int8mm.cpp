@@ -43,11 +43,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile(const ui
     for (int k = 0; k < MB; ++k) acc[(m0 + k) * n + r + j] = _mm512_reduce_add_epi32(s[j][k]);
 }
 
-__attribute__((target("avx2"))) inline int32_t hsum_epi32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
-}
+using brisk_simd::hsum_epi32;
 
 // tile on 256-bit vectors with AVX-VNNI's vpdpbusd (AVX2's 16 registers: R x MB <= 8).
 template <int MB, int R>

@@ -100,11 +100,7 @@ __attribute__((target("avx2,fma"))) void act_mul_row_avx2(const float* g, const 
   }
 }
 
-__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
+using brisk_simd::hsum8;
 
 __attribute__((target("avx2,fma"))) void norm_row_avx2(const float* x, const float* w, float* y, int64_t h, float eps) {
   __m256 acc = _mm256_setzero_ps();

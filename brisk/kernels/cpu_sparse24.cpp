@@ -91,11 +91,7 @@ __attribute__((target("avx512f"))) void dot_avx512(const V* v, const int32_t* me
   for (int k = 0; k < MB; ++k) out[k] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[k], acc1[k]));
 }
 
-__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
+using brisk_simd::hsum8;
 
 template <typename V>
 __attribute__((target("avx2,fma"))) inline __m256 values8(const V* v) {
@@ -140,7 +136,7 @@ __attribute__((target("avx2,fma"))) void dot_avx2(const V* v, const int32_t* met
       acc1[k] = _mm256_fmadd_ps(w1, x1, acc1[k]);
     }
   }
-  for (int k = 0; k < MB; ++k) out[k] = hsum256(_mm256_add_ps(acc0[k], acc1[k]));
+  for (int k = 0; k < MB; ++k) out[k] = hsum8(_mm256_add_ps(acc0[k], acc1[k]));
 }
 #endif
 

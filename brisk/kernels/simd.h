@@ -77,6 +77,20 @@ __attribute__((target("avx512f"))) inline __m512i round_clamp(__m512 v, int leve
   return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-l)), _mm512_set1_ps(l)));
 }
 
+// The 8 lanes' sum: halves, then pairs (one fixed order: the AVX2 GEMV-like kernels' row sums).
+__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// The 8 int32 lanes' sum (exact, so in any order).
+__attribute__((target("avx2"))) inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
 // The sum of 16 lanes held as two 8-lane halves (lanes 0-7, 8-15) in _mm512_reduce_add_ps's order
 // (GCC's: halves, quarters, then pairs), so an AVX2 path can give an AVX-512 kernel's float.
 __attribute__((target("avx2,fma"))) inline float reduce_add16(__m256 lo, __m256 hi) {

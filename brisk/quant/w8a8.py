@@ -12,7 +12,7 @@ t_k = max|x_k|^alpha / max|W_k|^(1 - alpha) (alpha 0.5) and x_k is divided by it
 
 Decode-sized batches go through brisk's kernel (`kernels.int8_dot_u8s8`: AVX512-VNNI, 64 int8
 products per instruction, ~150 GMAC/s here; AVX-VNNI or vpmaddubsw on AVX2 CPUs); past them
-(VNNI_MAX_ROWS) a oneDNN int8 matmul on a weight packed once (`pack()`, 218-320 GMAC/s), or
+(KERNEL_MAX_ROWS) a oneDNN int8 matmul on a weight packed once (`pack()`, 218-320 GMAC/s), or
 torch._int_mm where nothing is packed (it re-lays the weight out on every call).
 On CUDA torch._int_mm (cuBLASLt) serves every batch (padded past 16 rows); elsewhere the same
 integers are summed in float64 (exact, slow). Results never change with the path: integer sums
@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from brisk import kernels
 from brisk.kernels import (
+    CAPS,
     HAVE_ONEDNN_QLINEAR,
     have_int8_dot,
     int8_dot_u8s8,
@@ -41,7 +41,7 @@ from brisk.quant.int8 import Int8Linear
 # brisk's kernel up to this many rows, then oneDNN (packed weight or torch._int_mm): with vpdpbusd it led
 # to 16 rows (268-371 vs ~160 GMAC/s at 32-128 rows); plain AVX2's vpmaddubsw form (five instructions
 # per 32 products) led _int_mm at 1-4 rows (1.4-2.6x) and trailed from 6 (BENCHMARKS.md, issue 25).
-VNNI_MAX_ROWS = 16 if (kernels.CAPS.vnni or kernels.CAPS.avx_vnni) else 4
+KERNEL_MAX_ROWS = 16 if (CAPS.vnni or CAPS.avx_vnni) else 4
 SMOOTH_ALPHA = 0.5
 
 
@@ -84,7 +84,7 @@ class W8A8Linear(Int8Linear):
     def _int_dot(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum_k q_x q_w as int32 [M, out], a [M])."""
         if x.device.type == "cpu" and have_int8_dot():  # brisk's C++ quantizer (same integers as quantize_tokens)
-            if x.shape[0] <= VNNI_MAX_ROWS and self.in_features % 64 == 0:
+            if x.shape[0] <= KERNEL_MAX_ROWS and self.in_features % 64 == 0:
                 xq, a = quantize_rows(x, True)
                 return int8_dot_u8s8(xq, self.qweight) - self.offset, a
             q, a = quantize_rows(x, False)
@@ -117,7 +117,7 @@ class W8A8Linear(Int8Linear):
         flat = x.reshape(-1, self.in_features).float()
         if self.input_scale is not None:
             flat = flat * self.input_scale
-        small = flat.shape[0] <= VNNI_MAX_ROWS and self.in_features % 64 == 0 and have_int8_dot()
+        small = flat.shape[0] <= KERNEL_MAX_ROWS and self.in_features % 64 == 0 and have_int8_dot()
         if self.packed is not None and flat.device.type == "cpu" and not small:
             y = self._packed_product(flat)
         else:
