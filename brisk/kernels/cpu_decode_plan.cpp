@@ -77,6 +77,9 @@ struct LinearOp {
   GroupWeights group{};                     // the group kinds
   std::vector<torch::Tensor> block_tensors;  // kBlocks: GGUF blocks per stacked part, kept alive
   std::vector<brisk_blocks::Segment> segments;
+  // optional low-rank adapter, y += (x a^T) b^T: a [rank, in], b [out, rank] float32
+  // (Speculative Streaming's stream pass: speculative/streaming.py)
+  torch::Tensor lora_a, lora_b;
 
   // Rows of y [m, out] that thread `tid` of `team` computes: whole 4-row units, split evenly.
   std::pair<int64_t, int64_t> slice(int tid, int team) const {
@@ -223,6 +226,7 @@ struct Layer {
 // `out` holds a normed Linear output (Gemma's post norms) where the module path norms it.
 struct ThreadRows {
   std::vector<float> res, normed, act, out, qk;
+  std::vector<float> lora_t, lora_u;  // an adapter's x a^T [n, rank] and its output rows [n, out]
   brisk_range::QuantizedActs acts;
 };
 
@@ -286,6 +290,29 @@ class DecodePlan {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // A low-rank adapter on Linear `which` (0 qkv, 1 o, 2 gate_up, 3 down) of `layer`: its rows get
+  // (x a^T) b^T added (a [rank, in], b [out, rank] float32); None, None removes it.
+  void set_lora(int64_t layer, int64_t which, const c10::optional<torch::Tensor>& a,
+                const c10::optional<torch::Tensor>& b) {
+    TORCH_CHECK(0 <= layer && layer < num_layers() && 0 <= which && which < 4,
+                "brisk DecodePlan: set_lora names layer 0..", num_layers() - 1, " and Linear 0..3");
+    Layer& L = layers_[layer];
+    LinearOp& op = which == 0 ? L.qkv : which == 1 ? L.o : which == 2 ? L.gate_up : L.down;
+    TORCH_CHECK(a.has_value() == b.has_value(), "brisk DecodePlan: an adapter needs both a and b");
+    if (!a.has_value()) {
+      op.lora_a = op.lora_b = torch::Tensor();
+      return;
+    }
+    const int64_t rank = a->dim() == 2 ? a->size(0) : 0;
+    for (const auto* t : {&*a, &*b})
+      TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->device().is_cpu() && t->dim() == 2,
+                  "brisk DecodePlan: adapter matrices must be contiguous float32 CPU 2-D tensors");
+    TORCH_CHECK(rank >= 1 && a->size(1) == op.in && b->size(0) == op.out && b->size(1) == rank,
+                "brisk DecodePlan: an adapter for a ", op.out, " x ", op.in, " Linear is a [rank, ", op.in,
+                "] and b [", op.out, ", rank]");
+    op.lora_a = *a, op.lora_b = *b;
+  }
 
   // Layers [start, end) on (h, residual) [n, hidden] as LlamaDecoderLayer.forward runs them;
   // caches: k0, v0, k1, v1, ... for those layers. Returns the new (h, residual).
@@ -421,6 +448,19 @@ class DecodePlan {
   void linear(const LinearOp& op, const float* x, int64_t n, float* y, ThreadRows& me, int tid, int team) const {
     const auto [r0, r1] = op.slice(tid, team);
     op.rows(x, n, y, r0, r1, me.acts);
+    if (op.lora_a.defined() && r0 < r1) add_lora(op, x, n, y, r0, r1, me);
+  }
+
+  // y's rows [r0, r1) += (x a^T) b^T: each thread forms x a^T whole (rank x in per token: cheaper
+  // than a barrier), then its own output rows.
+  static void add_lora(const LinearOp& op, const float* x, int64_t n, float* y, int64_t r0, int64_t r1,
+                       ThreadRows& me) {
+    const int64_t rank = op.lora_a.size(0), out = op.out;
+    me.lora_t.resize(n * rank), me.lora_u.resize(n * out);
+    brisk_range::float_rows(op.lora_a.data_ptr<float>(), x, me.lora_t.data(), n, rank, op.in, 0, rank);
+    brisk_range::float_rows(op.lora_b.data_ptr<float>(), me.lora_t.data(), me.lora_u.data(), n, out, rank, r0, r1);
+    for (int64_t k = 0; k < n; ++k)
+      for (int64_t r = r0; r < r1; ++r) y[k * out + r] += me.lora_u[k * out + r];
   }
 
   // The layer loop as every thread of the team runs it: the Linears' rows, attention's items and
@@ -517,6 +557,8 @@ void bind_decode_plan(py::module& m) {
            py::arg("mlp_out_norm") = py::none(), py::arg("window") = 0, py::arg("rope") = 0, py::arg("heads") = 0,
            py::arg("kv_heads") = 0, py::arg("intermediate") = 0)
       .def("num_layers", &DecodePlan::num_layers)
+      .def("set_lora", &DecodePlan::set_lora, py::arg("layer"), py::arg("which"), py::arg("a") = py::none(),
+           py::arg("b") = py::none())
       .def("run", &DecodePlan::run, py::arg("h"), py::arg("residual"), py::arg("cos"), py::arg("sin"),
            py::arg("caches"), py::arg("slot_blocks"), py::arg("slot_offsets"), py::arg("block_tables"),
            py::arg("query_start"), py::arg("kv_lens"), py::arg("scale"), py::arg("start"), py::arg("end"),

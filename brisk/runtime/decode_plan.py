@@ -26,7 +26,10 @@ a full batch of block-quantized or group-quantized rows).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -43,6 +46,8 @@ PLAN_MAX_ROWS = 8
 # `plan_op` (the quantized kernels serve 64-128 rows before a float GEMM takes over); the plan
 # takes steps of up to the least of them, at most this many (32 requests decoding)
 PLAN_ROWS_CAP = 32
+# low-rank adapters on a plan's Linears: (layer, linear) -> (a [rank, in], b [out, rank]) float32
+Adapters = dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 def plan_supported() -> bool:
@@ -181,9 +186,15 @@ class DecodePlans:
     after the model's modules change (`modules_version`), never while `enabled` is False
     (`enforce_eager`)."""
 
-    def __init__(self, model: CausalLM, enabled: bool = True) -> None:
+    def __init__(self, model: CausalLM, enabled: bool = True, adapters: Adapters | None = None,
+                 module_context: Callable[[], AbstractContextManager[None]] | None = None) -> None:
+        """`adapters`: low-rank adapters the plan adds to some Linears, {(layer, linear): (a, b)}
+        (linear 0 qkv, 1 o, 2 gate_up, 3 down; y += (x a^T) b^T); `module_context`: entered around
+        the module path, which must then add the same (forward hooks)."""
         self.model = model
         self.enabled = enabled
+        self.adapters = adapters or {}
+        self.module_context = module_context or contextlib.nullcontext
         self._plan: Any = None  # the plan, or False where none applies to these modules
         self._version: int | None = None  # modules_version the plan was built for
 
@@ -206,7 +217,8 @@ class DecodePlans:
             out = run_plan(plan, h, residual, self.model.step_ropes(positions), attn, start, end)  # type: ignore[arg-type]
             if out is not None:
                 return out
-        return self.model.run_layers(h, residual, positions, attn, start, end)  # type: ignore[arg-type]
+        with self.module_context():
+            return self.model.run_layers(h, residual, positions, attn, start, end)  # type: ignore[arg-type]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: object,
                 num_layers: int | None = None) -> torch.Tensor:
@@ -222,6 +234,8 @@ class DecodePlans:
             return None
         if self._version != self.model.modules_version:
             self._plan = build_decode_plan(self.model) or False
+            for (layer, linear), (a, b) in self.adapters.items() if self._plan else ():
+                self._plan.set_lora(layer, linear, a.contiguous(), b.contiguous())
             self._version = self.model.modules_version  # read after: building may tile weights
         plan = self._plan or None
         return plan if plan is not None and h.shape[0] <= plan.max_rows() else None

@@ -7,6 +7,7 @@ positions, the slot (block, offset) of every new token, block tables and the att
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +27,7 @@ from brisk.model.paged_attention import (
     padded_spans,
 )
 from brisk.runtime.decode_graphs import DecodeGraphs
-from brisk.runtime.decode_plan import DecodePlans
+from brisk.runtime.decode_plan import Adapters, DecodePlans
 from brisk.runtime.model_runner import sdpa_context
 from brisk.runtime.step import RunnerOutput, StepBatch, run_step
 from brisk.runtime.virtual_kv import VirtualKV
@@ -268,6 +269,24 @@ class PagedModelRunner:
         stream = h if residual is None else h + residual
         h, residual = layers(h, residual, inputs.positions, inputs.attn, cut, model.config.num_hidden_layers)
         return model.final_norm(h, residual), stream
+
+    def adapted_plans(self, adapters: Adapters, module_context: Callable[[], AbstractContextManager[None]]
+                      ) -> DecodePlans:
+        """Decode plans over this runner's model with low-rank adapters on some Linears
+        (`DecodePlans`; eager when this runner is), for `run_rows`."""
+        return DecodePlans(self.model, enabled=self.plans.enabled, adapters=adapters, module_context=module_context)
+
+    @torch.inference_mode()
+    def run_rows(self, steps: Sequence[ScheduledRequest], h: torch.Tensor, start: int, plans: DecodePlans
+                 ) -> torch.Tensor:
+        """Rows `h` [num tokens, hidden], laid out as `steps` (whose token ids are not read), through
+        layers `start`.. with `plans` (the decode plan where it serves them, else the modules), their
+        keys and values written to the steps' slots: final-normed hidden states [num tokens, hidden]."""
+        inputs = self.prepare(steps)
+        with sdpa_context(self.device):
+            h, residual = plans.run_layers(h, None, inputs.positions, inputs.attn, start,
+                                           self.model.config.num_hidden_layers)
+        return self.model.final_norm(h, residual)
 
     @torch.inference_mode()
     def exit_hidden(self, steps: Sequence[ScheduledRequest], num_layers: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ from the residual stream entering layer L - Ns at t plus a learned stream embedd
 position t + j, attends to the main stream's keys and values up to t (the KV cache) and to the
 streams j' <= j of the same t, and its final hidden state through the LM head predicts token
 t + 1 + j: future n-gram prediction with attention over the whole context, which plain heads
-(Medusa) lack. Nothing attends to a stream row and stream rows write no KV.
+(Medusa) lack. No main-stream row attends to a stream row.
 
 brisk adds one input the paper's streams lack: the token x[t+1] that the row at t produced, known
 when drafting, enters every stream row through a low-rank map of its embedding (Hydra's lesson for
@@ -25,7 +25,9 @@ residual stream entering layer L - Ns of every sampled row (`PagedModelRunner.ca
 the proposer takes the row that produced each request's newest token (at position t = p - 1, its
 KV already in the cache) and runs its gamma stream rows through the top Ns layers: gamma drafts in
 one pass over Ns / L of the weights, verified as a top-1 chain by the shared verifier (greedy
-identical to plain decoding, exact rejection sampling otherwise).
+identical to plain decoding, exact rejection sampling otherwise). The pass is an ordinary step of
+gamma rows over the paged cache (their keys and values go to the draft slots the verify step then
+overwrites: `StreamingProposer`), so the C++ decode plan runs it, adapters included.
 
 File (`brisk train-heads --kind streaming`): safetensors with `streams` [gamma, hidden], the token
 map `token_a` [token_rank, hidden] and `token_b` [hidden, token_rank], per
@@ -40,6 +42,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +50,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from brisk.config import ModelConfig
+from brisk.core.outputs import ScheduledRequest
 from brisk.errors import UserError
 from brisk.model.base import CausalLM
 from brisk.speculative.base import Draft, DraftRequest, Proposer, pick_draft_token
@@ -57,12 +61,15 @@ KIND = "streaming"
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values of the main stream: [positions, kv_heads, head_dim] each
 
 
+# the adapted projections, in the order the C++ decode plan holds a layer's Linears
+PLAN_ORDER = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
 def lora_targets(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, int]]:
     """The projections of a layer that get adapters: name -> (in features, out features)."""
     hd, hidden = cfg.head_dim, cfg.hidden_size
     q, kv, width = cfg.heads(layer) * hd, cfg.kv_heads(layer) * hd, cfg.intermediate(layer)
-    return {"self_attn.qkv_proj": (hidden, q + 2 * kv), "self_attn.o_proj": (q, hidden),
-            "mlp.gate_up_proj": (hidden, 2 * width), "mlp.down_proj": (width, hidden)}
+    return dict(zip(PLAN_ORDER, ((hidden, q + 2 * kv), (q, hidden), (hidden, 2 * width), (width, hidden))))
 
 
 class StreamAdapter(nn.Module):
@@ -111,6 +118,15 @@ class StreamAdapter(nn.Module):
         h = start.to(self.token_a.dtype) + F.linear(F.linear(emb, self.token_a), self.token_b)
         return (h.unsqueeze(1) + self.streams).reshape(-1, h.shape[-1])
 
+    def plan_adapters(self) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
+        """The adapters as the C++ decode plan takes them: (layer, linear) -> (a, b), the linear by
+        its place in the plan's order (qkv, o, gate_up, down: `lora_targets`' order)."""
+        out = {}
+        for key in self.lora_a:
+            layer, name = _unkey(key)
+            out[(layer, PLAN_ORDER.index(name))] = (self.lora_a[key].detach(), self.lora_b[key].detach())
+        return out
+
     @contextlib.contextmanager
     def active(self, model: CausalLM) -> Iterator[None]:
         """Within: the top layers' projections add their adapters' output (the stream pass)."""
@@ -158,15 +174,13 @@ class StreamSegment:
 class StreamAttention:
     """Attention metadata for stream rows laid out segment after segment: row (t, j) sees the main
     stream's keys <= t (within the layer's window from its own position t + j) and the rows
-    (t, j' <= j). Writes nothing (training: autograd runs through it; decoding: no KV is kept)."""
+    (t, j' <= j). Writes nothing: training's pass (autograd runs through it)."""
 
     segments: list[StreamSegment]
     num_streams: int
     scale: float | None = None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
-        if len(self.segments) > 1 and all(len(s.anchors) == 1 for s in self.segments):
-            return self._decode(layer, q, k, v, window)
         outs, start = [], 0
         for seg in self.segments:
             rows = slice(start, start + len(seg.anchors) * self.num_streams)
@@ -174,33 +188,6 @@ class StreamAttention:
             outs.append(self._one(seg.anchors, q[rows], k[rows], v[rows], main_k, main_v, window))
             start = rows.stop
         return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
-        """One anchor per segment (decoding a batch): one padded attention call for all of them
-        instead of one per request."""
-        g, dev = self.num_streams, q.device
-        b, heads, hd = len(self.segments), q.shape[1], q.shape[2]
-        mains = [s.main(layer) for s in self.segments]
-        longest = max(m[0].shape[0] for m in mains)
-        keys = q.new_zeros((b, longest + g, k.shape[1], hd))  # [B, T + g, kv_heads, hd]
-        values = torch.zeros_like(keys)
-        for i, (mk, mv) in enumerate(mains):
-            keys[i, :mk.shape[0]] = mk
-            values[i, :mv.shape[0]] = mv
-        keys[:, longest:] = k.view(b, g, -1, hd)
-        values[:, longest:] = v.view(b, g, -1, hd)
-        anchor = torch.stack([s.anchors[0] for s in self.segments]).to(dev)[:, None, None]  # [B, 1, 1]
-        stream = torch.arange(g, device=dev)[None, :, None]  # [1, g, 1]: j - 1
-        pos = torch.arange(longest, device=dev)[None, None, :]
-        sees_main = pos <= anchor
-        if window:
-            sees_main = sees_main & (pos > anchor + stream + 1 - window)
-        sees_streams = (stream.transpose(1, 2) <= stream).expand(b, g, g)
-        mask = torch.cat([sees_main.expand(b, g, longest), sees_streams], dim=2).unsqueeze(1)  # [B, 1, g, T + g]
-        out = F.scaled_dot_product_attention(q.view(b, g, heads, hd).transpose(1, 2), keys.transpose(1, 2),
-                                             values.transpose(1, 2), attn_mask=mask,
-                                             enable_gqa=k.shape[1] != heads, scale=self.scale)  # [B, heads, g, hd]
-        return out.transpose(1, 2).reshape(b * g, heads, hd)
 
     def _one(self, anchors: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, main_k: torch.Tensor,
              main_v: torch.Tensor, window: int) -> torch.Tensor:
@@ -309,18 +296,24 @@ def load_streams(path: str | Path, model: CausalLM) -> tuple[StreamAdapter, dict
 # ---- decoding ----------------------------------------------------------------------------------
 
 class StreamingProposer(Proposer):
-    """Drafts from the stream rows at the position that produced each request's newest token."""
+    """Drafts from the stream rows at the position that produced each request's newest token.
+
+    The stream pass runs over the target's own paged cache: stream j of the row at t sits at
+    position t + j, a slot the next verify step writes anyway (it holds t_last and the drafts), so
+    the stream rows write their keys and values there first and then attend as any step's rows
+    do, causally over the cache: keys <= t and the streams j' <= j, the mask training used. The
+    verify step overwrites those slots before anything reads them. So the pass is an ordinary
+    multi-row step over the top layers, run by the C++ decode plan with the adapters added to
+    its Linears (the module path with forward hooks where no plan applies)."""
 
     name = KIND
     observes_hidden = True  # the residual stream at capture_layer of each request's newest row (observe)
 
-    def __init__(self, model: CausalLM, adapter: StreamAdapter, kv_caches: list, layer_group: list[int],
-                 block_size: int, vocab: DraftVocab | None = None) -> None:
+    def __init__(self, model: CausalLM, adapter: StreamAdapter, runner: Any, vocab: DraftVocab | None = None) -> None:
         self.model = model
         self.adapter = adapter
-        self.kv_caches = kv_caches  # the target's paged KV, per layer (model/paged_attention.py layout)
-        self.layer_group = layer_group
-        self.block_size = block_size
+        self.runner = runner  # the target's runtime.paged_runner.PagedModelRunner: its cache, its steps
+        self.plans = runner.adapted_plans(adapter.plan_adapters(), lambda: adapter.active(model))
         self.vocab = vocab
         self.capture_layer = adapter.first_layer  # the runner keeps the residual stream entering it
         layers = model.config.num_hidden_layers
@@ -340,50 +333,33 @@ class StreamingProposer(Proposer):
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         out = [Draft([]) for _ in requests]
         # a start from the row before t_last; anything else (a preempted, restarted request) waits
-        have = [i for i, r in enumerate(requests)
-                if r.request_id in self._start and self._start[r.request_id][0] == r.last_pos - 1]
+        have = [r for r in requests if r.request_id in self._start and self._start[r.request_id][0] == r.last_pos - 1]
         if not have:
             return out
-        g = self.adapter.num_streams
-        segments = [self._segment(requests[i]) for i in have]
-        start = torch.stack([self._start[requests[i].request_id][1] for i in have])  # [B, hidden]
-        hidden = run_streams(self.model, self.adapter, start, segments)  # [B g, hidden]
+        counts = [min(self.adapter.num_streams, r.num_drafts) for r in have]  # stream j reads only j' <= j
+        hidden = self.stream_hidden(have, counts)  # [sum counts, hidden]
         logits = self.vocab.logits(hidden) if self.vocab is not None else self.model.compute_logits(hidden)
-        for row, i in enumerate(have):
-            r = requests[i]
-            picks = [pick_draft_token(logits[row * g + j], r) for j in range(min(g, r.num_drafts))]
+        first, index = 0, {r.request_id: i for i, r in enumerate(requests)}
+        for r, n in zip(have, counts):
+            picks = [pick_draft_token(logits[first + j], r) for j in range(n)]
+            first += n
             qs = [q for _, q in picks if q is not None]
-            out[i] = Draft([t for t, _ in picks], torch.stack(qs) if qs else None)
+            out[index[r.request_id]] = Draft([t for t, _ in picks], torch.stack(qs) if qs else None)
         return out
 
-    def _segment(self, r: DraftRequest) -> StreamSegment:
-        return self._segment_at(r.last_pos - 1, r.token_ids[-1], r.block_ids)
-
-    def _segment_at(self, t: int, next_token: int, tables: list[list[int]]) -> StreamSegment:
-        """Stream rows at position t, which produced `next_token`, of the sequence whose block tables
-        are `tables`."""
-        anchors = torch.tensor([t], device=self.model.device)
-        cache: dict[int, KV] = {}
-        ids: dict[int, torch.Tensor] = {}  # KV group -> its blocks holding positions 0..t, built once
-
-        def main(layer: int) -> KV:
-            if layer not in cache:
-                group = self.layer_group[layer]
-                if group not in ids:
-                    table = tables[group][: -(-(t + 1) // self.block_size)]
-                    ids[group] = torch.tensor([max(b, 0) for b in table], device=anchors.device)
-                cache[layer] = self._gather(layer, ids[group], t + 1)
-            return cache[layer]
-        return StreamSegment(anchors, torch.tensor([next_token], device=anchors.device), main)
-
-    def _gather(self, layer: int, ids: torch.Tensor, length: int) -> KV:
-        """Positions 0..length-1 of one sequence's keys and values in `layer`, from its blocks `ids`:
-        [length, kv_heads, hd] each. Blocks a sliding window has dropped (NO_BLOCK) are read as
-        block 0: the window's mask never lets a stream row see them."""
-        k_cache, v_cache = self.kv_caches[layer]  # [blocks, kv, hd, bs], [blocks, kv, bs, hd]
-        keys = k_cache[ids].permute(0, 3, 1, 2).reshape(-1, k_cache.shape[1], k_cache.shape[2])[:length]
-        values = v_cache[ids].permute(0, 2, 1, 3).reshape(-1, v_cache.shape[1], v_cache.shape[3])[:length]
-        return keys, values
+    def stream_hidden(self, requests: list[DraftRequest], counts: list[int]) -> torch.Tensor:
+        """The first `counts[i]` stream rows of each request (each has an observed start at
+        last_pos - 1 and at least that many draft slots): final-normed hidden states, request
+        after request [sum counts, hidden]."""
+        g, dev = self.adapter.num_streams, self.model.device
+        start = torch.stack([self._start[r.request_id][1] for r in requests])  # [B, hidden]
+        newest = torch.tensor([r.token_ids[-1] for r in requests], device=dev)  # x[t+1]
+        h = self.adapter.stream_inputs(self.model, start, newest).to(start.dtype)  # [B g, hidden]
+        if sum(counts) < h.shape[0]:
+            h = h[torch.tensor([i * g + j for i, n in enumerate(counts) for j in range(n)], device=dev)]
+        steps = [ScheduledRequest(r.request_id, [0] * n, r.last_pos, r.block_ids, sample=False)
+                 for r, n in zip(requests, counts)]
+        return self.runner.run_rows(steps, h, self.adapter.first_layer, self.plans)
 
     def release(self, request_id: str) -> None:
         self._start.pop(request_id, None)
@@ -393,6 +369,5 @@ class StreamingProposer(Proposer):
 def build(ctx: ProposerContext) -> StreamingProposer:
     assert ctx.config.heads is not None  # SpecConfig requires them
     adapter, _, vocab = load_streams(ctx.config.heads, ctx.target)
-    runner = ctx.runner
-    runner.capture_layer = adapter.first_layer
-    return StreamingProposer(ctx.target, adapter, runner.kv_caches, runner.layer_group, runner.block_size, vocab)
+    ctx.runner.capture_layer = adapter.first_layer
+    return StreamingProposer(ctx.target, adapter, ctx.runner, vocab)

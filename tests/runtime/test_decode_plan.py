@@ -173,3 +173,54 @@ def test_plan_rejects_bad_inputs_with_clear_errors(gguf_path: Path) -> None:
         run(h=torch.zeros(most + 1, cfg.hidden_size))
     with pytest.raises(RuntimeError, match="cos and sin come in pairs"):
         run(cos=[], sin=[])
+
+
+def test_adapters_in_the_plan_add_what_the_module_hooks_add(gguf_path: Path) -> None:
+    """Speculative Streaming's stream pass: the plan with low-rank adapters on the top layers'
+    Linears (gguf block kernels underneath) gives the module path's rows with its forward hooks."""
+    from brisk.core.outputs import ScheduledRequest
+    from brisk.speculative.base import DraftRequest
+    from brisk.speculative.streaming import StreamAdapter, StreamingProposer
+
+    llm = LLM("smollm2-135m", max_model_len=256, num_kv_blocks=64)
+    model, runner = llm.model, llm.engine.runner
+    torch.manual_seed(0)
+    adapter = StreamAdapter(model.config, num_streams=4, num_layers=3, rank=8)
+    with torch.no_grad():
+        for p in adapter.parameters():
+            p.normal_(0, 0.05)
+    proposer = StreamingProposer(model, adapter.eval(), runner)
+    ids = llm.get_tokenizer().encode("The lighthouse at Point Arden was built in 1872 from granite")
+    table = [[0, 1]]  # 32 slots: the prompt, t_last and 4 draft slots
+    p = len(ids) - 1
+    captured = runner.execute([ScheduledRequest("r", ids[:p], 0, table, sample=True)])
+    runner.capture_layer = adapter.first_layer
+    start = runner.execute([ScheduledRequest("r", ids[:p], 0, table, sample=True)]).captured
+    assert captured.captured is None and start is not None
+    proposer.observe("r", start[0], p - 1)
+    request = DraftRequest("r", ids, 4, table, SamplingParams(temperature=0.0), None)
+    rows = {}
+    for planned in (True, False):
+        proposer.plans.enabled = planned
+        rows[planned] = proposer.stream_hidden([request], [4])
+    assert proposer.plans.current is not None  # built while enabled
+    # the same floats but for the adapters' rounding (summed in another order), carried through 3 layers
+    # whose block kernels round activations to int8 (a last-bit change can move a quantum): 4e-5 measured
+    err = (rows[True] - rows[False]).norm() / rows[False].norm()
+    assert err < 1e-3, err
+    with torch.no_grad():
+        for key in adapter.lora_b:
+            adapter.lora_b[key].zero_()  # adapters that add exactly zero: the module path's bits
+    proposer.plans = runner.adapted_plans(adapter.plan_adapters(), lambda: adapter.active(model))
+    for planned in (True, False):
+        proposer.plans.enabled = planned
+        rows[planned] = proposer.stream_hidden([request], [4])
+    assert torch.equal(rows[True], rows[False])
+    plan = proposer.plans.current
+    a, b = adapter.plan_adapters()[(model.config.num_hidden_layers - 1, 1)]
+    with pytest.raises(RuntimeError, match="set_lora names layer"):
+        plan.set_lora(model.config.num_hidden_layers, 0, a, b)
+    with pytest.raises(RuntimeError, match="an adapter for a 576 x 576 Linear"):
+        plan.set_lora(0, 1, torch.zeros(8, 7), b)
+    with pytest.raises(RuntimeError, match="needs both a and b"):
+        plan.set_lora(0, 1, a, None)

@@ -10,8 +10,12 @@ import pytest
 import torch
 
 from brisk.config import CacheConfig, SpecConfig
+from brisk.core.outputs import ScheduledRequest
 from brisk.engine.speculative import build_speculator
 from brisk.request import SamplingParams
+from brisk.runtime.decode_plan import plan_supported
+from brisk.runtime.paged_runner import PagedModelRunner
+from brisk.speculative.base import DraftRequest
 from brisk.speculative.streaming import (
     StreamAdapter,
     StreamingProposer,
@@ -72,26 +76,35 @@ def test_stream_rows_see_only_the_past_and_earlier_streams() -> None:
     assert not torch.allclose(out[0].view(2, 3, -1)[0], out[0].view(2, 3, -1)[1])
 
 
-def test_decoding_reads_the_paged_cache_as_training_read_the_sequence() -> None:
-    """The proposer's stream rows (main KV gathered from the engine's blocks) equal the training
-    pass's (main KV captured from a whole-sequence forward) at the same position."""
+@pytest.mark.parametrize("eager", [False, True])
+def test_the_stream_pass_over_the_paged_cache_equals_training_s(eager: bool) -> None:
+    """The proposer's stream rows (a step of their own over the target's paged cache, writing their
+    keys and values into the draft slots: through the C++ decode plan with the adapters in its
+    Linears, or eagerly through the modules with their hooks) equal the training pass's (main KV
+    captured from a whole-sequence forward) at the same position, a request alone or in a batch."""
     model = tiny_model(4)
     adapter = _random_adapter(1)
-    prompt = torch.randint(1, VOCAB, (11,), generator=torch.Generator().manual_seed(2)).tolist()
-    engine = tiny_engine(model)
-    engine.add_request("r0", prompt, SamplingParams(max_tokens=8, temperature=0.0))
-    while not engine._seqs["r0"].request.output_token_ids:
-        engine.step()
-    ids = engine._seqs["r0"].request.all_token_ids  # the prompt's KV is in the cache, the newest token's not yet
-    f = stream_features(model, [(ids, 4)], first_layer=1)[0]
-    t = len(ids) - 2  # the row that produced the newest token
-    want = run_streams(model, adapter, f.start[[t]],
-                       [StreamSegment(torch.tensor([t]), torch.tensor([ids[t + 1]]), lambda layer: f.kv[layer])])
-    runner = engine.runner
-    proposer = StreamingProposer(model, adapter, runner.kv_caches, runner.layer_group, runner.block_size)
-    seg = proposer._segment_at(t, ids[t + 1], engine.scheduler.kv.get_block_ids("r0"))
-    got = run_streams(model, adapter, f.start[[t]], [seg])
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    runner = PagedModelRunner(model, num_blocks=8, block_size=4, eager=eager)
+    proposer = StreamingProposer(model, adapter, runner)
+    gen = torch.Generator().manual_seed(2)
+    requests, wants = [], []
+    for i, n in enumerate((12, 9)):
+        ids = torch.randint(1, VOCAB, (n,), generator=gen).tolist()
+        table = [list(range(4 * i, 4 * i + 4))]  # room for the prompt, t_last and 3 draft slots
+        p = n - 1  # t_last: its KV not yet in the cache
+        runner.execute([ScheduledRequest(f"r{i}", ids[:p], 0, table, sample=True)])
+        f = stream_features(model, [(ids, 4)], first_layer=1)[0]
+        t = p - 1  # the row that produced t_last
+        proposer.observe(f"r{i}", f.start[t], t)
+        requests.append(DraftRequest(f"r{i}", ids, 3, table, SamplingParams(temperature=0.0), None))
+        wants.append(run_streams(model, adapter, f.start[[t]],
+                                 [StreamSegment(torch.tensor([t]), torch.tensor([ids[p]]), lambda layer, f=f: f.kv[layer])]))
+    for i, r in enumerate(requests):
+        torch.testing.assert_close(proposer.stream_hidden([r], [3]), wants[i], rtol=1e-5, atol=1e-5)
+    # both at once, the second asking for fewer streams (stream j reads only the streams before it)
+    both = proposer.stream_hidden(requests, [3, 2])
+    torch.testing.assert_close(both, torch.cat([wants[0], wants[1][:2]]), rtol=1e-5, atol=1e-5)
+    assert (proposer.plans.current is not None) == (not eager and plan_supported())
 
 
 def test_the_runner_keeps_the_residual_stream_and_the_same_logits() -> None:
