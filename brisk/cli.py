@@ -309,6 +309,10 @@ def _add_train_heads(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
                     help="medusa: heads; streaming: streams; one per draft token (default 4)")
     th.add_argument("--stream-layers", type=int, default=4, help="streaming: top layers the streams run (default 4)")
     th.add_argument("--lora-rank", type=int, default=8, help="streaming: rank of the top layers' adapters (default 8)")
+    th.add_argument("--token-rank", type=int, default=None,
+                    help="streaming: rank of the map that feeds x[t+1]'s embedding to the streams (default 64)")
+    th.add_argument("--bf16", action="store_true",
+                    help="streaming: bfloat16 autocast for training (CPUs with AMX or AVX-512 BF16, GPUs)")
     th.add_argument("--exit-layer", type=int, default=None, help="early_exit: layers the draft runs (default: half)")
     th.add_argument("--prompts-file", type=Path, default=None,
                     help="prompts, one per line, or JSON lines with \"prompt\" (default: built-in topic x "
@@ -331,11 +335,19 @@ def _cmd_train_heads(args: argparse.Namespace) -> int:
 
     if args.num_heads < 1 or args.num_prompts < 10 or args.max_tokens < 8 or args.epochs < 1:
         raise UserError("need --num-heads >= 1, --num-prompts >= 10, --max-tokens >= 8, --epochs >= 1")
-    if args.kind == "streaming" and not (args.num_heads <= 15 and args.stream_layers >= 1 and 1 <= args.lora_rank <= 256):
-        raise UserError("streaming needs --num-heads (streams) <= 15, --stream-layers >= 1, --lora-rank 1..256")
+    if args.kind == "streaming" and not (args.num_heads <= 15 and args.stream_layers >= 1 and 1 <= args.lora_rank <= 256
+                                         and (args.token_rank is None or args.token_rank >= 1)):
+        raise UserError("streaming needs --num-heads (streams) <= 15, --stream-layers >= 1, --lora-rank 1..256, "
+                        "--token-rank >= 1")
+    if args.kind == "streaming" and args.bf16:
+        import torch
+
+        from brisk.compress.distill import check_bf16
+
+        check_bf16(True, torch.device("cpu"))
     report = run_train_heads(args.model, args.kind, args.out, args.num_heads, args.exit_layer, args.num_prompts,
                              args.max_tokens, args.epochs, args.prompts_file, args.draft_vocab, args.sequences,
-                             not args.parallel, args.stream_layers, args.lora_rank, log=lambda d: print(json.dumps(d), file=sys.stderr, flush=True))
+                             not args.parallel, args.stream_layers, args.lora_rank, args.token_rank, args.bf16, log=lambda d: print(json.dumps(d), file=sys.stderr, flush=True))
     print(json.dumps(report), flush=True)
     return 0
 

@@ -68,7 +68,8 @@ def training_prompts(count: int, seed: int = 0) -> list[str]:
 def run_train_heads(model: str, kind: str, out: Path, num_heads: int = 4, exit_layer: int | None = None,
                     num_prompts: int = 480, max_tokens: int = 256, epochs: int = 3, prompts_file: Path | None = None,
                     draft_vocab: int = 8192, sequences_file: Path | None = None, sequential: bool = True,
-                    stream_layers: int = 4, lora_rank: int = 8, log: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
+                    stream_layers: int = 4, lora_rank: int = 8, token_rank: int | None = None, bf16: bool = False,
+                    log: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
     """Generate, train, save; returns the report (also what the CLI prints as JSON). `sequences_file`:
     where the generated answers are kept (read instead of generating when it exists)."""
     llm = LLM(model, max_model_len=2048)
@@ -98,7 +99,8 @@ def run_train_heads(model: str, kind: str, out: Path, num_heads: int = 4, exit_l
     if kind == "streaming":
         return {"generated_tokens": generated, "draft_vocab": None if vocab is None else len(vocab),
                 "held_out_vocab_coverage": coverage,
-                **_train_streams(llm, sequences, cut, StreamTraining(num_heads, stream_layers, lora_rank, epochs),
+                **_train_streams(llm, sequences, cut, StreamTraining(num_heads, stream_layers, lora_rank, epochs,
+                                                                      token_rank=token_rank, bf16=bf16),
                                  vocab, out, extra, log)}
     cfg = HeadTraining(kind=kind, num_heads=num_heads if kind == "medusa" else 1, exit_layer=exit_layer,
                        sequential=sequential, epochs=epochs)

@@ -49,7 +49,7 @@ from brisk.kernels import (
 )
 from brisk.kernels.plan_ops import KIND_BLOCKS, LinearOp
 from brisk.loader.dequant import dequantize
-from brisk.model.layers import WHOLE
+from brisk.model.layers import WHOLE, trains
 from brisk.quant.base import TILE_ROWS as KERNEL_TILE_ROWS
 from brisk.quant.base import QuantizedLinear, tile_rows
 from brisk.quant.grouped import GroupLinear, quantize_act_blocks
@@ -367,7 +367,9 @@ class BlockLinear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         bias = self._buffers["bias"]
-        if block_kernel_supported(self.types, flat) and self.blocks[0].is_cpu:
+        if trains(flat):  # the kernels have no backward: torch's ops on the same weights (stream training)
+            y = F.linear(flat.float(), self.dequantize().to(flat.device), bias)
+        elif block_kernel_supported(self.types, flat) and self.blocks[0].is_cpu:
             if flat.shape[0] > BLOCK_KERNEL_MAX_ROWS and (
                     block_dequantize_supported() or all(block_kgemm_supported(t) for t in self.types)):
                 y = self._batched(flat.float(), bias)

@@ -38,7 +38,7 @@ from brisk.kernels import (
     group_qact_supported,
 )
 from brisk.kernels.plan_ops import GROUP_KINDS, LinearOp
-from brisk.model.layers import Linear
+from brisk.model.layers import Linear, trains
 from brisk.quant.base import TiledLinear
 
 KERNEL_MAX_ROWS = 128  # past this, dequantizing once and running a float GEMM is faster (prefill)
@@ -328,6 +328,8 @@ class GroupLinear(TiledLinear):
             flat = flat.float() * b["input_scale"]
         # tiled: the weight is already on the CPU in the kernel's layout
         mode = self.activations
+        if trains(flat):  # the kernels have no backward: torch's ops on the same weights (stream training)
+            return self._shaped(F.linear(flat.float(), self.dequantize(), b["bias"]), x)
         if flat.shape[0] <= KERNEL_MAX_ROWS and (flat.is_cpu if self.tiled else group_kernel_supported(b["qweight"], flat)):
             tiled = self.tiled or self._tile(group_kernel_tiles())  # may replace the buffers
             if mode != "float" and group_qact_supported(mode, self.bits):

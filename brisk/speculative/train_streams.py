@@ -40,6 +40,8 @@ class StreamTraining:
     stream_lr: float = 5e-2
     batch_size: int = 1  # sequences a step: one answer is already ~140 anchors x num_streams rows
     seed: int = 0
+    token_rank: int | None = None  # the map of x[t+1]'s embedding (None: StreamAdapter's default, 64)
+    bf16: bool = False  # bfloat16 autocast for the stream rows (AMX / AVX-512 BF16 CPUs, GPUs)
 
 
 @dataclass
@@ -126,7 +128,8 @@ def train_streams(model: CausalLM, train: list[StreamFeatures], held_out: list[S
     report: parameters added, held-out top-1 agreement per stream before and after."""
     torch.manual_seed(cfg.seed)
     model.requires_grad_(False)
-    adapter = StreamAdapter(model.config, cfg.num_streams, cfg.num_layers, cfg.rank).to(model.device)
+    adapter = StreamAdapter(model.config, cfg.num_streams, cfg.num_layers, cfg.rank,
+                            token_rank=cfg.token_rank).to(model.device)
     head = _Head(model, vocab)
     # what adds to the residual stream itself (stream embeddings, the token map's output side) at
     # stream_lr, the adapters inside the layers at lr
@@ -153,11 +156,12 @@ def train_streams(model: CausalLM, train: list[StreamFeatures], held_out: list[S
         rng.shuffle(order)
         total, count = 0.0, 0
         for first in range(0, len(order), cfg.batch_size):
-            hidden, targets = _batch(model, adapter, [train[i] for i in order[first:first + cfg.batch_size]])
-            rows = head.rows(targets).to(hidden.device)
-            if bool((rows == IGNORE).all()):
-                continue
-            loss = F.cross_entropy(head.logits(hidden), rows, ignore_index=IGNORE)
+            with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                hidden, targets = _batch(model, adapter, [train[i] for i in order[first:first + cfg.batch_size]])
+                rows = head.rows(targets).to(hidden.device)
+                if bool((rows == IGNORE).all()):
+                    continue
+                loss = F.cross_entropy(head.logits(hidden).float(), rows, ignore_index=IGNORE)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0)
