@@ -49,7 +49,7 @@ def _layer(bits: int, group: int, out: int, in_features: int, mode: str = "int8"
 @pytest.mark.parametrize("mode,bits,group", [("int8", 4, 32), ("int8", 4, 64), ("int8", 4, 128), ("int8", 8, 32),
                                              ("int8", 8, 64), ("int16", 4, 32), ("int16", 4, 64), ("int16", 4, 128),
                                              ("int16", 8, 32), ("int16", 8, 64)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 9])
 @pytest.mark.parametrize("tiled", [True, False])
 def test_vnni_kernel_equals_quantized_activations_times_the_weight(mode: str, bits: int, group: int, rows: int,
                                                                     tiled: bool) -> None:
