@@ -234,8 +234,9 @@ class DecodePlans:
             return None
         if self._version != self.model.modules_version:
             self._plan = build_decode_plan(self.model) or False
-            for (layer, linear), (a, b) in self.adapters.items() if self._plan else ():
-                self._plan.set_lora(layer, linear, a.contiguous(), b.contiguous())
+            if self._plan:
+                for (layer, linear), (a, b) in self.adapters.items():
+                    self._plan.set_lora(layer, linear, a.contiguous(), b.contiguous())
             self._version = self.model.modules_version  # read after: building may tile weights
         plan = self._plan or None
         return plan if plan is not None and h.shape[0] <= plan.max_rows() else None

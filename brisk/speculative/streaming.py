@@ -333,18 +333,19 @@ class StreamingProposer(Proposer):
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         out = [Draft([]) for _ in requests]
         # a start from the row before t_last; anything else (a preempted, restarted request) waits
-        have = [r for r in requests if r.request_id in self._start and self._start[r.request_id][0] == r.last_pos - 1]
+        have = [i for i, r in enumerate(requests)
+                if r.request_id in self._start and self._start[r.request_id][0] == r.last_pos - 1]
         if not have:
             return out
-        counts = [min(self.adapter.num_streams, r.num_drafts) for r in have]  # stream j reads only j' <= j
-        hidden = self.stream_hidden(have, counts)  # [sum counts, hidden]
+        counts = [min(self.adapter.num_streams, requests[i].num_drafts) for i in have]  # stream j reads only j' <= j
+        hidden = self.stream_hidden([requests[i] for i in have], counts)  # [sum counts, hidden]
         logits = self.vocab.logits(hidden) if self.vocab is not None else self.model.compute_logits(hidden)
-        first, index = 0, {r.request_id: i for i, r in enumerate(requests)}
-        for r, n in zip(have, counts):
-            picks = [pick_draft_token(logits[first + j], r) for j in range(n)]
+        first = 0
+        for i, n in zip(have, counts):
+            picks = [pick_draft_token(logits[first + j], requests[i]) for j in range(n)]
             first += n
             qs = [q for _, q in picks if q is not None]
-            out[index[r.request_id]] = Draft([t for t, _ in picks], torch.stack(qs) if qs else None)
+            out[i] = Draft([t for t, _ in picks], torch.stack(qs) if qs else None)
         return out
 
     def stream_hidden(self, requests: list[DraftRequest], counts: list[int]) -> torch.Tensor:

@@ -193,10 +193,9 @@ def test_adapters_in_the_plan_add_what_the_module_hooks_add(gguf_path: Path) -> 
     ids = llm.get_tokenizer().encode("The lighthouse at Point Arden was built in 1872 from granite")
     table = [[0, 1]]  # 32 slots: the prompt, t_last and 4 draft slots
     p = len(ids) - 1
-    captured = runner.execute([ScheduledRequest("r", ids[:p], 0, table, sample=True)])
-    runner.capture_layer = adapter.first_layer
+    runner.capture_layer = adapter.first_layer  # the prompt's KV, and the residual stream of its last row
     start = runner.execute([ScheduledRequest("r", ids[:p], 0, table, sample=True)]).captured
-    assert captured.captured is None and start is not None
+    assert start is not None
     proposer.observe("r", start[0], p - 1)
     request = DraftRequest("r", ids, 4, table, SamplingParams(temperature=0.0), None)
     rows = {}
