@@ -119,10 +119,11 @@ def _spec_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type
     spb.add_argument("--draft-quantization", default="gguf",
                      help="quantization of the draft model (default gguf: the file's own 4-bit blocks)")
     spb.add_argument("--draft", action="append", default=[], metavar="NAME=JSON",
-                     help="one more draft configuration run side by side, named NAME: the JSON object's options "
+                     help="one more configuration run side by side, named NAME: the JSON object's options "
                           "(model, quantization, draft_vocab, ...) of method draft, e.g. "
-                          "'distilled={\"model\": \"DIR\", \"quantization\": \"int4\", \"draft_vocab\": 8192}'; "
-                          "repeatable")
+                          "'distilled={\"model\": \"DIR\", \"quantization\": \"int4\", \"draft_vocab\": 8192}', "
+                          "or of another method named by \"method\", e.g. 'stream8={\"method\": \"streaming\", "
+                          "\"heads\": \"FILE\", \"quantization\": \"int8\"}'; repeatable")
     spb.add_argument("--medusa-heads", default=None, help="heads file from `brisk train-heads --kind medusa`")
     spb.add_argument("--streaming-heads", default=None,
                      help="streams file from `brisk train-heads --kind streaming` (method streaming)")

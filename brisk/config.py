@@ -557,7 +557,9 @@ class SpecConfig:
     draft among that many most frequent tokens of `draft_vocab_file`, by default the draft directory's
     draft_vocab.json that `brisk distill` writes: FR-Spec, lossless); early_exit
     `exit_layer` (layers the draft runs; None: a quarter of them) and optional `heads` (a file of
-    trained exit head weights); medusa and streaming `heads` (written by `brisk train-heads`).
+    trained exit head weights); medusa and streaming `heads` (written by `brisk train-heads`);
+    streaming `quantization`: "int8" runs the stream pass (and its draft head) on int8 copies of the
+    top layers' weights, a quarter of float32's bytes; the target still verifies in its own weights.
     """
 
     method: str
@@ -587,8 +589,14 @@ class SpecConfig:
                              f"got {lo!r} and {hi!r}")
         if self.method == "draft" and not self.model:
             raise UserError('speculative method "draft" needs "model": the draft model (a name, path or .gguf)')
-        if self.method != "draft" and (self.model or self.quantization or self.quantization_config):
-            raise UserError(f'"model" and "quantization" configure the draft model; method {self.method!r} has none')
+        if self.method != "draft" and (self.model or self.quantization_config or
+                                       (self.quantization and self.method != "streaming")):
+            raise UserError(f'"model" and "quantization" configure the draft model; method {self.method!r} has none'
+                            + (' (streaming takes "quantization": "int8" alone, for its stream pass)'
+                               if self.method == "streaming" else ""))
+        if self.method == "streaming" and self.quantization not in (None, "int8"):
+            raise UserError(f'streaming\'s "quantization" is the stream pass\'s weights: "int8" (lossless: the '
+                            f'target verifies every draft), got {self.quantization!r}')
         if self.method in ("medusa", "streaming") and not self.heads:
             raise UserError(f'speculative method "{self.method}" needs "heads": a file written by '
                             f'`brisk train-heads --kind {self.method}`')
@@ -605,7 +613,7 @@ class SpecConfig:
         if self.draft_vocab is not None and (isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int)
                                              or self.draft_vocab < 1):
             raise UserError(f'"draft_vocab" must be a number of tokens >= 1, got {self.draft_vocab!r}')
-        if self.quantization is not None:
+        if self.quantization is not None and self.method == "draft":
             QuantConfig.parse(self.quantization, self.quantization_config)  # the same checks as the target's
         elif self.quantization_config is not None:
             raise UserError('"quantization_config" needs "quantization" (e.g. "int4")')

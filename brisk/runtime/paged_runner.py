@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -270,11 +271,13 @@ class PagedModelRunner:
         h, residual = layers(h, residual, inputs.positions, inputs.attn, cut, model.config.num_hidden_layers)
         return model.final_norm(h, residual), stream
 
-    def adapted_plans(self, adapters: Adapters, module_context: Callable[[], AbstractContextManager[None]]
-                      ) -> DecodePlans:
-        """Decode plans over this runner's model with low-rank adapters on some Linears
-        (`DecodePlans`; eager when this runner is), for `run_rows`."""
-        return DecodePlans(self.model, enabled=self.plans.enabled, adapters=adapters, module_context=module_context)
+    def adapted_plans(self, adapters: Adapters, module_context: Callable[[], AbstractContextManager[None]],
+                      model: Any = None) -> DecodePlans:
+        """Decode plans over this runner's model (or `model`: another stack of layers over the
+        same KV cache, e.g. quantized copies of its top layers) with low-rank adapters on some
+        Linears (`DecodePlans`; eager when this runner is), for `run_rows`."""
+        return DecodePlans(model or self.model, enabled=self.plans.enabled, adapters=adapters,
+                           module_context=module_context)
 
     @torch.inference_mode()
     def run_rows(self, steps: Sequence[ScheduledRequest], h: torch.Tensor, start: int, plans: DecodePlans

@@ -73,11 +73,12 @@ class DraftVocab:
     GGUF's 8-bit heads) keeps its rows in their stored format: the same values, N / vocab of the
     bytes; any other head is copied in float."""
 
-    def __init__(self, token_ids: torch.Tensor, model: CausalLM) -> None:
+    def __init__(self, token_ids: torch.Tensor, model: CausalLM, head: torch.nn.Module | None = None) -> None:
+        """`head`: a module over these rows to project with (a quantized copy) instead of `head_subset`'s."""
         self.vocab_size = model.config.vocab_size
         self.cap = model.config.final_logit_softcapping
         self.token_ids = token_ids.to(model.device)  # [N] long
-        self.head = model.head_subset(self.token_ids)
+        self.head = head if head is not None else model.head_subset(self.token_ids)
 
     @property
     def nbytes(self) -> int:

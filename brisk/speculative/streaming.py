@@ -39,6 +39,7 @@ rank, token_rank, base_model, hidden_size, num_layers.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -295,6 +296,72 @@ def load_streams(path: str | Path, model: CausalLM) -> tuple[StreamAdapter, dict
 
 # ---- decoding ----------------------------------------------------------------------------------
 
+class PassModel:
+    """What the stream pass runs over when its weights are quantized (`quantization="int8"`): the
+    target with layers `first`.. replaced by copies whose Linears hold int8 weights (per output
+    channel), the layers below shared. Drafts only: the verify step runs the target's own layers,
+    so the output stays the target's. The C++ decode plan and the module path take it as a model
+    (`layers`, `config`, `step_ropes`, `run_layers`, `modules_version`): the copies follow the
+    weights as they were when the proposer was built."""
+
+    def __init__(self, model: CausalLM, first: int) -> None:
+        from brisk.quant import quantizable
+        from brisk.quant.int8 import Int8Linear
+
+        self.model = model
+        self.config = model.config
+        self.step_ropes = model.step_ropes
+        layers = list(model.layers)
+        for i in range(first, len(layers)):
+            layer = _clone(layers[i])
+            for parent, name, child in quantizable(layer):
+                setattr(parent, name, Int8Linear.from_linear(child))
+            for parent, name, child in _quantized_children(layer):
+                # an already quantized target (int4, GGUF blocks): its dequantized weight in int8
+                setattr(parent, name, Int8Linear.from_weight(child.dequantize(), child.bias, child.output_sizes))
+            layers[i] = layer
+        self.layers = nn.ModuleList(layers)
+
+    @property
+    def modules_version(self) -> int:
+        return self.model.modules_version
+
+    def run_layers(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, attn: Any,
+                   start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ropes = self.step_ropes(positions)
+        for i in range(start, end):
+            h, residual = self.layers[i](h, residual, ropes, attn)
+        return h, residual
+
+
+def _clone(module: nn.Module) -> nn.Module:
+    """A copy of `module`'s tree whose children can be replaced without touching the original; the
+    tensors stay shared (oneDNN-packed weights cannot be deep-copied, and only the Linears change)."""
+    out = copy.copy(module)
+    for attr in ("_parameters", "_buffers", "_forward_hooks", "_forward_pre_hooks"):
+        setattr(out, attr, type(getattr(module, attr))(getattr(module, attr)))
+    out._modules = {name: None if child is None else _clone(child) for name, child in module._modules.items()}
+    return out
+
+
+def _quantized_children(layer: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, module) for the layer's quantized Linears other than int8 ones."""
+    from brisk.quant.base import QuantizedLinear
+    from brisk.quant.int8 import Int8Linear
+
+    return [(parent, name, child) for parent in layer.modules() for name, child in parent.named_children()
+            if isinstance(child, QuantizedLinear) and not isinstance(child, Int8Linear)
+            and callable(getattr(child, "dequantize", None))]
+
+
+def int8_draft_vocab(model: CausalLM, vocab: DraftVocab | None) -> DraftVocab:
+    """The draft vocabulary's head rows (every token when `vocab` is None) as an int8 Linear."""
+    from brisk.quant.int8 import Int8Linear
+
+    ids = vocab.token_ids if vocab is not None else torch.arange(model.config.vocab_size, device=model.device)
+    return DraftVocab(ids, model, Int8Linear.from_weight(model.head_rows(ids).to(model.dtype), None))
+
+
 class StreamingProposer(Proposer):
     """Drafts from the stream rows at the position that produced each request's newest token.
 
@@ -309,11 +376,20 @@ class StreamingProposer(Proposer):
     name = KIND
     observes_hidden = True  # the residual stream at capture_layer of each request's newest row (observe)
 
-    def __init__(self, model: CausalLM, adapter: StreamAdapter, runner: Any, vocab: DraftVocab | None = None) -> None:
+    def __init__(self, model: CausalLM, adapter: StreamAdapter, runner: Any, vocab: DraftVocab | None = None,
+                 quantization: str | None = None) -> None:
+        """`quantization` "int8": the pass and the draft head on int8 copies of their weights
+        (`PassModel`); None: on the target's own."""
         self.model = model
         self.adapter = adapter
         self.runner = runner  # the target's runtime.paged_runner.PagedModelRunner: its cache, its steps
-        self.plans = runner.adapted_plans(adapter.plan_adapters(), lambda: adapter.active(model))
+        passes: Any = model
+        if quantization == "int8":
+            passes = PassModel(model, adapter.first_layer)
+            vocab = int8_draft_vocab(model, vocab)
+        elif quantization is not None:
+            raise UserError(f'the stream pass takes quantization "int8" or none, got {quantization!r}')
+        self.plans = runner.adapted_plans(adapter.plan_adapters(), lambda: adapter.active(passes), passes)
         self.vocab = vocab
         self.capture_layer = adapter.first_layer  # the runner keeps the residual stream entering it
         layers = model.config.num_hidden_layers
@@ -371,4 +447,4 @@ def build(ctx: ProposerContext) -> StreamingProposer:
     assert ctx.config.heads is not None  # SpecConfig requires them
     adapter, _, vocab = load_streams(ctx.config.heads, ctx.target)
     ctx.runner.capture_layer = adapter.first_layer
-    return StreamingProposer(ctx.target, adapter, ctx.runner, vocab)
+    return StreamingProposer(ctx.target, adapter, ctx.runner, vocab, ctx.config.quantization)

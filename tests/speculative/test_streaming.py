@@ -137,11 +137,13 @@ def test_streaming_decoding_is_greedy_identical_and_accepts_drafts(trained, tmp_
     prompts = [ids[:n] for ids, n in sequences[16:40]] + [[5, 9, 2, 11, 3, 3, 7]]  # prompts it trained on
     expected = run(tiny_engine(model, budget=12), prompts, GREEDY)
     rates = []
-    for name, streams in (("trained", adapter), ("untrained", StreamAdapter(CFG, 3, 1, 4))):
+    layer_types = [type(m) for m in model.modules()]
+    for name, streams, quant in (("trained", adapter, None), ("untrained", StreamAdapter(CFG, 3, 1, 4), None),
+                                 ("trained, int8 pass", adapter, "int8")):
         path = tmp_path / f"{name}.safetensors"
         save_streams(path, streams, "tiny", CFG)
         engine = tiny_engine(model, budget=12)  # prompts arrive in chunks beside speculating decodes
-        cfg = SpecConfig(method="streaming", heads=str(path), num_speculative_tokens=3)
+        cfg = SpecConfig(method="streaming", heads=str(path), num_speculative_tokens=3, quantization=quant)
         engine.spec = build_speculator(cfg, engine.runner, CacheConfig(block_size=4, num_kv_blocks=64), 64, None,
                                        True, 0)
         assert run(engine, prompts, GREEDY) == expected, name
@@ -150,6 +152,32 @@ def test_streaming_decoding_is_greedy_identical_and_accepts_drafts(trained, tmp_
         rates.append(engine.spec.stats.acceptance_rate)
     # what training taught reaches decoding: the stream rows there read the state training read
     assert rates[0] > rates[1] + 0.05, rates
+    # int8 copies of the stream layers draft nearly as well (the target verifies in its own weights,
+    # which the copies left as they were)
+    assert rates[2] > rates[1] + 0.05 and abs(rates[2] - rates[0]) < 0.1, rates
+    assert [type(m) for m in model.modules()] == layer_types
+
+
+def test_the_int8_stream_pass_runs_quantized_copies_of_the_top_layers() -> None:
+    from brisk.quant.int8 import Int8Linear
+    from brisk.speculative.streaming import PassModel, int8_draft_vocab
+
+    model = tiny_model(5)
+    passes = PassModel(model, first=1)
+    assert all(isinstance(m, Int8Linear) for m in passes.layers[1].modules() if hasattr(m, "out_features"))
+    assert passes.layers[0] is model.layers[0] and passes.layers[1] is not model.layers[1]
+    assert not any(isinstance(m, Int8Linear) for m in model.modules())
+    h = torch.randn(3, CFG.hidden_size)
+    vocab = int8_draft_vocab(model, None)
+    assert vocab.logits(h).argmax(-1).tolist() == model.compute_logits(h).argmax(-1).tolist()
+
+
+def test_stream_pass_quantization_is_checked() -> None:
+    assert SpecConfig(method="streaming", heads="s.safetensors", quantization="int8").quantization == "int8"
+    with pytest.raises(ValueError, match='stream pass.s weights: "int8"'):
+        SpecConfig(method="streaming", heads="s.safetensors", quantization="int4")
+    with pytest.raises(ValueError, match="method 'ngram' has none"):
+        SpecConfig(method="ngram", quantization="int8")
 
 
 def test_a_prompt_longer_than_a_step_streams_in_chunks(tmp_path: Path) -> None:
