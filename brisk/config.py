@@ -542,7 +542,7 @@ DRAFT_VOCAB_FILE = "draft_vocab.json"  # `brisk distill`'s token ranking beside 
 SPEC_METHODS = ("ngram", "draft", "early_exit", "medusa", "streaming")  # speculative/ registers one proposer per name
 SPEC_OPTIONS = ("method", "num_speculative_tokens", "max_speculative_tokens", "prompt_lookup_min",
                 "prompt_lookup_max", "model", "quantization", "quantization_config", "exit_layer", "heads",
-                "draft_vocab", "draft_vocab_file")
+                "draft_vocab", "draft_vocab_file", "lookup_first")
 
 
 @dataclass(frozen=True)
@@ -560,6 +560,8 @@ class SpecConfig:
     trained exit head weights); medusa and streaming `heads` (written by `brisk train-heads`);
     streaming `quantization`: "int8" runs the stream pass (and its draft head) on int8 copies of the
     top layers' weights, a quarter of float32's bytes; the target still verifies in its own weights.
+    `lookup_first` (any method but ngram): prompt lookup drafts where it finds a match (with
+    `prompt_lookup_min` / `prompt_lookup_max`), the method where it does not.
     """
 
     method: str
@@ -574,6 +576,7 @@ class SpecConfig:
     heads: str | None = None
     draft_vocab: int | None = None
     draft_vocab_file: str | None = None
+    lookup_first: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -600,6 +603,9 @@ class SpecConfig:
         if self.method in ("medusa", "streaming") and not self.heads:
             raise UserError(f'speculative method "{self.method}" needs "heads": a file written by '
                             f'`brisk train-heads --kind {self.method}`')
+        if not isinstance(self.lookup_first, bool) or (self.lookup_first and self.method == "ngram"):
+            raise UserError(f'"lookup_first" is true or false, for methods other than ngram (which is prompt lookup '
+                            f'itself), got {self.lookup_first!r} with method {self.method!r}')
         if self.method in ("ngram", "draft") and self.heads:
             raise UserError(f'"heads" applies to early_exit, medusa and streaming, not {self.method}')
         if self.exit_layer is not None and (self.method != "early_exit" or not isinstance(self.exit_layer, int)

@@ -32,6 +32,7 @@ from brisk.runtime.step import RunnerOutput
 from brisk.sample.structured import Constraint
 from brisk.speculative.base import Draft, DraftRequest, Proposer
 from brisk.speculative.length import DraftLength
+from brisk.speculative.ngram import LookupFirst
 from brisk.speculative.registry import method as proposer_method
 
 # Cost of verifying one more token in a decode step, as a fraction of the step, when nothing was
@@ -95,7 +96,8 @@ class Speculator:
             cap = proposer.max_drafts  # Medusa: one per head; ngram: its lookup's longest
             max_k = config.max_tokens if cap is None else min(config.max_tokens, cap)
             self.verify_costs = verify_costs or [VERIFY_COST * k for k in range(config.max_tokens + 1)]
-            self.length = DraftLength(config, proposer.draft_cost, self.verify_costs, seed, max_k=max_k)
+            self.length = DraftLength(config, proposer.draft_cost, self.verify_costs, seed, max_k=max_k,
+                                      free_classes=proposer.free_classes)
         self.stats = SpecStats()  # every draft, forced ones included
         self._draft_seconds = _Ema()  # one draft pass over the batch
         self._plain_seconds = _Ema()  # one target forward, less the verified drafts' share
@@ -173,7 +175,8 @@ class Speculator:
         # A request's first proposal may include its whole prompt (a draft model's prefill): not
         # a draft pass worth timing.
         new = [s.request_id for s in asks if s.request_id not in self._seen]
-        if not new:
+        free = self.proposer.free_classes
+        if not new and not all(self._classes.get(s.request_id) in free for s in asks):  # lookups cost nothing
             self._draft_seconds.update((time.perf_counter() - started) / max(s.num_spec_slots for s in asks))
         self._seen.update(new)
         for ask, draft in zip(asks, proposed):
@@ -264,7 +267,10 @@ def build_speculator(config: SpecConfig, runner: PagedModelRunner | ParallelRunn
     if not method.parallel and not isinstance(runner, PagedModelRunner):
         raise UserError(f"speculative method {config.method!r} needs a single-process engine; use ngram")
     ctx = _Context(config, runner.model, runner, draft_model, cache, num_blocks, pack_weights, eager)
-    return Speculator(config, method.build(ctx), measure_verify_costs(runner, config.max_tokens), seed=seed)
+    proposer = method.build(ctx)
+    if config.lookup_first:
+        proposer = LookupFirst(proposer, config.prompt_lookup_min, config.prompt_lookup_max)
+    return Speculator(config, proposer, measure_verify_costs(runner, config.max_tokens), seed=seed)
 
 
 @torch.inference_mode()

@@ -55,6 +55,9 @@ class Proposer(Protocol):
     name: str
     draft_cost: float
     max_drafts: int | None = None  # most drafts one step can use (Medusa: one per head); None: no cap
+    # draft classes (`draft_class`) whose drafts cost nothing to make (prompt lookup's matches): the
+    # length controller prices them at 0 and the engine does not time them as the proposer's passes
+    free_classes: frozenset[int] = frozenset()
     observes_hidden: bool = False  # True: `observe` gets each request's newest row after every step
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:

@@ -64,8 +64,10 @@ class DraftLength:
     `cls`: the proposer's draft class for this step (None: a proposer without classes)."""
 
     def __init__(self, cfg: SpecConfig, draft_cost: float, verify_costs: list[float], seed: int = 0,
-                 max_k: int | None = None) -> None:
-        """`verify_costs[k]`: extra cost of verifying k drafts, in target decode steps (index 0..max_k)."""
+                 max_k: int | None = None, free_classes: frozenset[int] = frozenset()) -> None:
+        """`verify_costs[k]`: extra cost of verifying k drafts, in target decode steps (index 0..max_k);
+        `free_classes`: draft classes whose drafts cost nothing to make (prompt lookup's)."""
+        self.free_classes = free_classes
         self.auto = cfg.auto
         self.max_k = cfg.max_tokens if max_k is None else max_k
         assert len(verify_costs) > self.max_k and verify_costs[0] == 0.0
@@ -88,18 +90,19 @@ class DraftLength:
         # occasional try of drafts whose first token is rarely accepted.
         p1 = self._rng.betavariate(post[0], post[1])
         p2 = self._rng.betavariate(post[2], post[3]) if p1 >= 0.5 else post[2] / (post[2] + post[3])
-        k = self.best_k(p1, p2)
+        k = self.best_k(p1, p2, cls)
         if k == 0:
             self._decay(post, OFF_DECAY)
         return k
 
-    def best_k(self, p1: float, p2: float) -> int:
+    def best_k(self, p1: float, p2: float, cls: int | None = None) -> int:
         """The k in 0..max_k with the most tokens per unit of cost."""
-        return max(range(self.max_k + 1), key=lambda k: expected_run_tokens(p1, p2, k) / self.cost(k))
+        return max(range(self.max_k + 1), key=lambda k: expected_run_tokens(p1, p2, k) / self.cost(k, cls))
 
-    def cost(self, k: int) -> float:
-        """One step with k drafts, in plain decode steps."""
-        return 1.0 + self.verify_costs[k] + self.draft_cost * k
+    def cost(self, k: int, cls: int | None = None) -> float:
+        """One step with k drafts of class `cls`, in plain decode steps."""
+        per_draft = 0.0 if cls in self.free_classes else self.draft_cost
+        return 1.0 + self.verify_costs[k] + per_draft * k
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int, cls: int | None = None) -> None:
         """A verify step of `num_drafts` drafts accepted the first `num_accepted`: one trial of the

@@ -11,6 +11,7 @@ few thousand tokens.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from brisk.speculative.base import Draft, DraftRequest, Proposer
 from brisk.speculative.registry import ProposerContext, register
@@ -61,6 +62,45 @@ class NgramProposer(Proposer):
 
     def release(self, request_id: str) -> None:
         self._planned.pop(request_id, None)
+
+
+class LookupFirst(Proposer):
+    """Prompt lookup first, another proposer where it finds nothing (`"lookup_first": true`): a
+    request whose last n tokens occur earlier in its own tokens drafts what followed them (free,
+    and long when the output copies its input), any other request drafts with `inner` (a model's
+    drafts: streams, heads, a draft model). Draft classes: the match length n (1..n_max) for
+    lookups, 0 for `inner`'s drafts, so the length controller learns each source's acceptance
+    apart and prices lookups at no cost. `inner` keeps everything it observes, so a step it skips
+    loses it nothing (the streams and heads read each step's rows, a draft model catches up)."""
+
+    def __init__(self, inner: Proposer, n_min: int, n_max: int) -> None:
+        self.inner = inner
+        self.lookup = NgramProposer(n_min, n_max)
+        self.name = f"{inner.name}+lookup"
+        self.draft_cost = inner.draft_cost
+        self.max_drafts = self.lookup.max_drafts
+        self.free_classes = frozenset(range(1, n_max + 1))
+        self.observes_hidden = inner.observes_hidden
+        self._inner_cap = inner.max_drafts or self.lookup.max_drafts
+
+    def draft_class(self, request_id: str, token_ids: list[int]) -> tuple[int, int]:
+        n, available = self.lookup.draft_class(request_id, token_ids)
+        return (n, available) if n else (0, self._inner_cap)
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        out = self.lookup.propose(requests)
+        rest = [i for i, d in enumerate(out) if not d.token_ids]
+        if rest:
+            for i, draft in zip(rest, self.inner.propose([requests[i] for i in rest])):
+                out[i] = draft
+        return out
+
+    def observe(self, request_id: str, hidden: torch.Tensor, position: int) -> None:
+        self.inner.observe(request_id, hidden, position)
+
+    def release(self, request_id: str) -> None:
+        self.lookup.release(request_id)
+        self.inner.release(request_id)
 
 
 @register("ngram", parallel=True)  # reads only the request's tokens: drafts over parallel workers too

@@ -61,3 +61,47 @@ def test_always_accepted_drafts_grow_past_one_token() -> None:
         length.observe("r", k, k)
         ks.append(k)
     assert sum(ks[-50:]) / 50 > 5
+
+
+def test_lookup_first_drafts_matches_and_hands_the_rest_to_the_method() -> None:
+    """`lookup_first`: a request whose tail occurs earlier drafts the lookup's tokens (a free class),
+    another one the wrapped method's (class 0, priced at the method's cost)."""
+    from brisk.speculative.base import Draft, Proposer
+    from brisk.speculative.ngram import LookupFirst
+
+    class Model(Proposer):
+        name, draft_cost, max_drafts = "model", 0.3, 2
+        asked: list[str] = []
+
+        def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+            self.asked += [r.request_id for r in requests]
+            return [Draft([42] * r.num_drafts) for r in requests]
+
+        def release(self, request_id: str) -> None:
+            pass
+
+    inner = Model()
+    proposer = LookupFirst(inner, 1, 4)
+    assert proposer.name == "model+lookup" and proposer.free_classes == frozenset({1, 2, 3, 4})
+    spec = Speculator(SpecConfig(method="streaming", heads="x", num_speculative_tokens=4, lookup_first=True),
+                      proposer, COSTS[:5])
+    nothing = Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=8))
+    copying = Request("b", [1, 2, 3, 9, 9, 1, 2], SamplingParams(max_tokens=8))
+    wanted = spec.plan([nothing, copying])
+    assert (wanted["a"], spec._classes["a"]) == (2, 0)  # the model's cap
+    assert (wanted["b"], spec._classes["b"]) == (4, 2)
+    asks = [DraftRequest("a", nothing.all_token_ids, 2, [[]], nothing.sampling_params, None),
+            DraftRequest("b", copying.all_token_ids, 3, [[]], copying.sampling_params, None)]
+    assert [d.token_ids for d in proposer.propose(asks)] == [[42, 42], [3, 9, 9]]
+    assert inner.asked == ["a"]
+    length = spec.length
+    assert length is not None and length.cost(3, cls=2) == 1.0 + COSTS[3] < length.cost(3, cls=0)
+
+
+def test_lookup_first_is_checked() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="prompt lookup itself"):
+        SpecConfig(method="ngram", lookup_first=True)
+    with pytest.raises(ValueError, match='"lookup_first" is true or false'):
+        SpecConfig(method="medusa", heads="h", lookup_first="yes")  # type: ignore[arg-type]

@@ -180,6 +180,27 @@ def test_stream_pass_quantization_is_checked() -> None:
         SpecConfig(method="ngram", quantization="int8")
 
 
+def test_streams_with_lookup_first_stay_greedy_identical(trained, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Prompts that repeat themselves: lookups draft where the tail occurred before, the streams
+    elsewhere; the output is plain decoding's."""
+    model, adapter, _, sequences = trained
+    prompts = [ids[:n] * 2 for ids, n in sequences[16:28]]
+    expected = run(tiny_engine(model, budget=16), prompts, GREEDY)
+    path = tmp_path / "s.safetensors"
+    save_streams(path, adapter, "tiny", CFG)
+    engine = tiny_engine(model, budget=16)
+    cfg = SpecConfig(method="streaming", heads=str(path), num_speculative_tokens="auto", lookup_first=True)
+    engine.spec = build_speculator(cfg, engine.runner, CacheConfig(block_size=4, num_kv_blocks=64), 64, None, True, 0)
+    asked: list[int] = []
+    inner = engine.spec.proposer.inner  # type: ignore[union-attr]
+    propose = inner.propose
+    inner.propose = lambda requests: asked.append(len(requests)) or propose(requests)  # type: ignore[method-assign]
+    assert run(engine, prompts, GREEDY) == expected
+    classes = engine.spec.length._overall  # type: ignore[union-attr]
+    assert sum(asked) > 0 and any(c in classes for c in (1, 2, 3, 4)), (asked, classes)
+    assert engine.scheduler.kv.num_free_blocks == engine.num_blocks
+
+
 def test_a_prompt_longer_than_a_step_streams_in_chunks(tmp_path: Path) -> None:
     """Steps of prompt chunks alone sample nothing: no row to observe, and decoding goes on."""
     model = tiny_model(6)
