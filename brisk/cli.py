@@ -312,7 +312,10 @@ def _add_train_heads(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     th.add_argument("--token-rank", type=int, default=None,
                     help="streaming: rank of the map that feeds x[t+1]'s embedding to the streams (default 64)")
     th.add_argument("--bf16", action="store_true",
-                    help="streaming: bfloat16 autocast for training (CPUs with AMX or AVX-512 BF16, GPUs)")
+                    help="streaming: bfloat16 autocast for training (CPUs with AMX or AVX-512 BF16, GPUs); the "
+                         "frozen layers' keys and values are kept in bfloat16 too (half the memory)")
+    th.add_argument("--init", type=Path, default=None,
+                    help="streaming: continue training from this streams file (its streams, layers and ranks)")
     th.add_argument("--exit-layer", type=int, default=None, help="early_exit: layers the draft runs (default: half)")
     th.add_argument("--prompts-file", type=Path, default=None,
                     help="prompts, one per line, or JSON lines with \"prompt\" (default: built-in topic x "
@@ -339,6 +342,8 @@ def _cmd_train_heads(args: argparse.Namespace) -> int:
                                          and (args.token_rank is None or args.token_rank >= 1)):
         raise UserError("streaming needs --num-heads (streams) <= 15, --stream-layers >= 1, --lora-rank 1..256, "
                         "--token-rank >= 1")
+    if args.init is not None and args.kind != "streaming":
+        raise UserError("--init continues a streams file: it applies to --kind streaming")
     if args.kind == "streaming" and args.bf16:
         import torch
 
@@ -347,7 +352,8 @@ def _cmd_train_heads(args: argparse.Namespace) -> int:
         check_bf16(True, torch.device("cpu"))
     report = run_train_heads(args.model, args.kind, args.out, args.num_heads, args.exit_layer, args.num_prompts,
                              args.max_tokens, args.epochs, args.prompts_file, args.draft_vocab, args.sequences,
-                             not args.parallel, args.stream_layers, args.lora_rank, args.token_rank, args.bf16, log=lambda d: print(json.dumps(d), file=sys.stderr, flush=True))
+                             not args.parallel, args.stream_layers, args.lora_rank, args.token_rank, args.bf16,
+                             log=lambda d: print(json.dumps(d), file=sys.stderr, flush=True), init=args.init)
     print(json.dumps(report), flush=True)
     return 0
 

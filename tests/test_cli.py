@@ -185,6 +185,7 @@ def test_usage_error_exits_2(capsys) -> None:
     (["bench", "spec", "--methods", "ngram", "--draft", 'v={"model": "m", "draft_vocab": 0}'], "draft_vocab"),
     (["train-heads", "--kind", "medusa", "--out", "x.safetensors", "--num-heads", "0"], "--num-heads >= 1"),
     (["train-heads", "--kind", "streaming", "--out", "x.safetensors", "--lora-rank", "0"], "--lora-rank 1..256"),
+    (["train-heads", "--kind", "medusa", "--out", "x.safetensors", "--init", "s.safetensors"], "applies to --kind streaming"),
     (["bench", "spec", "--methods", "streaming"], "--streaming-heads"),
 ])
 def test_speculative_options_are_checked_before_loading(argv: list[str], match: str, capsys) -> None:

@@ -24,7 +24,7 @@ from brisk.errors import UserError
 from brisk.request import SamplingParams
 from brisk.speculative.heads import save_heads
 from brisk.speculative.train import HeadTraining, features, train_heads
-from brisk.speculative.streaming import save_streams
+from brisk.speculative.streaming import StreamAdapter, load_streams, save_streams
 from brisk.speculative.train_streams import StreamTraining, stream_features, train_streams
 
 TOPICS = [
@@ -69,9 +69,11 @@ def run_train_heads(model: str, kind: str, out: Path, num_heads: int = 4, exit_l
                     num_prompts: int = 480, max_tokens: int = 256, epochs: int = 3, prompts_file: Path | None = None,
                     draft_vocab: int = 8192, sequences_file: Path | None = None, sequential: bool = True,
                     stream_layers: int = 4, lora_rank: int = 8, token_rank: int | None = None, bf16: bool = False,
-                    log: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
+                    log: Callable[[dict[str, Any]], None] = lambda _: None, init: Path | None = None) -> dict[str, Any]:
     """Generate, train, save; returns the report (also what the CLI prints as JSON). `sequences_file`:
-    where the generated answers are kept (read instead of generating when it exists)."""
+    where the generated answers are kept (read instead of generating when it exists); `init`
+    (streaming): a streams file to continue training from, whose shape then sets the streams',
+    layers' and ranks' counts."""
     llm = LLM(model, max_model_len=2048)
     layers = llm.model_config.num_hidden_layers
     if kind == "early_exit":
@@ -97,11 +99,16 @@ def run_train_heads(model: str, kind: str, out: Path, num_heads: int = 4, exit_l
     vocab, coverage = _frequent_tokens(sequences[cut:], sequences[:cut], draft_vocab, llm.model_config.vocab_size)
     extra = {"sequences": str(len(sequences)), "generated_tokens": str(generated)}
     if kind == "streaming":
+        start = None
+        if init is not None:
+            start = load_streams(init, llm.model)[0]
+            num_heads, stream_layers, lora_rank, token_rank = (start.num_streams, layers - start.first_layer,
+                                                               start.rank, start.token_a.shape[0])
         return {"generated_tokens": generated, "draft_vocab": None if vocab is None else len(vocab),
                 "held_out_vocab_coverage": coverage,
                 **_train_streams(llm, sequences, cut, StreamTraining(num_heads, stream_layers, lora_rank, epochs,
                                                                       token_rank=token_rank, bf16=bf16),
-                                 vocab, out, extra, log)}
+                                 vocab, out, extra, log, start)}
     cfg = HeadTraining(kind=kind, num_heads=num_heads if kind == "medusa" else 1, exit_layer=exit_layer,
                        sequential=sequential, epochs=epochs)
     heads, report = train_heads(llm.model, features(llm.model, sequences[cut:], cfg),
@@ -115,17 +122,19 @@ def run_train_heads(model: str, kind: str, out: Path, num_heads: int = 4, exit_l
 
 def _train_streams(llm: LLM, sequences: list[tuple[list[int], int]], cut: int, cfg: StreamTraining,
                    vocab: torch.Tensor | None, out: Path, extra: dict[str, str],
-                   log: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+                   log: Callable[[dict[str, Any]], None], init: StreamAdapter | None = None) -> dict[str, Any]:
     """Speculative Streaming: features of the frozen model, then the streams and adapters."""
     model = llm.model
     started = time.perf_counter()
     first = model.config.num_hidden_layers - cfg.num_layers
-    train, held_out = stream_features(model, sequences[cut:], first), stream_features(model, sequences[:cut], first)
+    kv_dtype = torch.bfloat16 if cfg.bf16 else None
+    train = stream_features(model, sequences[cut:], first, kv_dtype)
+    held_out = stream_features(model, sequences[:cut], first, kv_dtype)
     log({"features_seconds": round(time.perf_counter() - started, 1), "train_sequences": len(train)})
     if not train or not held_out:
         raise UserError("too little text to train streams: need answers of at least 3 tokens in the training "
                         "and the held-out tenth (more --num-prompts or --max-tokens)")
-    adapter, report = train_streams(model, train, held_out, cfg, vocab, log, progress=True)
+    adapter, report = train_streams(model, train, held_out, cfg, vocab, log, progress=True, init=init)
     save_streams(out, adapter, llm.model_name, model.config, extra, vocab)
     return {"kind": "streaming", "out": str(out), "model": llm.model_name, "num_streams": cfg.num_streams,
             "stream_layers": cfg.num_layers, "lora_rank": cfg.rank,

@@ -317,8 +317,8 @@ class PassModel:
             for parent, name, child in quantizable(layer):
                 setattr(parent, name, Int8Linear.from_linear(child))
             for parent, name, child in _quantized_children(layer):
-                # an already quantized target (int4, GGUF blocks): its dequantized weight in int8
-                setattr(parent, name, Int8Linear.from_weight(child.dequantize(), child.bias, child.output_sizes))
+                # an already quantized target (int4, GGUF blocks, W8A8): its effective weight in int8
+                setattr(parent, name, Int8Linear.from_weight(_effective_weight(child), child.bias, child.output_sizes))
             layers[i] = layer
         self.layers = nn.ModuleList(layers)
 
@@ -352,6 +352,14 @@ def _quantized_children(layer: nn.Module) -> list[tuple[nn.Module, str, nn.Modul
     return [(parent, name, child) for parent in layer.modules() for name, child in parent.named_children()
             if isinstance(child, QuantizedLinear) and not isinstance(child, Int8Linear)
             and callable(getattr(child, "dequantize", None))]
+
+
+def _effective_weight(module: nn.Module) -> torch.Tensor:
+    """What a quantized Linear multiplies x by: its dequantized weight, with the input scale of
+    AWQ / SmoothQuant checkpoints (y = W (x * s)) folded into the columns."""
+    weight = module.dequantize().float()  # type: ignore[operator]
+    scale = getattr(module, "input_scale", None)
+    return weight if scale is None else weight * scale.float()
 
 
 def int8_draft_vocab(model: CausalLM, vocab: DraftVocab | None) -> DraftVocab:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from brisk.errors import UserError
 from brisk.model.attention import WholeSequences
 from brisk.model.base import CausalLM
 from brisk.speculative.streaming import KV, CaptureKV, StreamAdapter, StreamSegment, run_streams
@@ -64,8 +65,11 @@ class StreamFeatures:
 
 
 @torch.no_grad()
-def stream_features(model: CausalLM, sequences: list[tuple[list[int], int]], first_layer: int) -> list[StreamFeatures]:
-    """One frozen forward per sequence (no KV cache: `WholeSequences`)."""
+def stream_features(model: CausalLM, sequences: list[tuple[list[int], int]], first_layer: int,
+                    kv_dtype: torch.dtype | None = None) -> list[StreamFeatures]:
+    """One frozen forward per sequence (no KV cache: `WholeSequences`). `kv_dtype`: keep the top
+    layers' keys and values in it (bfloat16 for bfloat16 training, whose attention casts them so
+    anyway: 2,000 answers of float32 features of 8 layers outgrew 24 GiB)."""
     out = []
     for ids, prompt_len in sequences:
         if len(ids) - prompt_len < 3:
@@ -76,7 +80,8 @@ def stream_features(model: CausalLM, sequences: list[tuple[list[int], int]], fir
         h, residual = model.run_layers(model.embed(t), None, positions, attn, 0, first_layer)
         start = h if residual is None else h + residual
         model.run_layers(h, residual, positions, attn, first_layer, model.config.num_hidden_layers)
-        out.append(StreamFeatures(ids, prompt_len, start, attn.kv))  # the model's dtype and device
+        kv = attn.kv if kv_dtype is None else {i: (k.to(kv_dtype), v.to(kv_dtype)) for i, (k, v) in attn.kv.items()}
+        out.append(StreamFeatures(ids, prompt_len, start, kv))  # the model's device
     return out
 
 
@@ -123,13 +128,25 @@ def agreement(model: CausalLM, adapter: StreamAdapter, head: _Head, data: list[S
 def train_streams(model: CausalLM, train: list[StreamFeatures], held_out: list[StreamFeatures], cfg: StreamTraining,
                   vocab: torch.Tensor | None = None,
                   log: Callable[[dict[str, object]], None] = lambda _: None,
-                  progress: bool = False) -> tuple[StreamAdapter, dict[str, object]]:
+                  progress: bool = False, init: StreamAdapter | None = None) -> tuple[StreamAdapter, dict[str, object]]:
     """Fit the stream embeddings and adapters (the model stays as it is); returns them and a
-    report: parameters added, held-out top-1 agreement per stream before and after."""
+    report: parameters added, held-out top-1 agreement per stream before and after. `init`: start
+    from these streams (a file trained before, `load_streams`) instead of fresh ones; its shape
+    must be `cfg`'s."""
     torch.manual_seed(cfg.seed)
     model.requires_grad_(False)
     adapter = StreamAdapter(model.config, cfg.num_streams, cfg.num_layers, cfg.rank,
                             token_rank=cfg.token_rank).to(model.device)
+    if init is not None:
+        shapes = {n: p.shape for n, p in adapter.named_parameters()}
+        if {n: p.shape for n, p in init.named_parameters()} != shapes:
+            raise UserError(f"the streams to continue from have {init.num_streams} streams over "
+                            f"{model.config.num_hidden_layers - init.first_layer} layers, LoRA rank {init.rank}, token "
+                            f"rank {init.token_a.shape[0]}; this training asks for {cfg.num_streams}, "
+                            f"{cfg.num_layers}, {cfg.rank}, {adapter.token_a.shape[0]}: give the same or start afresh")
+        with torch.no_grad():
+            for mine, theirs in zip(adapter.parameters(), init.parameters()):
+                mine.copy_(theirs)
     head = _Head(model, vocab)
     # what adds to the residual stream itself (stream embeddings, the token map's output side) at
     # stream_lr, the adapters inside the layers at lr

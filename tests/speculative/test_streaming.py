@@ -132,6 +132,20 @@ def test_training_teaches_the_streams_the_model_s_continuations(trained) -> None
     assert report["extra_params"] == adapter.num_params() < 0.2 * sum(p.numel() for p in tiny_model(0).parameters())
 
 
+def test_training_continues_from_a_streams_file_and_keeps_kv_in_bfloat16(trained) -> None:  # type: ignore[no-untyped-def]
+    model, adapter, report, sequences = trained
+    first = CFG.num_hidden_layers - 1
+    feats = stream_features(model, sequences[:20], first, torch.bfloat16)
+    assert feats[0].kv[first][0].dtype == torch.bfloat16 and feats[0].start.dtype == torch.float32
+    cfg = StreamTraining(num_streams=3, num_layers=1, rank=4, epochs=1, lr=2e-3, batch_size=8)
+    _, more = train_streams(model, feats[4:], feats[:4], cfg, init=adapter)
+    _, fresh = train_streams(model, feats[4:], feats[:4], cfg)
+    assert sum(more["before"]) > sum(fresh["before"]) + 0.1  # it starts where the file left off
+    with pytest.raises(ValueError, match="give the same or start afresh"):
+        train_streams(model, feats[4:], feats[:4], StreamTraining(num_streams=2, num_layers=1, rank=4, epochs=1),
+                      init=adapter)
+
+
 def test_streaming_decoding_is_greedy_identical_and_accepts_drafts(trained, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     model, adapter, _, sequences = trained
     prompts = [ids[:n] for ids, n in sequences[16:40]] + [[5, 9, 2, 11, 3, 3, 7]]  # prompts it trained on
@@ -170,6 +184,18 @@ def test_the_int8_stream_pass_runs_quantized_copies_of_the_top_layers() -> None:
     h = torch.randn(3, CFG.hidden_size)
     vocab = int8_draft_vocab(model, None)
     assert vocab.logits(h).argmax(-1).tolist() == model.compute_logits(h).argmax(-1).tolist()
+    # an int4 target (with AWQ-style input scales) is copied as its effective weight
+    from brisk import quant
+
+    quant.apply(model, quant.QuantConfig("int4", group_size=32))
+    mlp = model.layers[1].mlp
+    mlp.down_proj.set_input_scale(torch.rand(mlp.down_proj.in_features) + 0.5)
+    copied = PassModel(model, first=1).layers[1].mlp
+    for name in ("gate_up_proj", "down_proj"):
+        x = torch.randn(2, getattr(mlp, name).in_features)
+        want, got = getattr(mlp, name)(x), getattr(copied, name)(x)
+        assert isinstance(getattr(copied, name), Int8Linear)
+        assert float((got - want).norm() / want.norm()) < 0.02, name
 
 
 def test_stream_pass_quantization_is_checked() -> None:
