@@ -131,8 +131,14 @@ class Speculator:
         if found is None:
             return self.length.wanted(req.request_id)
         cls, available = found
+        k = min(available, self.length.wanted(req.request_id, cls)) if available else 0
+        if not k and cls in self.proposer.free_classes:  # a lookup not worth verifying: the method may be
+            other = self.proposer.fallback_class(req.request_id, req.all_token_ids)
+            if other is not None:
+                cls, available = other
+                k = min(available, self.length.wanted(req.request_id, cls)) if available else 0
         self._classes[req.request_id] = cls
-        return min(available, self.length.wanted(req.request_id, cls)) if available else 0
+        return k
 
     def fill(self, sched: SchedulerOutput, requests: dict[str, Request],
              generators: dict[str, torch.Generator | None],
@@ -174,10 +180,13 @@ class Speculator:
         proposed = self.proposer.propose(batch)
         # A request's first proposal may include its whole prompt (a draft model's prefill): not
         # a draft pass worth timing.
-        new = [s.request_id for s in asks if s.request_id not in self._seen]
+        # Only the proposer's own passes are timed: lookups (free classes) cost nothing and would
+        # dilute the per-draft time if their slots counted.
         free = self.proposer.free_classes
-        if not new and not all(self._classes.get(s.request_id) in free for s in asks):  # lookups cost nothing
-            self._draft_seconds.update((time.perf_counter() - started) / max(s.num_spec_slots for s in asks))
+        timed = [s for s in asks if self._classes.get(s.request_id) not in free]
+        new = [s.request_id for s in timed if s.request_id not in self._seen]
+        if timed and not new:
+            self._draft_seconds.update((time.perf_counter() - started) / max(s.num_spec_slots for s in timed))
         self._seen.update(new)
         for ask, draft in zip(asks, proposed):
             assert len(draft.token_ids) <= ask.num_spec_slots, f"{self.proposer.name} proposed too many tokens"

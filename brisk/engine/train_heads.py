@@ -76,6 +76,11 @@ def run_train_heads(model: str, kind: str, out: Path, num_heads: int = 4, exit_l
     layers' and ranks' counts."""
     llm = LLM(model, max_model_len=2048)
     layers = llm.model_config.num_hidden_layers
+    start = None
+    if kind == "streaming" and init is not None:  # read before hours of generation, not after
+        start = load_streams(init, llm.model)[0]
+        num_heads, stream_layers, lora_rank, token_rank = (start.num_streams, layers - start.first_layer,
+                                                           start.rank, start.token_a.shape[0])
     if kind == "early_exit":
         exit_layer = exit_layer or layers // 2
         if not 1 <= exit_layer < layers:
@@ -99,11 +104,6 @@ def run_train_heads(model: str, kind: str, out: Path, num_heads: int = 4, exit_l
     vocab, coverage = _frequent_tokens(sequences[cut:], sequences[:cut], draft_vocab, llm.model_config.vocab_size)
     extra = {"sequences": str(len(sequences)), "generated_tokens": str(generated)}
     if kind == "streaming":
-        start = None
-        if init is not None:
-            start = load_streams(init, llm.model)[0]
-            num_heads, stream_layers, lora_rank, token_rank = (start.num_streams, layers - start.first_layer,
-                                                               start.rank, start.token_a.shape[0])
         return {"generated_tokens": generated, "draft_vocab": None if vocab is None else len(vocab),
                 "held_out_vocab_coverage": coverage,
                 **_train_streams(llm, sequences, cut, StreamTraining(num_heads, stream_layers, lora_rank, epochs,

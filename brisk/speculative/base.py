@@ -74,6 +74,12 @@ class Proposer(Protocol):
         could propose now (0: none, so no slots are reserved). None: one class, any length."""
         return None
 
+    def fallback_class(self, request_id: str, token_ids: list[int]) -> tuple[int, int] | None:
+        """When the length controller drafts nothing for a request's free class (a lookup whose
+        matches of that length have stopped landing): another class to draft in instead, and how
+        many tokens it could propose (`LookupFirst`: the wrapped method's); None: none."""
+        return None
+
     def observe(self, request_id: str, hidden: torch.Tensor, position: int) -> None:
         """With `observes_hidden`: the row of the target that produced the request's newest token
         (its final hidden state, or the residual stream at the runner's `capture_layer`) and that

@@ -87,6 +87,11 @@ class LookupFirst(Proposer):
         n, available = self.lookup.draft_class(request_id, token_ids)
         return (n, available) if n else (0, self._inner_cap)
 
+    def fallback_class(self, request_id: str, token_ids: list[int]) -> tuple[int, int]:
+        """A match too short to pay (the controller drafts 0 for its class): the method drafts."""
+        self.lookup._planned[request_id] = (len(token_ids), [])  # propose then finds no lookup
+        return 0, self._inner_cap
+
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         out = self.lookup.propose(requests)
         rest = [i for i, d in enumerate(out) if not d.token_ids]

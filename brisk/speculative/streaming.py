@@ -317,8 +317,10 @@ class PassModel:
             for parent, name, child in quantizable(layer):
                 setattr(parent, name, Int8Linear.from_linear(child))
             for parent, name, child in _quantized_children(layer):
-                # an already quantized target (int4, GGUF blocks, W8A8): its effective weight in int8
-                setattr(parent, name, Int8Linear.from_weight(_effective_weight(child), child.bias, child.output_sizes))
+                # an already quantized target (int4, GGUF blocks): its effective weight in int8
+                copied = Int8Linear.from_weight(_effective_weight(child), child.bias, child.output_sizes)
+                copied.dtype = getattr(child, "dtype", model.dtype)  # activations stay the model's dtype
+                setattr(parent, name, copied)
             layers[i] = layer
         self.layers = nn.ModuleList(layers)
 
@@ -338,8 +340,9 @@ def _clone(module: nn.Module) -> nn.Module:
     """A copy of `module`'s tree whose children can be replaced without touching the original; the
     tensors stay shared (oneDNN-packed weights cannot be deep-copied, and only the Linears change)."""
     out = copy.copy(module)
-    for attr in ("_parameters", "_buffers", "_forward_hooks", "_forward_pre_hooks"):
-        setattr(out, attr, type(getattr(module, attr))(getattr(module, attr)))
+    for attr, value in vars(module).items():  # every container (parameters, buffers, hooks, sets): its own
+        if isinstance(value, (dict, set, list)):
+            setattr(out, attr, type(value)(value))
     out._modules = {name: None if child is None else _clone(child) for name, child in module._modules.items()}
     return out
 
@@ -392,6 +395,9 @@ class StreamingProposer(Proposer):
         self.adapter = adapter
         self.runner = runner  # the target's runtime.paged_runner.PagedModelRunner: its cache, its steps
         passes: Any = model
+        if quantization == "int8" and model.device.type != "cpu":
+            raise UserError('the int8 stream pass runs on the CPU\'s int8 kernels; on '
+                            f'{model.device.type} leave "quantization" out of the streaming config')
         if quantization == "int8":
             passes = PassModel(model, adapter.first_layer)
             vocab = int8_draft_vocab(model, vocab)

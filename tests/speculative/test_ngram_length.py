@@ -96,6 +96,15 @@ def test_lookup_first_drafts_matches_and_hands_the_rest_to_the_method() -> None:
     assert inner.asked == ["a"]
     length = spec.length
     assert length is not None and length.cost(3, cls=2) == 1.0 + COSTS[3] < length.cost(3, cls=0)
+    # under "auto", lookups of "b"'s match length stop landing: it drafts with the model instead of not at all
+    spec = Speculator(SpecConfig(method="streaming", heads="x", lookup_first=True), proposer, COSTS[:8])
+    assert spec.length is not None
+    for _ in range(60):
+        spec.length.observe("b", 4, 0, cls=2)
+        spec.length.observe("b", 2, 2, cls=0)
+    assert spec.plan([copying])["b"] == 2 and spec._classes["b"] == 0
+    ask = DraftRequest("b", copying.all_token_ids, 2, [[]], copying.sampling_params, None)
+    assert proposer.propose([ask])[0].token_ids == [42, 42]
 
 
 def test_lookup_first_is_checked() -> None:

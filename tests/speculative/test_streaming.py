@@ -161,6 +161,12 @@ def test_streaming_decoding_is_greedy_identical_and_accepts_drafts(trained, tmp_
         engine.spec = build_speculator(cfg, engine.runner, CacheConfig(block_size=4, num_kv_blocks=64), 64, None,
                                        True, 0)
         assert run(engine, prompts, GREEDY) == expected, name
+        if quant:  # the drafts really came from the int8 copies
+            from brisk.quant.int8 import Int8Linear
+            from brisk.speculative.streaming import PassModel
+
+            proposer = engine.spec.proposer
+            assert isinstance(proposer.plans.model, PassModel) and isinstance(proposer.vocab.head, Int8Linear)
         assert engine.spec.stats.num_draft_tokens > 100
         assert engine.scheduler.kv.num_free_blocks == engine.num_blocks
         rates.append(engine.spec.stats.acceptance_rate)
