@@ -12,7 +12,8 @@
    model with random weights (.ci/gpu_profile.py: CUDA graphs against eager steps, float32, bfloat16,
    GGUF blocks, 2:4 sparse), which needs no file to travel;
 4. with the default model (when its file is there): greedy tokens on CUDA against the CPU (float32, and int8 / int4 / w8a8 quantized),
-   bfloat16's agreement with float32, then `brisk bench latency`, `bench throughput` and `eval ppl` on the GPU.
+   bfloat16's agreement with float32, then `brisk bench latency`, `bench throughput`, `bench kv` (paged
+   against virtual rows on CUDA's own pages) and `eval ppl` on the GPU.
 
 Everything is printed and written to DIR (default $OUT, else ./gpu-out) as JSON lines and one log a
 step, as each step ends: under the device tool leave --out alone, so that what finished comes back even
@@ -154,6 +155,10 @@ def model_checks(out: Path, model: str, text: Path | None) -> None:
                                       "--dtype", "bfloat16", "--num-prompts", "256", "--input-len", "200",
                                       "--output-len", "128", "--max-num-seqs", "256",
                                       "--max-num-batched-tokens", "4096"], 300)
+    # issue 23's CUDA part: virtual rows on the driver's pages against the paged pool, side by side
+    run(out, "bench-kv-cuda", [*cli, "bench", "kv", "--model", model, "--device", "cuda", "--dtype", "bfloat16",
+                               "--layouts", "paged,virtual", "--batches", "1,32", "--contexts", "256,2048",
+                               "--kv-cache-memory-gib", "24"], 300)  # 2 MiB pages: ~7.5 GiB partial-page room at 32 rows
     if text is not None:
         for extra in ([], ["--dtype", "bfloat16"], ["-q", "int8"]):
             name = "eval-ppl-" + ("-".join(a.strip("-") for a in extra) or "float32")

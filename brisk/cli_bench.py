@@ -157,6 +157,7 @@ def _kv_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                      help="KV memory of each layout (default 4: batch 32 x 2k tokens of the default model fit)")
     kvb.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (default 512)")
     kvb.add_argument("--block-size", type=int, default=16, help="tokens per KV block / tile (default 16)")
+    add_device(kvb)
     add_quant(kvb, "quantize the model at load")
 
 
@@ -287,7 +288,10 @@ def _bench_kv(args: argparse.Namespace) -> int:
         raise UserError(f"--layouts takes {', '.join(LAYOUTS)}, got {args.layouts!r}")
     if args.decode_tokens < 2:
         raise UserError("--decode-tokens must be >= 2")
-    engine = {"dtype": args.dtype, "kv_cache_memory_gib": args.kv_cache_memory_gib, "block_size": args.block_size,
+    if args.device != "cpu" and "virtual_thp" in layouts:
+        raise UserError("virtual_thp is the CPU's transparent huge pages; on a GPU compare paged,virtual")
+    engine = {"dtype": args.dtype, "device": args.device, "kv_cache_memory_gib": args.kv_cache_memory_gib,
+              "block_size": args.block_size,
               "max_num_batched_tokens": args.max_num_batched_tokens, **quant_kwargs(args)}
     print(json.dumps(bench_kv(args.model, layouts, ints("batches"), ints("contexts"), args.decode_tokens, engine)),
           flush=True)

@@ -68,7 +68,7 @@ def add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--kv-layout", choices=KV_LAYOUTS, default=cache.kv_layout,
                    help="paged: a block pool allocated at start-up (default); virtual: a contiguous row of reserved "
-                        "address space per sequence, physical memory committed as tokens arrive (CPU, Linux)")
+                        "address space per sequence, physical memory committed as tokens arrive (CPU on Linux, CUDA)")
     p.add_argument("--kv-huge-pages", action="store_true",
                    help="virtual KV layout: back the rows with 2 MB transparent huge pages")
     p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")

@@ -227,7 +227,8 @@ KV_LAYOUTS = ("paged", "virtual")
 class CacheConfig:
     """The KV cache. `kv_layout` "paged": a pool of fixed-size blocks, allocated whole at
     start-up; "virtual": one contiguous row of reserved address space per sequence, backed by
-    physical memory only as tokens arrive (vAttention; core/virtual_kv.py), CPU on Linux. The
+    physical memory only as tokens arrive (vAttention; core/virtual_kv.py): the CPU on Linux, CUDA through
+    its virtual memory management (cuda-python). The
     number of blocks (virtual: committed tiles of `block_size` tokens) is found at start-up from
     `num_kv_blocks` or `kv_cache_memory_gib` and handed to the cache manager as an argument."""
 

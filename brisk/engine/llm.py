@@ -54,7 +54,7 @@ class LLM:
     decodes together), `max_num_seqs` (sequences per step), `enable_prefix_caching`, `kv_layout`
     ("paged": a block pool allocated at start-up, the default; "virtual": a contiguous row of
     reserved address space per sequence, physical memory committed as tokens arrive, CPU on
-    Linux; see core/virtual_kv.py),
+    Linux or CUDA (cuda-python's driver bindings); see core/virtual_kv.py),
     `kv_huge_pages` (virtual: 2 MB transparent huge pages),
     `enable_chunked_prefill`, `max_model_len` (longest prompt + output; default: the model's window),
     `max_decode_slowdown` (e.g. 1.5: prompt chunks sized so a step with running decodes takes at

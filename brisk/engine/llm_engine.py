@@ -39,6 +39,7 @@ from brisk.request import FinishReason, Request, RequestStatus, SamplingParams
 from brisk.runtime.paged_runner import PagedModelRunner, kv_block_bytes, model_kv_groups
 from brisk.runtime.parallel_runner import ParallelRunner
 from brisk.runtime.step import Runner, RunnerOutput, StepBatch
+from brisk.runtime import virtual_kv
 from brisk.runtime.virtual_kv import VirtualKV
 from brisk.sample.logprobs import TokenLogprobs
 from brisk.sample.structured import Constraint, GrammarCompiler
@@ -86,10 +87,20 @@ def _virtual_layout(model: CausalLM, cache: CacheConfig, scheduler: SchedulerCon
                     pack_weights: bool, eager: bool) -> tuple[PagedModelRunner, VirtualKVManager]:
     """A row of `max_model_len` tokens per sequence slot, every layer its own (one KV group);
     tiles of `block_size` tokens, doubled until a tile is whole pages."""
-    probe = VirtualKV.tile_for(model, cache.block_size)
+    backing = virtual_kv.default_backing(model.device)
+    probe = VirtualKV.tile_for(model, cache.block_size, backing)
     rows, row_tiles = scheduler.max_num_seqs, cdiv(scheduler.max_model_len, probe)
-    tensors = VirtualKV(model, rows, row_tiles, probe, cache.kv_huge_pages)
+    tensors = VirtualKV(model, rows, row_tiles, probe, cache.kv_huge_pages, backing)
     budget = num_kv_blocks(cache, tensors.bytes_per_tile)
+    slack = tensors.page_slack_bytes(rows)
+    if slack and cache.num_kv_blocks is None:  # pages of many tiles (CUDA): their partial ones count too
+        budget = (int(cache.kv_cache_memory_gib * 2**30) - slack) // tensors.bytes_per_tile
+        if budget < 1:
+            raise UserError(f"the virtual KV layout commits {tensors.backing.page >> 20} MiB pages: {rows} sequences "
+                             f"x {len(tensors.buffers)} layer tensors may hold {slack / 2**30:.1f} GiB of partial "
+                             f"pages beyond their tokens, more than kv_cache_memory_gib "
+                             f"({cache.kv_cache_memory_gib}); raise kv_cache_memory_gib, lower max_num_seqs, or "
+                             "use kv_layout='paged'")
     groups = (KVGroup(0, tuple(range(model.config.num_hidden_layers))),)
     runner = PagedModelRunner(model, rows * row_tiles, probe, pack_weights, groups, virtual=tensors, eager=eager)
     # a tile ahead pays only where a spare core commits it beside the forward; elsewhere it would be

@@ -14,6 +14,13 @@ The manager (core/virtual_kv.py) decides which tiles are committed; `apply` carr
 decisions out: `populate` (madvise MADV_POPULATE_WRITE, before the forward for the tiles this
 step writes; for tiles ahead on a worker thread beside it where a core is spare) and `release`
 (MADV_DONTNEED).
+
+Where the pages come from is a backing (`HostPages`: the C++ extension's mmap, 4 KB or 2 MB
+transparent huge pages, tiles whole pages so a tile's commit is exact; `CudaPages`: CUDA's virtual
+memory management, cuMemAddressReserve / cuMemCreate / cuMemMap of 2 MiB pages). A CUDA page holds
+many tiles of a row (~170 of SmolLM2's 12 KiB), so `DevicePages` maps a page while any committed tile
+touches it and unmaps it when the last one is released: committed memory is the tokens' tiles plus at
+most one partial page at each end of a row's committed run, per layer tensor.
 """
 
 from __future__ import annotations
@@ -21,8 +28,11 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -36,22 +46,230 @@ MAX_RESERVATION = 1 << 46  # 64 TiB of address space in all: x86-64 user space i
 
 
 def check_available() -> None:
-    """A clear error where the virtual layout cannot run (no extension, not Linux)."""
+    """A clear error where the virtual layout cannot run on the CPU (no extension, not Linux)."""
     reason = kernels.vmem_unavailable()
     if reason is not None:
         raise UserError(f"kv_layout='virtual' needs brisk's C++ extension with its virtual-memory calls: "
                          f"{reason}; use kv_layout='paged' (--kv-layout paged)")
 
 
+class Backing(Protocol):
+    """Reserved address space and the physical pages behind it, for one device."""
+
+    page: int  # bytes of the unit memory is committed in
+    exact: bool  # tiles must be whole pages (a commit is exactly the tiles'), else pages are shared
+    ahead_thread: bool  # commits ahead may run on a worker thread beside the forward
+
+    def reserve(self, nbytes: int, huge_pages: bool) -> torch.Tensor: ...
+    def populate(self, buf: torch.Tensor, tile_bytes: int, first: int, count: int) -> None: ...
+    def release(self, buf: torch.Tensor, tile_bytes: int, first: int, count: int) -> None: ...
+    def release_all(self, buf: torch.Tensor) -> None: ...
+    def resident(self, buf: torch.Tensor) -> int: ...
+    def close(self) -> None: ...
+
+
+class HostPages:
+    """The CPU's pages through the C++ extension (kernels/cpu_vmem.cpp): mmap MAP_NORESERVE,
+    MADV_POPULATE_WRITE, MADV_DONTNEED, mincore. The reservations are unmapped with their tensors."""
+
+    exact = True
+
+    def __init__(self) -> None:
+        check_available()
+        self.page = kernels.vmem_page_size()
+        self.ahead_thread = (os.cpu_count() or 1) > torch.get_num_threads()
+
+    def reserve(self, nbytes: int, huge_pages: bool) -> torch.Tensor:
+        return kernels.vmem_reserve(nbytes, huge_pages)
+
+    def populate(self, buf: torch.Tensor, tile_bytes: int, first: int, count: int) -> None:
+        kernels.vmem_populate(buf, first * tile_bytes, count * tile_bytes)
+
+    def release(self, buf: torch.Tensor, tile_bytes: int, first: int, count: int) -> None:
+        kernels.vmem_release(buf, first * tile_bytes, count * tile_bytes)
+
+    def release_all(self, buf: torch.Tensor) -> None:
+        kernels.vmem_release(buf, 0, buf.numel())
+
+    def resident(self, buf: torch.Tensor) -> int:
+        return kernels.vmem_resident(buf, 0, buf.numel())
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class _Reservation:
+    base: int  # device address
+    nbytes: int  # whole pages
+    tiles: list[int]  # per page: committed tiles touching it
+    handles: dict[int, Any] = field(default_factory=dict)  # mapped page -> the driver's allocation
+
+
+class DevicePages:
+    """Pages larger than a tile (CUDA's 2 MiB): a page is mapped while any committed tile touches
+    it. The manager commits and releases every tile exactly once, in runs of any grouping, so the
+    count per page is of tiles, not of calls. Subclasses map and unmap one page."""
+
+    exact = False
+    ahead_thread = False  # the driver's calls need the device's context; they run on the step's thread
+
+    def __init__(self, page: int) -> None:
+        self.page = page
+        self._reservations: dict[int, _Reservation] = {}  # the tensor's data_ptr -> its pages
+
+    def reserve(self, nbytes: int, huge_pages: bool) -> torch.Tensor:
+        if huge_pages:
+            raise UserError("kv_huge_pages is for the CPU's transparent huge pages; a GPU's virtual layout "
+                             f"commits {self.page >> 20} MiB pages already: leave kv_huge_pages off")
+        size = -(-nbytes // self.page) * self.page
+        base = self._reserve(size)
+        self._reservations[base] = _Reservation(base, size, [0] * (size // self.page))
+        return self._tensor(base, size)
+
+    def populate(self, buf: torch.Tensor, tile_bytes: int, first: int, count: int) -> None:
+        r = self._reservations[buf.data_ptr()]
+        for page, tiles in self._pages(tile_bytes, first, count):
+            if not r.tiles[page]:
+                r.handles[page] = self._map(r.base + page * self.page)
+            r.tiles[page] += tiles
+
+    def release(self, buf: torch.Tensor, tile_bytes: int, first: int, count: int) -> None:
+        r = self._reservations[buf.data_ptr()]
+        synced = False
+        for page, tiles in self._pages(tile_bytes, first, count):
+            assert r.tiles[page] >= tiles, "a tile released twice"
+            r.tiles[page] -= tiles
+            if not r.tiles[page]:
+                if not synced:  # kernels queued before may still read the page
+                    self._sync()
+                    synced = True
+                self._unmap(r.base + page * self.page, r.handles.pop(page))
+
+    def release_all(self, buf: torch.Tensor) -> None:
+        r = self._reservations[buf.data_ptr()]
+        if r.handles:
+            self._sync()
+        for page, handle in sorted(r.handles.items()):
+            self._unmap(r.base + page * self.page, handle)
+        r.handles.clear()
+        r.tiles = [0] * len(r.tiles)
+
+    def resident(self, buf: torch.Tensor) -> int:
+        return len(self._reservations[buf.data_ptr()].handles) * self.page
+
+    def close(self) -> None:
+        """Unmap every page and free every reservation (the tensors over them must be gone)."""
+        if any(r.handles for r in self._reservations.values()):
+            self._sync()
+        for r in self._reservations.values():
+            for page, handle in sorted(r.handles.items()):
+                self._unmap(r.base + page * self.page, handle)
+            self._free(r.base, r.nbytes)
+        self._reservations.clear()
+
+    def _pages(self, tile_bytes: int, first: int, count: int) -> list[tuple[int, int]]:
+        """(page, how many of tiles [first, first + count) touch it) for every page they touch."""
+        start, end = first * tile_bytes, (first + count) * tile_bytes
+        out = []
+        for page in range(start // self.page, (end - 1) // self.page + 1):
+            lo, hi = max(start, page * self.page), min(end, (page + 1) * self.page)
+            out.append((page, (hi - 1) // tile_bytes - lo // tile_bytes + 1))
+        return out
+
+    # ---- the device's calls
+    def _reserve(self, nbytes: int) -> int: raise NotImplementedError
+    def _tensor(self, base: int, nbytes: int) -> torch.Tensor: raise NotImplementedError
+    def _map(self, address: int) -> Any: raise NotImplementedError
+    def _unmap(self, address: int, handle: Any) -> None: raise NotImplementedError
+    def _free(self, base: int, nbytes: int) -> None: raise NotImplementedError
+    def _sync(self) -> None: raise NotImplementedError
+
+
+class CudaPages(DevicePages):
+    """CUDA's virtual memory management through cuda-python's driver bindings (as measured by
+    .ci/gpu_vmem_probe.py): one reservation per tensor, a cuMemCreate + cuMemMap + cuMemSetAccess
+    per page (cuMemUnmap cannot unmap part of a mapping, so pages are mapped one by one), and a
+    torch tensor over the range through __cuda_array_interface__ (no copy, not owned: `close`
+    frees it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        try:
+            from cuda.bindings import driver as cu
+        except ImportError:
+            raise UserError("kv_layout='virtual' on CUDA needs cuda-python's driver bindings "
+                             "(pip install cuda-python); or use kv_layout='paged' (--kv-layout paged)") from None
+        self.cu, self.device = cu, torch.device("cuda", torch.cuda.current_device() if device.index is None
+                                                 else device.index)
+        torch.zeros(1, device=self.device)  # the runtime's primary context, current on this thread
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = self.device.index
+        self.prop = prop
+        access = cu.CUmemAccessDesc()
+        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self.device.index
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self.access = access
+        minimum = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        super().__init__(int(self._ck(cu.cuMemGetAllocationGranularity(prop, minimum), "cuMemGetAllocationGranularity")))
+
+    def _ck(self, result: Any, call: str) -> Any:
+        err, *rest = result if isinstance(result, tuple) else (result,)
+        if err != self.cu.CUresult.CUDA_SUCCESS:
+            raise UserError(f"CUDA's {call} failed ({err}) for the virtual KV layout: lower kv_cache_memory_gib, "
+                             "max_num_seqs or max_model_len, or use kv_layout='paged' (--kv-layout paged)")
+        return rest[0] if len(rest) == 1 else rest
+
+    def _reserve(self, nbytes: int) -> int:
+        return int(self._ck(self.cu.cuMemAddressReserve(nbytes, 0, 0, 0), "cuMemAddressReserve"))
+
+    def _tensor(self, base: int, nbytes: int) -> torch.Tensor:
+        class Range:
+            __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (base, False),
+                                        "version": 3, "strides": None}
+        return torch.as_tensor(Range(), device=self.device)
+
+    def _map(self, address: int) -> Any:
+        handle = self._ck(self.cu.cuMemCreate(self.page, self.prop, 0), "cuMemCreate")
+        try:
+            self._ck(self.cu.cuMemMap(address, self.page, 0, handle, 0), "cuMemMap")
+            self._ck(self.cu.cuMemSetAccess(address, self.page, [self.access], 1), "cuMemSetAccess")
+        except UserError:
+            self.cu.cuMemUnmap(address, self.page)
+            self.cu.cuMemRelease(handle)
+            raise
+        return handle
+
+    def _unmap(self, address: int, handle: Any) -> None:
+        self._ck(self.cu.cuMemUnmap(address, self.page), "cuMemUnmap")
+        self._ck(self.cu.cuMemRelease(handle), "cuMemRelease")
+
+    def _free(self, base: int, nbytes: int) -> None:
+        self._ck(self.cu.cuMemAddressFree(base, nbytes), "cuMemAddressFree")
+
+    def _sync(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def default_backing(device: torch.device) -> Backing:
+    """The pages of `device`: the CPU's through the extension, CUDA's through its driver."""
+    if device.type == "cpu":
+        return HostPages()
+    if device.type == "cuda":
+        return CudaPages(device)
+    raise UserError(f"kv_layout='virtual' runs on the CPU and CUDA, not {device.type}; use kv_layout='paged'")
+
+
 class VirtualKV:
     """Reserved keys and values of every layer (module docstring); None for another stage's layers."""
 
-    def __init__(self, model: CausalLM, num_rows: int, row_tiles: int, tile: int, huge_pages: bool = False) -> None:
-        check_available()
+    def __init__(self, model: CausalLM, num_rows: int, row_tiles: int, tile: int, huge_pages: bool = False,
+                 backing: Backing | None = None) -> None:
+        """`backing`: where the pages come from (None: the model's device's, `default_backing`)."""
         cfg = model.config
-        if model.device.type != "cpu":
-            raise UserError("kv_layout='virtual' runs on CPU (CUDA virtual memory is not built yet); "
-                             "use kv_layout='paged'")
+        self.backing = backing = backing or default_backing(model.device)
         self.num_rows, self.row_tiles, self.tile = num_rows, row_tiles, tile
         itemsize = torch.tensor([], dtype=model.dtype).element_size()
         heads = model.kv_heads_per_layer()
@@ -61,12 +279,14 @@ class VirtualKV:
             raise UserError(f"the virtual KV layout would reserve {total / 2**40:.1f} TiB of address space "
                              f"(max_num_seqs {num_rows} x max_model_len {row_tiles * tile}); lower max_num_seqs or "
                              "max_model_len, or use kv_layout='paged'")
-        page = kernels.vmem_page_size()
-        bad = sorted({b for b in self.tile_bytes if b % page})
+        page = backing.page
+        bad = sorted({b for b in self.tile_bytes if b % page}) if backing.exact else []
         if bad:
             raise UserError(f"a KV tile of {tile} tokens is {bad[0]} bytes per layer, not whole {page}-byte pages; "
-                             f"use a block_size that makes it whole pages (e.g. {self.tile_for(model, tile)})")
+                             f"use a block_size that makes it whole pages (e.g. {self.tile_for(model, tile, backing)})")
         self.buffers: list[torch.Tensor] = []  # uint8 reservations, two per layer (keys, values)
+        # freed when this object goes (a device's reservations are not owned by their tensors)
+        self._closer = weakref.finalize(self, backing.close)
         self.kv_caches: list[KVCache | None] = [
             None if h is None else self._layer(h, cfg.head_dim, model.dtype, b, huge_pages)
             for h, b in zip(heads, self.tile_bytes)]
@@ -75,28 +295,38 @@ class VirtualKV:
         self._pending: Future[None] | None = None
         self.alloc_seconds = 0.0  # spent committing and releasing on the step's thread
         self.commit_thread_ids: set[int] = set()  # the commit-ahead thread (its page faults are not the step's)
-        self.ahead_thread = (os.cpu_count() or 1) > torch.get_num_threads()
+        self.ahead_thread = backing.ahead_thread
 
     @staticmethod
-    def tile_for(model: CausalLM, block_size: int) -> int:
+    def tile_for(model: CausalLM, block_size: int, backing: Backing) -> int:
         """`block_size`, doubled until one tile of every layer's keys is whole pages (a row
-        commits tile by tile, so a tile must not share a page with the next)."""
-        check_available()
-        page = kernels.vmem_page_size()
+        commits tile by tile, so a tile must not share a page with the next); where pages hold
+        many tiles (CUDA's 2 MiB, shared pages) `block_size` stays."""
+        if not backing.exact:
+            return block_size
         itemsize = torch.tensor([], dtype=model.dtype).element_size()
         sizes = {h * model.config.head_dim * itemsize for h in model.kv_heads_per_layer() if h is not None}
         tile = block_size
-        while any((b * tile) % page for b in sizes):
+        while any((b * tile) % backing.page for b in sizes):
             tile *= 2
         return tile
 
     def _layer(self, heads: int, head_dim: int, dtype: torch.dtype, tile_bytes: int, huge_pages: bool) -> KVCache:
         n = self.num_rows * self.row_tiles
-        k_buf, v_buf = kernels.vmem_reserve(n * tile_bytes, huge_pages), kernels.vmem_reserve(n * tile_bytes, huge_pages)
-        self.buffers += [k_buf, v_buf]
-        keys = k_buf.view(dtype).view(n, heads, head_dim, self.tile)  # [tiles, n_kv, hd, tile]
-        values = v_buf.view(dtype).view(n, heads, self.tile, head_dim)  # [tiles, n_kv, tile, hd]
+        k_buf = self.backing.reserve(n * tile_bytes, huge_pages)
+        self.buffers.append(k_buf)
+        v_buf = self.backing.reserve(n * tile_bytes, huge_pages)
+        self.buffers.append(v_buf)
+        # a device's reservation is whole pages: the tensors take the tiles' bytes of it
+        keys = k_buf[:n * tile_bytes].view(dtype).view(n, heads, head_dim, self.tile)  # [tiles, n_kv, hd, tile]
+        values = v_buf[:n * tile_bytes].view(dtype).view(n, heads, self.tile, head_dim)  # [tiles, n_kv, tile, hd]
         return keys, values
+
+    def page_slack_bytes(self, rows: int) -> int:
+        """Memory committed beyond the tiles' own when `rows` rows run: where pages hold many tiles,
+        up to a partial page at each end of a row's committed run in every tensor (0 where tiles
+        are whole pages)."""
+        return 0 if self.backing.exact else 2 * rows * len(self._buffer_tile_bytes) * self.backing.page
 
     # ----------------------------------------------------------------------------- memory ops
 
@@ -129,22 +359,22 @@ class VirtualKV:
             self._run(op)
 
     def _run(self, op: MemoryOp) -> None:
-        call = kernels.vmem_populate if op.kind == "populate" else kernels.vmem_release
+        call = self.backing.populate if op.kind == "populate" else self.backing.release
         for buf, tile_bytes in zip(self.buffers, self._buffer_tile_bytes):
-            call(buf, (op.row * self.row_tiles + op.first) * tile_bytes, op.count * tile_bytes)
+            call(buf, tile_bytes, op.row * self.row_tiles + op.first, op.count)
 
     def release_all(self) -> None:
         """Give back every page (nothing runs: e.g. after start-up measurements wrote scratch KV)."""
         self.wait()
         for buf in self.buffers:
-            kernels.vmem_release(buf, 0, buf.numel())
+            self.backing.release_all(buf)
 
     # ----------------------------------------------------------------------------- measurements
 
     def resident_bytes(self) -> int:
         """Bytes of every reservation backed by physical memory now (mincore)."""
         self.wait()
-        return sum(kernels.vmem_resident(b, 0, b.numel()) for b in self.buffers)
+        return sum(self.backing.resident(b) for b in self.buffers)
 
     @property
     def bytes_per_tile(self) -> int:

@@ -1,0 +1,235 @@
+"""The virtual KV layout over pages that hold many tiles (CUDA's 2 MiB pages): a page is mapped while
+any committed tile touches it, whatever runs the manager commits and releases tiles in. On the CPU a
+stand-in device (`FakePages`) plays the driver: it fills a page with NaN bytes when it maps it
+(fresh device memory holds anything) and when it unmaps it, so a kernel reading a slot nobody wrote,
+or a page already given back, changes the tokens. The real driver runs under the `cuda` marker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import brisk.runtime.virtual_kv as vkv
+from brisk.config import CacheConfig, ModelConfig, SchedulerConfig
+from brisk.engine.llm_engine import LLMEngine
+from brisk.errors import UserError
+from brisk.model.llama import LlamaForCausalLM
+from brisk.request import SamplingParams
+from tests.speculative.conftest import tiny_tokenizer
+
+GARBAGE = 0xFF  # every float32 made of these bytes is a NaN
+
+
+class FakePages(vkv.DevicePages):
+    """A device whose reservations are CPU tensors; maps and unmaps are recorded and scribbled on."""
+
+    def __init__(self, page: int) -> None:
+        super().__init__(page)
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.maps: list[int] = []
+        self.unmaps: list[int] = []
+        self.syncs = 0
+        self.freed = 0
+
+    def _reserve(self, nbytes: int) -> int:
+        t = torch.full((nbytes,), GARBAGE, dtype=torch.uint8)
+        self.tensors[t.data_ptr()] = t
+        return t.data_ptr()
+
+    def _tensor(self, base: int, nbytes: int) -> torch.Tensor:
+        return self.tensors[base]
+
+    def _scribble(self, address: int) -> None:
+        base = max(b for b in self.tensors if b <= address)
+        self.tensors[base][address - base:address - base + self.page] = GARBAGE
+
+    def _map(self, address: int) -> Any:
+        self._scribble(address)
+        self.maps.append(address)
+        return ("handle", address)
+
+    def _unmap(self, address: int, handle: Any) -> None:
+        assert handle == ("handle", address)
+        self._scribble(address)
+        self.unmaps.append(address)
+
+    def _free(self, base: int, nbytes: int) -> None:
+        self.freed += 1
+
+    def _sync(self) -> None:
+        self.syncs += 1
+
+
+def test_a_page_is_mapped_while_any_committed_tile_touches_it() -> None:
+    pages = FakePages(page=16384)
+    buf = pages.reserve(10 * 3072, huge_pages=False)  # tiles of 3 KiB: tile 5 straddles pages 0 and 1
+    assert buf.numel() == 2 * 16384
+    pages.populate(buf, 3072, 0, 6)
+    assert pages.resident(buf) == 2 * 16384 and len(pages.maps) == 2
+    pages.release(buf, 3072, 0, 5)  # page 0 still holds tile 5's first bytes
+    assert pages.resident(buf) == 2 * 16384 and not pages.unmaps and pages.syncs == 0
+    pages.populate(buf, 3072, 6, 2)  # page 1 already mapped: no new map
+    assert len(pages.maps) == 2
+    pages.release(buf, 3072, 5, 1)
+    assert pages.unmaps == [buf.data_ptr()] and pages.syncs == 1  # kernels drained before the unmap
+    pages.release(buf, 3072, 6, 1)
+    pages.release(buf, 3072, 7, 1)
+    assert pages.resident(buf) == 0 and pages.unmaps == [buf.data_ptr(), buf.data_ptr() + 16384]
+    with pytest.raises(AssertionError, match="released twice"):
+        pages.release(buf, 3072, 7, 1)
+
+
+def test_release_all_and_close_give_every_page_back() -> None:
+    pages = FakePages(page=8192)
+    a, b = pages.reserve(5000, huge_pages=False), pages.reserve(40000, huge_pages=False)
+    assert a.numel() == 8192 and b.numel() == 40960  # whole pages
+    pages.populate(a, 1000, 0, 5)
+    pages.populate(b, 1000, 3, 30)
+    pages.release_all(a)
+    assert pages.resident(a) == 0 and pages.resident(b) == 5 * 8192  # bytes 3,000..33,000
+    pages.populate(a, 1000, 2, 1)  # counts start afresh after release_all
+    pages.close()
+    assert pages.freed == 2 and len(pages.unmaps) == len(pages.maps)
+    with pytest.raises(UserError, match="kv_huge_pages"):
+        FakePages(page=8192).reserve(100, huge_pages=True)
+
+
+def _engine(layout: str, monkeypatch: pytest.MonkeyPatch | None = None, page: int = 16384,
+            device: str = "cpu", **cache: Any) -> LLMEngine:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1100)
+    model = LlamaForCausalLM(cfg, max_positions=1100)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    if monkeypatch is not None:
+        monkeypatch.setattr(vkv, "default_backing", lambda device: FakePages(page))
+    return LLMEngine(model.eval().to(device), tiny_tokenizer(), CacheConfig(kv_layout=layout, **cache),
+                     SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=16, max_model_len=1100))
+
+
+def _prompts() -> list[list[int]]:
+    return [[(7 * i + 13 * j) % 400 + 100 for j in range(n)] for i, n in enumerate([1, 5, 17, 40, 90, 200, 333, 700])]
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], resident: list[int] | None = None,
+         max_tokens: int = 40, prefix: str = "") -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{prefix}{i}", p, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        engine.scheduler.check_invariants()
+        if resident is not None:
+            resident.append(engine.runner.virtual.resident_bytes())
+    return [done[f"{prefix}{i}"] for i in range(len(prompts))]
+
+
+def test_shared_pages_give_the_paged_layouts_tokens_with_preemption(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiles of 16 tokens (1 KiB a tensor) on 16 KiB pages, a budget small enough to preempt:
+    every token the paged layout's, though pages are scribbled on when mapped and unmapped."""
+    prompts = _prompts()
+    paged = _run(_engine("paged", num_kv_blocks=96, block_size=16, enable_prefix_caching=False), prompts)
+    engine = _engine("virtual", monkeypatch, num_kv_blocks=96, block_size=16, enable_prefix_caching=False)
+    backing = engine.runner.virtual.backing
+    assert isinstance(backing, FakePages) and engine.virtual_kv.block_size == 16  # not doubled to whole pages
+    resident: list[int] = []
+    assert _run(engine, prompts, resident) == paged
+    assert engine.scheduler.num_preemptions > 0
+    assert max(resident) > 0 and resident[-1] == 0 and backing.unmaps  # idle: every page given back
+    tile_bytes = engine.runner.virtual.bytes_per_tile
+    # never more than the committed tiles plus the partial pages at both ends of each running row's run
+    assert max(resident) <= 96 * tile_bytes + engine.runner.virtual.page_slack_bytes(16)
+
+
+def _warm_row_then_pressure(engine: LLMEngine) -> dict[str, list[int]]:
+    """A 700-token request finishes while another keeps the engine busy (so its row keeps its
+    tiles: deferred reclamation), a short request takes that warm row, then long ones press the
+    budget: the outputs of all."""
+    params = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+    engine.add_request("keeper", [(13 * j) % 400 + 100 for j in range(30)], params(300))
+    engine.add_request("long", [(5 * j) % 400 + 100 for j in range(700)], params(4))
+    done: dict[str, list[int]] = {}
+    added = False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        if "long" in done and not added:
+            added = True
+            engine.add_request("short", [(11 * j) % 400 + 100 for j in range(20)], params(120))
+            engine.step()  # the short one is admitted alone: the warmest free row is the long one's
+            for i in range(3):
+                engine.add_request(f"press{i}", [(7 * i + 3 * j) % 400 + 100 for j in range(480)], params(60))
+        engine.scheduler.check_invariants()
+    return done
+
+
+def test_a_shorter_request_in_a_warm_row_keeps_the_page_it_shares_with_stale_tiles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm row's stale tiles beyond the short request's table are given back under pressure;
+    they share a page with its live first tiles, which must stay mapped (counting per call or per
+    page instead of per tile would unmap it, and the short request would read NaN)."""
+    paged = _warm_row_then_pressure(_engine("paged", num_kv_blocks=100, block_size=16, enable_prefix_caching=False))
+    engine = _engine("virtual", monkeypatch, page=32768, num_kv_blocks=100, block_size=16,
+                     enable_prefix_caching=False)
+    manager, tile_bytes = engine.virtual_kv, engine.runner.virtual.tile_bytes[0]
+    released_beside: list[int] = []  # tiles given back on the page of the short request's first tile
+    release = manager._release
+
+    def watched(tiles: list[int]) -> None:
+        table = manager.get_block_ids("short")[0]
+        if table:
+            released_beside.extend(t for t in tiles if t * tile_bytes // 32768 == table[0] * tile_bytes // 32768)
+        release(tiles)
+    manager._release = watched  # type: ignore[method-assign]
+    assert _warm_row_then_pressure(engine) == paged
+    assert released_beside  # the situation the test is for happened
+
+
+def test_prefix_sharing_over_shared_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cached tiles read in place from another row, over pages many tiles share."""
+    shared = [(3 * j) % 400 + 100 for j in range(150)]
+    prompts = [shared + [200 + i] * (i + 1) for i in range(6)]
+    paged = _run(_engine("paged", block_size=16, num_kv_blocks=400), prompts)
+    engine = _engine("virtual", monkeypatch, block_size=16, num_kv_blocks=400)
+    assert _run(engine, prompts) == paged
+    assert engine.virtual_kv.hit_rate > 0
+
+
+def test_partial_pages_are_budgeted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sized from kv_cache_memory_gib, the budget leaves room for the partial pages; when they
+    alone outgrow it, a clear error."""
+    engine = _engine("virtual", monkeypatch, page=1 << 20, kv_cache_memory_gib=1.0)
+    virtual = engine.runner.virtual
+    assert engine.virtual_kv.budget == (2**30 - virtual.page_slack_bytes(16)) // virtual.bytes_per_tile
+    with pytest.raises(UserError, match="partial pages beyond their tokens.*raise kv_cache_memory_gib"):
+        _engine("virtual", monkeypatch, page=1 << 20, kv_cache_memory_gib=0.1)
+
+
+def _has_cuda_driver() -> bool:
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _has_cuda_driver(), reason="needs a CUDA device and cuda-python's driver bindings")
+def test_cuda_virtual_rows_match_paged_and_give_pages_back() -> None:
+    """CUDA's own virtual memory: the paged layout's tokens, pages that follow the tokens, none
+    left mapped when idle."""
+    prompts = _prompts()
+    paged = _run(_engine("paged", device="cuda", num_kv_blocks=96, block_size=16), prompts)
+    engine = _engine("virtual", device="cuda", num_kv_blocks=96, block_size=16)
+    assert isinstance(engine.runner.virtual.backing, vkv.CudaPages)
+    resident: list[int] = []
+    assert _run(engine, prompts, resident) == paged
+    assert max(resident) > 0 and resident[-1] == 0
