@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from brisk.config import CacheConfig, SchedulerConfig, SpecConfig
-from brisk.core.kv_cache_manager import KVCacheManager, cdiv
+from brisk.core.kv_cache_manager import KVCacheManager
 from brisk.core.kv_groups import KVGroup
 from brisk.core.kv_manager import KVManager
 from brisk.core.outputs import ScheduledRequest, SchedulerOutput
@@ -86,10 +86,11 @@ def num_kv_blocks(cache: CacheConfig, block_bytes: int) -> int:
 def _virtual_layout(model: CausalLM, cache: CacheConfig, scheduler: SchedulerConfig,
                     pack_weights: bool, eager: bool) -> tuple[PagedModelRunner, VirtualKVManager]:
     """A row of `max_model_len` tokens per sequence slot, every layer its own (one KV group);
-    tiles of `block_size` tokens, doubled until a tile is whole pages."""
+    tiles of `block_size` tokens, on the CPU doubled until a tile is whole pages (on CUDA's 2 MiB
+    pages, rows are whole pages instead)."""
     backing = virtual_kv.default_backing(model.device)
     probe = VirtualKV.tile_for(model, cache.block_size, backing)
-    rows, row_tiles = scheduler.max_num_seqs, cdiv(scheduler.max_model_len, probe)
+    rows, row_tiles = scheduler.max_num_seqs, VirtualKV.row_tiles_for(model, scheduler.max_model_len, probe, backing)
     tensors = VirtualKV(model, rows, row_tiles, probe, cache.kv_huge_pages, backing)
     budget = num_kv_blocks(cache, tensors.bytes_per_tile)
     slack = tensors.page_slack_bytes(rows)

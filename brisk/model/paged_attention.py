@@ -53,7 +53,7 @@ class PaddedSpans:
     """The short spans as one padded batch: `[num_spans, max_query]` queries over
     `[num_spans, max_blocks * block_size]` keys, built once per step."""
 
-    block_tables: list[torch.Tensor]  # per KV group: [S, max_blocks] long, padded with block 0 (masked out)
+    block_tables: list[torch.Tensor]  # per KV group: [S, max_blocks] long, padded with its first block (masked out)
     rows: torch.Tensor  # [num_short_tokens] long: flat token -> span * max_query + offset
     max_query: int
     mask: torch.Tensor  # [S, 1, max_query, max_blocks * block_size] bool

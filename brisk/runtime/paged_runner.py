@@ -200,8 +200,9 @@ class PagedModelRunner:
                     for t in step.block_ids]
                 spans.append(GatherSpan(first, n, kv_len, tables, causal_mask(n, kv_len, dev), run))
         width = max((len(s.block_ids[0]) for s in kernel), default=1)
-        tables = [[_readable(s.block_ids[g]) + [0] * (width - len(s.block_ids[g])) for s in kernel]
-                  for g in range(num_groups)]
+        # padded with the table's own first block: masked, but read (padded SDPA), and on a virtual
+        # layout's device pages block 0 may be unmapped while this request runs
+        tables = [[_pad(_readable(s.block_ids[g]), width) for s in kernel] for g in range(num_groups)]
         kv_lens = [s.start_pos + len(s.token_ids) for s in kernel]
         attn = PagedAttention(
             kv_caches=self.kv_caches,
@@ -306,6 +307,10 @@ def _run_start(table: list[int]) -> int | None:
     """The first id of a table of consecutive ids (a virtual row of its own), else None (it
     reads a shared prefix where another row holds it: gathered like paged blocks)."""
     return table[0] if table and table[-1] - table[0] == len(table) - 1 else None
+
+
+def _pad(table: list[int], width: int) -> list[int]:
+    return table + [table[0] if table else 0] * (width - len(table))
 
 
 def _readable(table: list[int]) -> list[int]:

@@ -18,13 +18,14 @@ step writes; for tiles ahead on a worker thread beside it where a core is spare)
 Where the pages come from is a backing (`HostPages`: the C++ extension's mmap, 4 KB or 2 MB
 transparent huge pages, tiles whole pages so a tile's commit is exact; `CudaPages`: CUDA's virtual
 memory management, cuMemAddressReserve / cuMemCreate / cuMemMap of 2 MiB pages). A CUDA page holds
-many tiles of a row (~170 of SmolLM2's 12 KiB), so `DevicePages` maps a page while any committed tile
+many tiles of a row (~340 of SmolLM2's 16-token bfloat16 tiles, 6 KiB each), so `DevicePages` maps a page while any committed tile
 touches it and unmaps it when the last one is released: committed memory is the tokens' tiles plus at
 most one partial page at each end of a row's committed run, per layer tensor.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -128,13 +129,28 @@ class DevicePages:
         return self._tensor(base, size)
 
     def populate(self, buf: torch.Tensor, tile_bytes: int, first: int, count: int) -> None:
+        """Map the pages tiles [first, first + count) touch that no committed tile did, zeroed
+        (fresh device memory holds anything; masked slots are still read, and 0 x NaN is NaN);
+        on a failure nothing of this call stays mapped or counted."""
+        self._enter()
         r = self._reservations[buf.data_ptr()]
-        for page, tiles in self._pages(tile_bytes, first, count):
-            if not r.tiles[page]:
-                r.handles[page] = self._map(r.base + page * self.page)
-            r.tiles[page] += tiles
+        done: list[tuple[int, int]] = []
+        try:
+            for page, tiles in self._pages(tile_bytes, first, count):
+                if not r.tiles[page]:
+                    r.handles[page] = self._map(r.base + page * self.page)
+                    buf[page * self.page:(page + 1) * self.page].zero_()
+                r.tiles[page] += tiles
+                done.append((page, tiles))
+        except BaseException:
+            for page, tiles in done:
+                r.tiles[page] -= tiles
+                if not r.tiles[page]:
+                    self._unmap(r.base + page * self.page, r.handles.pop(page))
+            raise
 
     def release(self, buf: torch.Tensor, tile_bytes: int, first: int, count: int) -> None:
+        self._enter()
         r = self._reservations[buf.data_ptr()]
         synced = False
         for page, tiles in self._pages(tile_bytes, first, count):
@@ -147,6 +163,7 @@ class DevicePages:
                 self._unmap(r.base + page * self.page, r.handles.pop(page))
 
     def release_all(self, buf: torch.Tensor) -> None:
+        self._enter()
         r = self._reservations[buf.data_ptr()]
         if r.handles:
             self._sync()
@@ -160,6 +177,9 @@ class DevicePages:
 
     def close(self) -> None:
         """Unmap every page and free every reservation (the tensors over them must be gone)."""
+        if not self._reservations:
+            return
+        self._enter()
         if any(r.handles for r in self._reservations.values()):
             self._sync()
         for r in self._reservations.values():
@@ -178,6 +198,8 @@ class DevicePages:
         return out
 
     # ---- the device's calls
+    def _enter(self) -> None:
+        """Make the device's context current on the calling thread (the server steps on its own)."""
     def _reserve(self, nbytes: int) -> int: raise NotImplementedError
     def _tensor(self, base: int, nbytes: int) -> torch.Tensor: raise NotImplementedError
     def _map(self, address: int) -> Any: raise NotImplementedError
@@ -202,6 +224,9 @@ class CudaPages(DevicePages):
         self.cu, self.device = cu, torch.device("cuda", torch.cuda.current_device() if device.index is None
                                                  else device.index)
         torch.zeros(1, device=self.device)  # the runtime's primary context, current on this thread
+        # kept to make current on whichever thread commits pages later (the server's engine thread,
+        # a finalizer): the driver's calls act on the calling thread's current context
+        self.context = self._ck(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
         prop = cu.CUmemAllocationProp()
         prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -231,8 +256,15 @@ class CudaPages(DevicePages):
                                         "version": 3, "strides": None}
         return torch.as_tensor(Range(), device=self.device)
 
+    def _enter(self) -> None:
+        self._ck(self.cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
     def _map(self, address: int) -> Any:
-        handle = self._ck(self.cu.cuMemCreate(self.page, self.prop, 0), "cuMemCreate")
+        created = self.cu.cuMemCreate(self.page, self.prop, 0)
+        if created[0] == self.cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+            torch.cuda.empty_cache()  # blocks torch's allocator keeps cached are memory the driver cannot give
+            created = self.cu.cuMemCreate(self.page, self.prop, 0)
+        handle = self._ck(created, "cuMemCreate")
         try:
             self._ck(self.cu.cuMemMap(address, self.page, 0, handle, 0), "cuMemMap")
             self._ck(self.cu.cuMemSetAccess(address, self.page, [self.access], 1), "cuMemSetAccess")
@@ -287,6 +319,7 @@ class VirtualKV:
         self.buffers: list[torch.Tensor] = []  # uint8 reservations, two per layer (keys, values)
         # freed when this object goes (a device's reservations are not owned by their tensors)
         self._closer = weakref.finalize(self, backing.close)
+        self._closer.atexit = False  # at exit the process gives everything back, maybe under a running forward
         self.kv_caches: list[KVCache | None] = [
             None if h is None else self._layer(h, cfg.head_dim, model.dtype, b, huge_pages)
             for h, b in zip(heads, self.tile_bytes)]
@@ -322,11 +355,27 @@ class VirtualKV:
         values = v_buf[:n * tile_bytes].view(dtype).view(n, heads, self.tile, head_dim)  # [tiles, n_kv, tile, hd]
         return keys, values
 
+    @staticmethod
+    def row_tiles_for(model: CausalLM, tokens: int, tile: int, backing: Backing) -> int:
+        """Tiles a row of `tokens` takes: where pages hold many tiles, rounded up so that every
+        tensor's row is whole pages (no page holds two rows' tiles)."""
+        row_tiles = -(-tokens // tile)
+        if backing.exact:
+            return row_tiles
+        itemsize = torch.tensor([], dtype=model.dtype).element_size()
+        step = 1
+        for h in {h for h in model.kv_heads_per_layer() if h is not None}:
+            tile_bytes = h * model.config.head_dim * tile * itemsize
+            need = backing.page // math.gcd(backing.page, tile_bytes)  # tiles that make whole pages
+            step = step * need // math.gcd(step, need)
+        return -(-row_tiles // step) * step
+
     def page_slack_bytes(self, rows: int) -> int:
         """Memory committed beyond the tiles' own when `rows` rows run: where pages hold many tiles,
-        up to a partial page at each end of a row's committed run in every tensor (0 where tiles
-        are whole pages)."""
-        return 0 if self.backing.exact else 2 * rows * len(self._buffer_tile_bytes) * self.backing.page
+        the partial page at the end of a row's committed run in every tensor (rows are whole pages;
+        0 where tiles are). A row holding two runs (stale tiles before a prefix hit's end) can hold
+        one more."""
+        return 0 if self.backing.exact else rows * len(self._buffer_tile_bytes) * self.backing.page
 
     # ----------------------------------------------------------------------------- memory ops
 

@@ -32,6 +32,8 @@ class FakePages(vkv.DevicePages):
         self.unmaps: list[int] = []
         self.syncs = 0
         self.freed = 0
+        self.entered = 0
+        self.fail_after: int | None = None  # maps that succeed before one fails (out of memory)
 
     def _reserve(self, nbytes: int) -> int:
         t = torch.full((nbytes,), GARBAGE, dtype=torch.uint8)
@@ -45,7 +47,12 @@ class FakePages(vkv.DevicePages):
         base = max(b for b in self.tensors if b <= address)
         self.tensors[base][address - base:address - base + self.page] = GARBAGE
 
+    def _enter(self) -> None:
+        self.entered += 1
+
     def _map(self, address: int) -> Any:
+        if self.fail_after is not None and len(self.maps) >= self.fail_after:
+            raise UserError("out of device memory")
         self._scribble(address)
         self.maps.append(address)
         return ("handle", address)
@@ -81,6 +88,24 @@ def test_a_page_is_mapped_while_any_committed_tile_touches_it() -> None:
         pages.release(buf, 3072, 7, 1)
 
 
+def test_mapped_pages_are_zeroed_and_a_failed_commit_leaves_nothing_behind() -> None:
+    pages = FakePages(page=4096)
+    buf = pages.reserve(8 * 4096, huge_pages=False)
+    pages.populate(buf, 1024, 0, 2)  # page 0, scribbled by the "driver", zeroed before use
+    assert int(buf[:4096].sum()) == 0 and pages.entered == 1
+    buf[:2048] = 7  # tiles 0-1 written
+    pages.fail_after = 3  # pages 1 and 2 map, page 3 does not
+    with pytest.raises(UserError, match="out of device memory"):
+        pages.populate(buf, 1024, 2, 14)  # tiles 2..15: pages 0 (shared), 1, 2, 3
+    assert pages.resident(buf) == 4096 and len(pages.unmaps) == 2  # back to page 0 alone
+    assert int(buf[:2048].float().mean()) == 7  # the page that stayed kept its tiles
+    pages.fail_after = None
+    pages.populate(buf, 1024, 2, 14)
+    assert pages.resident(buf) == 4 * 4096
+    pages.release(buf, 1024, 0, 16)
+    assert pages.resident(buf) == 0  # the counts were rolled back exactly
+
+
 def test_release_all_and_close_give_every_page_back() -> None:
     pages = FakePages(page=8192)
     a, b = pages.reserve(5000, huge_pages=False), pages.reserve(40000, huge_pages=False)
@@ -97,7 +122,9 @@ def test_release_all_and_close_give_every_page_back() -> None:
 
 
 def _engine(layout: str, monkeypatch: pytest.MonkeyPatch | None = None, page: int = 16384,
-            device: str = "cpu", **cache: Any) -> LLMEngine:
+            device: str = "cpu", padded: bool = False, **cache: Any) -> LLMEngine:
+    """A tiny random model's engine; `padded`: short spans through one padded SDPA (the path
+    CUDA takes), module by module."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1100)
@@ -107,8 +134,12 @@ def _engine(layout: str, monkeypatch: pytest.MonkeyPatch | None = None, page: in
             p.normal_(0, 0.3)
     if monkeypatch is not None:
         monkeypatch.setattr(vkv, "default_backing", lambda device: FakePages(page))
-    return LLMEngine(model.eval().to(device), tiny_tokenizer(), CacheConfig(kv_layout=layout, **cache),
-                     SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=16, max_model_len=1100))
+    engine = LLMEngine(model.eval().to(device), tiny_tokenizer(), CacheConfig(kv_layout=layout, **cache),
+                       SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=16, max_model_len=1100),
+                       eager=padded or device != "cpu")  # on CUDA: both layouts without graphs, same kernels
+    if padded:
+        engine.runner.short_spans = "padded"
+    return engine
 
 
 def _prompts() -> list[list[int]]:
@@ -193,6 +224,35 @@ def test_a_shorter_request_in_a_warm_row_keeps_the_page_it_shares_with_stale_til
     assert released_beside  # the situation the test is for happened
 
 
+def test_padded_spans_read_only_mapped_written_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's way for short spans, one padded SDPA over every table: the padding and the tail of
+    each last tile are read (masked). With tables padded by block 0, a batch of uneven tables
+    read row 0's first page after it was given back (NaN here, an illegal address on a GPU)."""
+    prompts = _prompts()
+    paged = _run(_engine("paged", padded=True, num_kv_blocks=96, block_size=16, enable_prefix_caching=False),
+                 prompts)
+    engine = _engine("virtual", monkeypatch, padded=True, num_kv_blocks=96, block_size=16,
+                     enable_prefix_caching=False)
+    assert engine.runner.short_spans == "padded"
+    assert _run(engine, prompts) == paged
+    assert engine.scheduler.num_preemptions > 0
+    # uneven tables are padded with their own first tile, which their request keeps mapped
+    from brisk.core.outputs import ScheduledRequest
+
+    rt = engine.virtual_kv.row_tiles
+    steps = [ScheduledRequest("a", [1], 40, [[rt, rt + 1, rt + 2]], True),
+             ScheduledRequest("b", [2], 3, [[3 * rt]], True)]
+    inputs = engine.runner.prepare(steps)
+    assert inputs.attn.padded.block_tables[0].tolist() == [[rt, rt + 1, rt + 2], [3 * rt] * 3]
+
+
+def test_rows_are_whole_pages_where_pages_hold_many_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = _engine("virtual", monkeypatch, page=32768, num_kv_blocks=96, block_size=16)
+    virtual = engine.runner.virtual
+    assert engine.virtual_kv.row_tiles * virtual.tile_bytes[0] % 32768 == 0
+    assert engine.virtual_kv.row_tiles * 16 >= 1100
+
+
 def test_prefix_sharing_over_shared_pages(monkeypatch: pytest.MonkeyPatch) -> None:
     """Cached tiles read in place from another row, over pages many tiles share."""
     shared = [(3 * j) % 400 + 100 for j in range(150)]
@@ -210,7 +270,7 @@ def test_partial_pages_are_budgeted(monkeypatch: pytest.MonkeyPatch) -> None:
     virtual = engine.runner.virtual
     assert engine.virtual_kv.budget == (2**30 - virtual.page_slack_bytes(16)) // virtual.bytes_per_tile
     with pytest.raises(UserError, match="partial pages beyond their tokens.*raise kv_cache_memory_gib"):
-        _engine("virtual", monkeypatch, page=1 << 20, kv_cache_memory_gib=0.1)
+        _engine("virtual", monkeypatch, page=1 << 20, kv_cache_memory_gib=0.05)
 
 
 def _has_cuda_driver() -> bool:
