@@ -560,7 +560,8 @@ class SpecConfig:
     `exit_layer` (layers the draft runs; None: a quarter of them) and optional `heads` (a file of
     trained exit head weights); medusa and streaming `heads` (written by `brisk train-heads`);
     streaming `quantization`: "int8" runs the stream pass (and its draft head) on int8 copies of the
-    top layers' weights, a quarter of float32's bytes; the target still verifies in its own weights.
+    top layers' weights, a quarter of float32's bytes, "int4" on 4-bit copies (an eighth; the head
+    int8); the target still verifies in its own weights.
     `lookup_first` (any method but ngram): prompt lookup drafts where it finds a match (with
     `prompt_lookup_min` / `prompt_lookup_max`), the method where it does not.
     """
@@ -596,11 +597,11 @@ class SpecConfig:
         if self.method != "draft" and (self.model or self.quantization_config or
                                        (self.quantization and self.method != "streaming")):
             raise UserError(f'"model" and "quantization" configure the draft model; method {self.method!r} has none'
-                            + (' (streaming takes "quantization": "int8" alone, for its stream pass)'
+                            + (' (streaming takes "quantization": "int8" or "int4" alone, for its stream pass)'
                                if self.method == "streaming" else ""))
-        if self.method == "streaming" and self.quantization not in (None, "int8"):
-            raise UserError(f'streaming\'s "quantization" is the stream pass\'s weights: "int8" (lossless: the '
-                            f'target verifies every draft), got {self.quantization!r}')
+        if self.method == "streaming" and self.quantization not in (None, "int8", "int4"):
+            raise UserError(f'streaming\'s "quantization" is the stream pass\'s weights: "int8" or "int4" (lossless: '
+                            f'the target verifies every draft), got {self.quantization!r}')
         if self.method in ("medusa", "streaming") and not self.heads:
             raise UserError(f'speculative method "{self.method}" needs "heads": a file written by '
                             f'`brisk train-heads --kind {self.method}`')

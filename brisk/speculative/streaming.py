@@ -299,17 +299,20 @@ def load_streams(path: str | Path, model: CausalLM) -> tuple[StreamAdapter, dict
 
 # ---- decoding ----------------------------------------------------------------------------------
 
-class PassModel:
-    """What the stream pass runs over when its weights are quantized (`quantization="int8"`): the
-    target with layers `first`.. replaced by copies whose Linears hold int8 weights (per output
-    channel), the layers below shared. Drafts only: the verify step runs the target's own layers,
-    so the output stays the target's. The C++ decode plan and the module path take it as a model
-    (`layers`, `config`, `step_ropes`, `run_layers`, `modules_version`): the copies follow the
-    weights as they were when the proposer was built."""
+PASS_QUANTIZATIONS = ("int8", "int4")  # what the stream pass's weight copies may be (SpecConfig checks)
 
-    def __init__(self, model: CausalLM, first: int) -> None:
+
+class PassModel:
+    """What the stream pass runs over when its weights are quantized (`quantization` "int8" or
+    "int4"): the target with layers `first`.. replaced by copies whose Linears hold int8 weights
+    (per output channel) or 4-bit ones (groups of 32, round to nearest, multiplied by int8
+    activations: llama.cpp's Q4 x Q8), the layers below shared. Drafts only: the verify step runs
+    the target's own layers, so the output stays the target's. The C++ decode plan and the module
+    path take it as a model (`layers`, `config`, `step_ropes`, `run_layers`, `modules_version`): the
+    copies follow the weights as they were when the proposer was built."""
+
+    def __init__(self, model: CausalLM, first: int, quantization: str = "int8") -> None:
         from brisk.quant import quantizable
-        from brisk.quant.int8 import Int8Linear
 
         self.model = model
         self.config = model.config
@@ -318,12 +321,13 @@ class PassModel:
         for i in range(first, len(layers)):
             layer = _clone(layers[i])
             for parent, name, child in quantizable(layer):
-                setattr(parent, name, Int8Linear.from_linear(child))
+                setattr(parent, name, _pass_linear(child.weight, child.bias, child.output_sizes, model.dtype,
+                                                   quantization))
             for parent, name, child in _quantized_children(layer):
-                # an already quantized target (int4, GGUF blocks): its effective weight in int8
-                copied = Int8Linear.from_weight(_effective_weight(child), child.bias, child.output_sizes)
-                copied.dtype = getattr(child, "dtype", model.dtype)  # activations stay the model's dtype
-                setattr(parent, name, copied)
+                # an already quantized target (int4, GGUF blocks): its effective weight requantized;
+                # activations stay the model's dtype
+                setattr(parent, name, _pass_linear(_effective_weight(child), child.bias, child.output_sizes,
+                                                   getattr(child, "dtype", model.dtype), quantization))
             layers[i] = layer
         self.layers = nn.ModuleList(layers)
 
@@ -348,6 +352,23 @@ def _clone(module: nn.Module) -> nn.Module:
             setattr(out, attr, type(value)(value))
     out._modules = {name: None if child is None else _clone(child) for name, child in module._modules.items()}
     return out
+
+
+def _pass_linear(weight: torch.Tensor, bias: torch.Tensor | None, output_sizes: tuple[int, ...], dtype: torch.dtype,
+                 quantization: str) -> nn.Module:
+    """A stream pass's copy of one Linear: int8 per output channel, or 4-bit groups of 32 whose
+    activations are int8 (a draft's numbers need not be the target's; a Linear whose inputs are
+    not whole groups stays int8)."""
+    from brisk.quant.grouped import GroupLinear
+    from brisk.quant.int8 import Int8Linear
+
+    if quantization == "int4" and weight.shape[1] % 32 == 0:
+        copied = GroupLinear.from_weight(weight.float(), bias, 32, 4, output_sizes, dtype)
+        copied.activations = "int8"
+        return copied
+    copied = Int8Linear.from_weight(weight, bias, output_sizes)
+    copied.dtype = dtype
+    return copied
 
 
 def _quantized_children(layer: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -392,20 +413,21 @@ class StreamingProposer(Proposer):
 
     def __init__(self, model: CausalLM, adapter: StreamAdapter, runner: Any, vocab: DraftVocab | None = None,
                  quantization: str | None = None) -> None:
-        """`quantization` "int8": the pass and the draft head on int8 copies of their weights
-        (`PassModel`); None: on the target's own."""
+        """`quantization` "int8" / "int4": the pass on quantized copies of its layers' weights
+        (`PassModel`), the draft head on an int8 copy of its rows; None: on the target's own."""
         self.model = model
         self.adapter = adapter
         self.runner = runner  # the target's runtime.paged_runner.PagedModelRunner: its cache, its steps
         passes: Any = model
-        if quantization == "int8" and model.device.type != "cpu":
-            raise UserError('the int8 stream pass runs on the CPU\'s int8 kernels; on '
+        if quantization is not None and quantization not in PASS_QUANTIZATIONS:
+            raise UserError(f'the stream pass takes quantization {" or ".join(PASS_QUANTIZATIONS)} or none, '
+                            f'got {quantization!r}')
+        if quantization is not None and model.device.type != "cpu":
+            raise UserError(f'the {quantization} stream pass runs on the CPU\'s integer kernels; on '
                             f'{model.device.type} leave "quantization" out of the streaming config')
-        if quantization == "int8":
-            passes = PassModel(model, adapter.first_layer)
+        if quantization is not None:
+            passes = PassModel(model, adapter.first_layer, quantization)
             vocab = int8_draft_vocab(model, vocab)
-        elif quantization is not None:
-            raise UserError(f'the stream pass takes quantization "int8" or none, got {quantization!r}')
         self.plans = runner.adapted_plans(adapter.plan_adapters(), lambda: adapter.active(passes), passes)
         self.vocab = vocab
         self.capture_layer = adapter.first_layer  # the runner keeps the residual stream entering it

@@ -153,7 +153,7 @@ def test_streaming_decoding_is_greedy_identical_and_accepts_drafts(trained, tmp_
     rates = []
     layer_types = [type(m) for m in model.modules()]
     for name, streams, quant in (("trained", adapter, None), ("untrained", StreamAdapter(CFG, 3, 1, 4), None),
-                                 ("trained, int8 pass", adapter, "int8")):
+                                 ("trained, int8 pass", adapter, "int8"), ("trained, int4 pass", adapter, "int4")):
         path = tmp_path / f"{name}.safetensors"
         save_streams(path, streams, "tiny", CFG)
         engine = tiny_engine(model, budget=12)  # prompts arrive in chunks beside speculating decodes
@@ -161,12 +161,15 @@ def test_streaming_decoding_is_greedy_identical_and_accepts_drafts(trained, tmp_
         engine.spec = build_speculator(cfg, engine.runner, CacheConfig(block_size=4, num_kv_blocks=64), 64, None,
                                        True, 0)
         assert run(engine, prompts, GREEDY) == expected, name
-        if quant:  # the drafts really came from the int8 copies
+        if quant:  # the drafts really came from the quantized copies
+            from brisk.quant.grouped import GroupLinear
             from brisk.quant.int8 import Int8Linear
             from brisk.speculative.streaming import PassModel
 
             proposer = engine.spec.proposer
             assert isinstance(proposer.plans.model, PassModel) and isinstance(proposer.vocab.head, Int8Linear)
+            kind = Int8Linear if quant == "int8" else GroupLinear
+            assert isinstance(proposer.plans.model.layers[-1].mlp.down_proj, kind)
         assert engine.spec.stats.num_draft_tokens > 100
         assert engine.scheduler.kv.num_free_blocks == engine.num_blocks
         rates.append(engine.spec.stats.acceptance_rate)
@@ -175,6 +178,7 @@ def test_streaming_decoding_is_greedy_identical_and_accepts_drafts(trained, tmp_
     # int8 copies of the stream layers draft nearly as well (the target verifies in its own weights,
     # which the copies left as they were)
     assert rates[2] > rates[1] + 0.05 and abs(rates[2] - rates[0]) < 0.1, rates
+    assert rates[3] > rates[1] + 0.05 and abs(rates[3] - rates[0]) < 0.15, rates  # 4-bit groups of 32
     assert [type(m) for m in model.modules()] == layer_types
 
 
@@ -206,8 +210,9 @@ def test_the_int8_stream_pass_runs_quantized_copies_of_the_top_layers() -> None:
 
 def test_stream_pass_quantization_is_checked() -> None:
     assert SpecConfig(method="streaming", heads="s.safetensors", quantization="int8").quantization == "int8"
-    with pytest.raises(ValueError, match='stream pass.s weights: "int8"'):
-        SpecConfig(method="streaming", heads="s.safetensors", quantization="int4")
+    assert SpecConfig(method="streaming", heads="s.safetensors", quantization="int4").quantization == "int4"
+    with pytest.raises(ValueError, match='stream pass.s weights: "int8" or "int4"'):
+        SpecConfig(method="streaming", heads="s.safetensors", quantization="w8a8")
     with pytest.raises(ValueError, match="method 'ngram' has none"):
         SpecConfig(method="ngram", quantization="int8")
 
