@@ -5,6 +5,7 @@ kernel's own accounting of the reservations), and clear errors for what it canno
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ def _prompts(n: int = 32, longest: int = 1000, vocab: int = 40000) -> list[list[
     return [[(7 * i + 13 * j) % (vocab - 100) + 100 for j in range(length)] for i, length in enumerate(lengths[:n])]
 
 
-def _tiny_engine(layout: str, caching: bool = False, **kw: Any) -> LLMEngine:
+def _tiny_engine(layout: str, caching: bool = False, device: str = "cpu", eager: bool = False, **kw: Any) -> LLMEngine:
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1100)
@@ -40,8 +41,9 @@ def _tiny_engine(layout: str, caching: bool = False, **kw: Any) -> LLMEngine:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
-    return LLMEngine(model.eval(), tiny_tokenizer(), CacheConfig(kv_layout=layout, enable_prefix_caching=caching, **kw),
-                     SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=16, max_model_len=1100))
+    return LLMEngine(model.eval().to(device), tiny_tokenizer(),
+                     CacheConfig(kv_layout=layout, enable_prefix_caching=caching, **kw),
+                     SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=16, max_model_len=1100), eager=eager)
 
 
 def _submit(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, prefix: str = "") -> list[str]:
@@ -51,14 +53,15 @@ def _submit(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, prefix
     return [f"{prefix}{i}" for i in range(len(prompts))]
 
 
-def _finish(engine: LLMEngine, ids: list[str]) -> list[list[int]]:
-    """Step until idle (checking the bookkeeping every step): the tokens of `ids`."""
+def _finish(engine: LLMEngine, ids: list[str], after_step: Callable[[], None] = lambda: None) -> list[list[int]]:
+    """Step until idle (checking the bookkeeping, then calling `after_step`, every step): the tokens of `ids`."""
     done: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
         engine.scheduler.check_invariants()
+        after_step()
     return [done[i] for i in ids]
 
 

@@ -12,12 +12,10 @@ import pytest
 import torch
 
 import brisk.runtime.virtual_kv as vkv
-from brisk.config import CacheConfig, ModelConfig, SchedulerConfig
 from brisk.engine.llm_engine import LLMEngine
 from brisk.errors import UserError
-from brisk.model.llama import LlamaForCausalLM
 from brisk.request import SamplingParams
-from tests.speculative.conftest import tiny_tokenizer
+from tests.runtime.test_virtual_layout import _finish, _submit, _tiny_engine
 
 GARBAGE = 0xFF  # every float32 made of these bytes is a NaN
 
@@ -122,21 +120,13 @@ def test_release_all_and_close_give_every_page_back() -> None:
 
 
 def _engine(layout: str, monkeypatch: pytest.MonkeyPatch | None = None, page: int = 16384,
-            device: str = "cpu", padded: bool = False, **cache: Any) -> LLMEngine:
-    """A tiny random model's engine; `padded`: short spans through one padded SDPA (the path
-    CUDA takes), module by module."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1100)
-    model = LlamaForCausalLM(cfg, max_positions=1100)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
+            device: str = "cpu", padded: bool = False, enable_prefix_caching: bool = True, **cache: Any) -> LLMEngine:
+    """test_virtual_layout's tiny random model over `FakePages` of `page` bytes (with
+    `monkeypatch`); `padded`: short spans through one padded SDPA (the path CUDA takes), module by
+    module; on CUDA both layouts run without graphs, through the same kernels."""
     if monkeypatch is not None:
         monkeypatch.setattr(vkv, "default_backing", lambda device: FakePages(page))
-    engine = LLMEngine(model.eval().to(device), tiny_tokenizer(), CacheConfig(kv_layout=layout, **cache),
-                       SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=16, max_model_len=1100),
-                       eager=padded or device != "cpu")  # on CUDA: both layouts without graphs, same kernels
+    engine = _tiny_engine(layout, enable_prefix_caching, device, eager=padded or device != "cpu", **cache)
     if padded:
         engine.runner.short_spans = "padded"
     return engine
@@ -148,18 +138,11 @@ def _prompts() -> list[list[int]]:
 
 def _run(engine: LLMEngine, prompts: list[list[int]], resident: list[int] | None = None,
          max_tokens: int = 40, prefix: str = "") -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{prefix}{i}", p, params)
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        engine.scheduler.check_invariants()
+    """The greedy tokens of `prompts`; `resident`: the committed bytes after every step."""
+    def record() -> None:
         if resident is not None:
             resident.append(engine.runner.virtual.resident_bytes())
-    return [done[f"{prefix}{i}"] for i in range(len(prompts))]
+    return _finish(engine, _submit(engine, prompts, max_tokens, prefix), record)
 
 
 def test_shared_pages_give_the_paged_layouts_tokens_with_preemption(monkeypatch: pytest.MonkeyPatch) -> None:
