@@ -131,12 +131,12 @@ class Speculator:
         if found is None:
             return self.length.wanted(req.request_id)
         cls, available = found
-        k = min(available, self.length.wanted(req.request_id, cls)) if available else 0
+        k = self.length.wanted(req.request_id, cls, cap=available) if available else 0
         if not k and cls in self.proposer.free_classes:  # a lookup not worth verifying: the method may be
             other = self.proposer.fallback_class(req.request_id, req.all_token_ids)
             if other is not None:
                 cls, available = other
-                k = min(available, self.length.wanted(req.request_id, cls)) if available else 0
+                k = self.length.wanted(req.request_id, cls, cap=available) if available else 0
         self._classes[req.request_id] = cls
         return k
 

@@ -78,9 +78,11 @@ class DraftLength:
         self._overall: dict[int | None, list[float]] = {}  # every request's observations, decayed alike
         self._rng = random.Random(seed)
 
-    def wanted(self, request_id: str, cls: int | None = None) -> int:
+    def wanted(self, request_id: str, cls: int | None = None, cap: int | None = None) -> int:
+        """Drafts for the request's next step, at most `cap` (the drafts its source has: a
+        lookup's continuation, the method's streams), chosen among the lengths it can use."""
         if not self.auto:
-            return self.max_k
+            return self.max_k if cap is None else min(cap, self.max_k)
         post = self._counts(request_id, cls)
         # Thompson sampling on p1 (whether to draft at all). p2 is drawn too when the drawn p1 says
         # first drafts are mostly accepted, else taken at its mean: at its mean always, it never
@@ -90,14 +92,16 @@ class DraftLength:
         # occasional try of drafts whose first token is rarely accepted.
         p1 = self._rng.betavariate(post[0], post[1])
         p2 = self._rng.betavariate(post[2], post[3]) if p1 >= 0.5 else post[2] / (post[2] + post[3])
-        k = self.best_k(p1, p2, cls)
+        k = self.best_k(p1, p2, cls, cap)
         if k == 0:
             self._decay(post, OFF_DECAY)
         return k
 
-    def best_k(self, p1: float, p2: float, cls: int | None = None) -> int:
-        """The k in 0..max_k with the most tokens per unit of cost."""
-        return max(range(self.max_k + 1), key=lambda k: expected_run_tokens(p1, p2, k) / self.cost(k, cls))
+    def best_k(self, p1: float, p2: float, cls: int | None = None, cap: int | None = None) -> int:
+        """The k in 0..min(max_k, cap) with the most tokens per unit of cost (a best k past the
+        cap, cut to it, could pay less than not drafting)."""
+        top = self.max_k if cap is None else min(cap, self.max_k)
+        return max(range(top + 1), key=lambda k: expected_run_tokens(p1, p2, k) / self.cost(k, cls))
 
     def cost(self, k: int, cls: int | None = None) -> float:
         """One step with k drafts of class `cls`, in plain decode steps."""

@@ -114,3 +114,13 @@ def test_lookup_first_is_checked() -> None:
         SpecConfig(method="ngram", lookup_first=True)
     with pytest.raises(ValueError, match='"lookup_first" is true or false'):
         SpecConfig(method="medusa", heads="h", lookup_first="yes")  # type: ignore[arg-type]
+
+
+def test_the_length_is_chosen_within_what_the_source_can_draft() -> None:
+    """A costly first verified row and long accepted runs: seven drafts pay, one does not. With
+    only one draft to give (a short lookup continuation, a method of one stream), plain decoding
+    is the better choice, not the best uncapped length cut to one."""
+    length = DraftLength(SpecConfig(method="ngram"), 0.0, [0.0] + [0.9] * 7, seed=0)
+    assert length.best_k(0.5, 0.95) == 7
+    assert length.best_k(0.5, 0.95, cap=1) == 0
+    assert length.best_k(0.5, 0.95, cap=3) == 3
