@@ -300,6 +300,20 @@ class VirtualKVManager:
             self._release(self._unnamed(row, cached=False))
         self._free_rows.append(row)
 
+    def uncommit(self, tiles: Iterable[int]) -> None:
+        """Tiles whose pages could not be committed (the runtime's commit failed): counted as
+        committed no more, nor cached; the requests naming them end (`requests_naming`)."""
+        for tile in tiles:
+            if self._populated[tile]:
+                self._populated[tile] = 0
+                self.num_committed -= 1
+                self._forget(tile)
+
+    def requests_naming(self, tiles: Iterable[int]) -> list[str]:
+        """Running requests whose tables name any of `tiles`."""
+        wanted = set(tiles)
+        return [rid for rid, table in self._table.items() if not wanted.isdisjoint(table)]
+
     def reclaim(self) -> None:
         """Give back every page no table names and no cache entry holds (the engine is idle)."""
         for row in range(self.num_rows):

@@ -162,14 +162,30 @@ class LLMEngine:
         assert isinstance(self.runner, PagedModelRunner) and self.runner.virtual is not None
         return self.runner.virtual
 
-    def _sync_memory(self) -> None:
+    def _sync_memory(self) -> set[str]:
         """Carry out the virtual layout's page commits and releases (nothing for the paged one);
-        once idle, give back the pages warm free rows kept."""
+        once idle, give back the pages warm free rows kept. A commit that failed (out of memory)
+        ends the requests whose tables name its tiles, with the error (`take_failures`), and
+        un-counts the tiles; returns those requests' sequence ids."""
         if self.virtual_kv is None:
-            return
+            return set()
         if not self.scheduler.has_unfinished():
             self.virtual_kv.reclaim()
-        self._memory().apply(self.virtual_kv.take_memory_ops())
+        memory = self._memory()
+        memory.apply(self.virtual_kv.take_memory_ops())
+        tiles, error = memory.take_unbacked()
+        if not tiles:
+            return set()
+        self.virtual_kv.uncommit(tiles)
+        ended = set(self.virtual_kv.requests_naming(tiles))
+        failure = UserError(f"the virtual KV layout could not commit memory for this request ({error}); other "
+                            "requests went on: lower kv_cache_memory_gib or max_num_seqs so the budget fits the "
+                            "device's free memory, or use kv_layout='paged' (its pool is allocated at start-up)")
+        for sid in sorted(ended):
+            seq = self._seqs.get(sid)
+            if seq is not None and self.abort_request(seq.group):
+                self.failures[seq.group] = failure
+        return ended
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -249,11 +265,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return an output for every request that made progress."""
         sched = self.scheduler.schedule(self.spec.plan(self.scheduler.running, self._constraints()))
-        self._sync_memory()  # this step's tiles committed before the forward writes them
+        ended = self._sync_memory()  # this step's tiles committed before the forward writes them
+        if ended:  # their pages could not be committed: they ended with the error, the step runs without them
+            sched.scheduled = [s for s in sched.scheduled if s.request_id not in ended]
+            sched.num_batched_tokens = sum(s.num_tokens for s in sched.scheduled)
         for rid in sched.preempted_ids:
             self.spec.release(rid, finished=False)
         if sched.is_empty:
-            assert not self.scheduler.has_unfinished(), "scheduler made no progress with requests queued"
+            assert ended or not self.scheduler.has_unfinished(), "scheduler made no progress with requests queued"
             return []
         self.peak_kv_usage = max(self.peak_kv_usage, self.scheduler.kv_usage)
         started = time.perf_counter()
@@ -273,7 +292,8 @@ class LLMEngine:
             touched.add(self._seqs[req.request_id].group)
             if req.is_finished():
                 self.spec.release(req.request_id, finished=True)
-        self._sync_memory()
+        self._sync_memory()  # may end requests (a failed commit ahead): their failures say why
+        touched &= self._groups.keys()
         return [self._output(g) for g in sorted(touched, key=lambda g: self._groups[g].arrival_time)]
 
     def _compute(self, sched: SchedulerOutput) -> RunnerOutput:

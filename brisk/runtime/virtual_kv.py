@@ -329,6 +329,8 @@ class VirtualKV:
         self.alloc_seconds = 0.0  # spent committing and releasing on the step's thread
         self.commit_thread_ids: set[int] = set()  # the commit-ahead thread (its page faults are not the step's)
         self.ahead_thread = backing.ahead_thread
+        self._unbacked: set[int] = set()  # tiles whose commit failed, until take_unbacked
+        self.commit_error: BaseException | None = None  # the last commit's failure
 
     @staticmethod
     def tile_for(model: CausalLM, block_size: int, backing: Backing) -> int:
@@ -404,13 +406,54 @@ class VirtualKV:
             pending.result()
 
     def _run_all(self, ops: list[MemoryOp]) -> None:
+        """Each op in order; a commit that fails (out of memory) leaves its tiles unbacked in every
+        tensor and is reported by `take_unbacked` instead of raising, and a later release skips
+        the unbacked tiles it names (nothing of them is committed)."""
         for op in ops:
-            self._run(op)
+            first = op.row * self.row_tiles + op.first
+            tiles = range(first, first + op.count)
+            if op.kind == "populate":
+                try:
+                    self._populate(first, op.count)
+                except (RuntimeError, OSError, MemoryError, UserError) as exc:
+                    self._unbacked.update(tiles)
+                    self.commit_error = exc
+                continue
+            if self._unbacked.isdisjoint(tiles):
+                self._release(first, op.count)
+                continue
+            run: list[int] = []
+            for tile in [*tiles, None]:  # the named tiles that are backed, as runs
+                if tile is not None and tile not in self._unbacked:
+                    run.append(tile)
+                    continue
+                if run:
+                    self._release(run[0], len(run))
+                run = []
+            self._unbacked.difference_update(tiles)
 
-    def _run(self, op: MemoryOp) -> None:
-        call = self.backing.populate if op.kind == "populate" else self.backing.release
+    def _populate(self, first: int, count: int) -> None:
+        """Commit tiles [first, first + count) in every tensor, or in none."""
+        done = 0
+        try:
+            for buf, tile_bytes in zip(self.buffers, self._buffer_tile_bytes):
+                self.backing.populate(buf, tile_bytes, first, count)
+                done += 1
+        except BaseException:
+            for buf, tile_bytes in list(zip(self.buffers, self._buffer_tile_bytes))[:done]:
+                self.backing.release(buf, tile_bytes, first, count)
+            raise
+
+    def _release(self, first: int, count: int) -> None:
         for buf, tile_bytes in zip(self.buffers, self._buffer_tile_bytes):
-            call(buf, tile_bytes, op.row * self.row_tiles + op.first, op.count)
+            self.backing.release(buf, tile_bytes, first, count)
+
+    def take_unbacked(self) -> tuple[list[int], BaseException | None]:
+        """Tiles (ids) the manager counts as committed whose commit failed since the last call, and
+        the last failure: the engine ends the requests that name them and un-counts them."""
+        self.wait()
+        tiles, self._unbacked = sorted(self._unbacked), set()
+        return tiles, self.commit_error
 
     def release_all(self) -> None:
         """Give back every page (nothing runs: e.g. after start-up measurements wrote scratch KV)."""

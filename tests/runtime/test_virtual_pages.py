@@ -32,6 +32,8 @@ class FakePages(vkv.DevicePages):
         self.freed = 0
         self.entered = 0
         self.fail_after: int | None = None  # maps that succeed before one fails (out of memory)
+        self.fail_once = False  # that one fails, the later ones succeed (memory freed meanwhile)
+        self.fail_in = 0  # ...and only a map in this reservation (0, 1, ...: the order they were made) fails
 
     def _reserve(self, nbytes: int) -> int:
         t = torch.full((nbytes,), GARBAGE, dtype=torch.uint8)
@@ -49,7 +51,11 @@ class FakePages(vkv.DevicePages):
         self.entered += 1
 
     def _map(self, address: int) -> Any:
-        if self.fail_after is not None and len(self.maps) >= self.fail_after:
+        base = max(b for b in self.tensors if b <= address)
+        if (self.fail_after is not None and len(self.maps) >= self.fail_after
+                and list(self.tensors).index(base) >= self.fail_in):
+            if self.fail_once:
+                self.fail_after = None
             raise UserError("out of device memory")
         self._scribble(address)
         self.maps.append(address)
@@ -205,6 +211,34 @@ def test_a_shorter_request_in_a_warm_row_keeps_the_page_it_shares_with_stale_til
     manager._release = watched  # type: ignore[method-assign]
     assert _warm_row_then_pressure(engine) == paged
     assert released_beside  # the situation the test is for happened
+
+
+def test_a_failed_commit_ends_the_requests_that_needed_it_and_the_rest_go_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device memory runs out once, mid-run: the requests whose tiles the failed commit was for
+    end with a clear error, every other request gets the paged layout's tokens, and nothing stays
+    committed or counted (the tiles of a half-done commit, in the tensors it reached, too)."""
+    prompts = _prompts()
+    paged = _run(_engine("paged", num_kv_blocks=96, block_size=16, enable_prefix_caching=False), prompts)
+    engine = _engine("virtual", monkeypatch, page=4096, num_kv_blocks=96, block_size=16, enable_prefix_caching=False)
+    backing = engine.runner.virtual.backing
+    assert isinstance(backing, FakePages)
+    ids = _submit(engine, prompts, 40)
+    for _ in range(6):
+        engine.step()
+    # a later commit fails at the second layer's keys: the first layer's tensors were committed
+    backing.fail_after, backing.fail_once, backing.fail_in = len(backing.maps) + 3, True, 2
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        engine.scheduler.check_invariants()
+    failed = engine.take_failures()
+    assert failed and all("could not commit memory" in str(e) and "out of device memory" in str(e)
+                          for e in failed.values())
+    assert set(failed) | set(done) == set(ids) and not set(failed) & set(done)
+    assert all(done[i] == paged[int(i)] for i in done)
+    assert engine.virtual_kv.num_committed == 0 and engine.runner.virtual.resident_bytes() == 0
 
 
 def test_padded_spans_read_only_mapped_written_pages(monkeypatch: pytest.MonkeyPatch) -> None:
