@@ -53,8 +53,9 @@ def _submit(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, prefix
     return [f"{prefix}{i}" for i in range(len(prompts))]
 
 
-def _finish(engine: LLMEngine, ids: list[str], after_step: Callable[[], None] = lambda: None) -> list[list[int]]:
-    """Step until idle (checking the bookkeeping, then calling `after_step`, every step): the tokens of `ids`."""
+def _step_all(engine: LLMEngine, after_step: Callable[[], None] = lambda: None) -> dict[str, list[int]]:
+    """Step until idle (checking the bookkeeping, then calling `after_step`, every step): the
+    tokens of every request that finished."""
     done: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -62,6 +63,11 @@ def _finish(engine: LLMEngine, ids: list[str], after_step: Callable[[], None] = 
                 done[out.request_id] = out.outputs[0].token_ids
         engine.scheduler.check_invariants()
         after_step()
+    return done
+
+
+def _finish(engine: LLMEngine, ids: list[str], after_step: Callable[[], None] = lambda: None) -> list[list[int]]:
+    done = _step_all(engine, after_step)
     return [done[i] for i in ids]
 
 

@@ -15,7 +15,7 @@ import brisk.runtime.virtual_kv as vkv
 from brisk.engine.llm_engine import LLMEngine
 from brisk.errors import UserError
 from brisk.request import SamplingParams
-from tests.runtime.test_virtual_layout import _finish, _submit, _tiny_engine
+from tests.runtime.test_virtual_layout import _finish, _step_all, _submit, _tiny_engine
 
 GARBAGE = 0xFF  # every float32 made of these bytes is a NaN
 
@@ -227,12 +227,7 @@ def test_a_failed_commit_ends_the_requests_that_needed_it_and_the_rest_go_on(mon
         engine.step()
     # a later commit fails at the second layer's keys: the first layer's tensors were committed
     backing.fail_after, backing.fail_once, backing.fail_in = len(backing.maps) + 3, True, 2
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        engine.scheduler.check_invariants()
+    done = _step_all(engine)
     failed = engine.take_failures()
     assert failed and all("could not commit memory" in str(e) and "out of device memory" in str(e)
                           for e in failed.values())
