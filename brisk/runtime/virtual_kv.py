@@ -220,7 +220,8 @@ class CudaPages(DevicePages):
             from cuda.bindings import driver as cu
         except ImportError:
             raise UserError("kv_layout='virtual' on CUDA needs cuda-python's driver bindings "
-                             "(pip install cuda-python); or use kv_layout='paged' (--kv-layout paged)") from None
+                             "(pip install cuda-python, or brisk's extra: pip install -e '.[cuda]'); or use kv_layout='paged' "
+                             "(--kv-layout paged)") from None
         self.cu, self.device = cu, torch.device("cuda", torch.cuda.current_device() if device.index is None
                                                  else device.index)
         torch.zeros(1, device=self.device)  # the runtime's primary context, current on this thread
