@@ -145,8 +145,8 @@ class DevicePages:
         except BaseException:
             for page, tiles in done:
                 r.tiles[page] -= tiles
-                if not r.tiles[page]:
-                    self._unmap(r.base + page * self.page, r.handles.pop(page))
+            for page in [p for p in r.handles if not r.tiles[p]]:  # mapped here (zeroing may have failed)
+                self._unmap(r.base + page * self.page, r.handles.pop(page))
             raise
 
     def release(self, buf: torch.Tensor, tile_bytes: int, first: int, count: int) -> None:
