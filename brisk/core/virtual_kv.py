@@ -11,7 +11,8 @@ positions [i * block_size, (i + 1) * block_size) of the sequence that wrote it:
             tile id = row * row_tiles + i: the request's block table, consecutive ids
 
 Capacity is committed tiles against a budget (`kv_cache_memory_gib` / bytes of one tile in
-every layer), not blocks of a pool; the scheduler, the kernels and the decode plan read a table
+every layer), not blocks of a pool; where a page holds many tiles (CUDA's 2 MiB) it is the pages
+those tiles occupy (`PageModel`). The scheduler, the kernels and the decode plan read a table
 exactly as a paged block table.
 
 Prefix caching without remapping pages: a full tile that a request computed is published under
@@ -50,12 +51,62 @@ from brisk.errors import UserError
 from brisk.request import Request
 
 
+class PageModel:
+    """The pages committed tiles occupy where a page holds many tiles (CUDA's 2 MiB pages; the
+    runtime's DevicePages maps the same ones): per tile size, the committed tiles touching each
+    page, so the manager counts memory as the device does, at admission, not tiles.
+
+    `tensors`: tile bytes -> how many layer tensors have tiles of that size; a tile id's bytes sit
+    at id x tile bytes in each (rows are whole pages, runtime/virtual_kv.VirtualKV.row_tiles_for)."""
+
+    def __init__(self, page: int, tensors: dict[int, int]) -> None:
+        self.page = page
+        self.tensors = dict(tensors)
+        self.bytes_per_tile = sum(size * n for size, n in tensors.items())
+        self._count: dict[int, dict[int, int]] = {size: {} for size in tensors}  # size -> page -> tiles
+        self.bytes = 0  # committed: pages x page bytes over every tensor
+
+    def _pages(self, size: int, tile: int) -> range:
+        return range(tile * size // self.page, ((tile + 1) * size - 1) // self.page + 1)
+
+    def cost(self, tiles: Iterable[int]) -> int:
+        """Bytes committing `tiles` (none of them committed yet) would add."""
+        total = 0
+        for size, n in self.tensors.items():
+            count = self._count[size]
+            fresh = {p for t in tiles for p in self._pages(size, t) if not count.get(p)}
+            total += len(fresh) * n * self.page
+        return total
+
+    def add(self, tiles: Iterable[int]) -> None:
+        for size, n in self.tensors.items():
+            count = self._count[size]
+            for t in tiles:
+                for p in self._pages(size, t):
+                    if not count.get(p):
+                        self.bytes += n * self.page
+                    count[p] = count.get(p, 0) + 1
+
+    def remove(self, tiles: Iterable[int]) -> None:
+        for size, n in self.tensors.items():
+            count = self._count[size]
+            for t in tiles:
+                for p in self._pages(size, t):
+                    count[p] -= 1
+                    if not count[p]:
+                        del count[p]
+                        self.bytes -= n * self.page
+
+
 class VirtualKVManager:
     """Rows, committed tiles and the prefix cache of the virtual layout (core/kv_manager.py's protocol)."""
 
     def __init__(self, num_rows: int, row_tiles: int, tile: int, budget_tiles: int,
                  enable_prefix_caching: bool = False, commit_ahead: bool = True,
-                 deferred_reclaim: bool = True) -> None:
+                 deferred_reclaim: bool = True, pages: PageModel | None = None) -> None:
+        """`pages`: where a page holds many tiles, the capacity is counted in their pages (the
+        budget is then `budget_tiles` x the model's bytes per tile, in pages); None: tiles are
+        whole pages and are counted themselves."""
         if num_rows < 1 or row_tiles < 1 or tile < 1:
             raise UserError(f"a virtual KV layout needs rows, tiles and tokens per tile >= 1, got "
                              f"{num_rows}, {row_tiles}, {tile}")
@@ -81,10 +132,24 @@ class VirtualKVManager:
         self._key_of: dict[int, tuple[BlockHash, tuple[int, ...]]] = {}  # cached tile -> (hash, tokens)
         self._ops: list[MemoryOp] = []
         self.num_committed = 0  # populated tiles over all rows
+        self.pages = pages
+        self.tiles_per_page = 1 if pages is None else max(1, pages.page // min(pages.tensors))
         self.prefix_cache_queries = 0  # tokens looked up, once per admission
         self.prefix_cache_hits = 0
 
     # ----------------------------------------------------------------------------- capacity
+
+    def _used(self) -> int:
+        """Committed memory in tiles' worth: the tiles, or the pages they occupy."""
+        if self.pages is None:
+            return self.num_committed
+        return -(-self.pages.bytes // self.pages.bytes_per_tile)
+
+    def _cost(self, tiles: list[int]) -> int:
+        """What committing `tiles` (none committed yet) adds, in tiles' worth."""
+        if self.pages is None:
+            return len(tiles)
+        return -(-self.pages.cost(tiles) // self.pages.bytes_per_tile)
 
     def fits_alone(self, num_tokens: int, chunk: int) -> bool:
         return cdiv(num_tokens, self.block_size) <= min(self.budget, self.row_tiles)
@@ -202,7 +267,7 @@ class VirtualKVManager:
         for tile in tiles:
             self._refs[tile] += 1
         missing = [t for t in tiles if not self._populated[t]]
-        if not self._make_room(len(missing), keep_row):
+        if not self._make_room(missing, keep_row):
             for tile in tiles:
                 self._refs[tile] -= 1
             return False
@@ -214,7 +279,7 @@ class VirtualKVManager:
         row = self._row_of[rid]
         nxt = row * self.row_tiles + need
         if (self.commit_ahead and 0 < need < self.row_tiles and not self._populated[nxt]
-                and self._populated[nxt - 1] and self.num_committed < self.budget):
+                and self._populated[nxt - 1] and self._used() + self._cost([nxt]) <= self.budget):
             self._forget(nxt)
             self._populate([nxt], ahead=True)
 
@@ -222,6 +287,8 @@ class VirtualKVManager:
         for tile in tiles:
             self._populated[tile] = 1
         self.num_committed += len(tiles)
+        if self.pages is not None:
+            self.pages.add(tiles)
         self._ops.extend(MemoryOp("populate", r, f, n, ahead) for r, f, n in self._runs(tiles))
 
     def _release(self, tiles: list[int]) -> None:
@@ -230,6 +297,8 @@ class VirtualKVManager:
             self._populated[tile] = 0
             self._forget(tile)
         self.num_committed -= len(tiles)
+        if self.pages is not None:
+            self.pages.remove(tiles)
         self._ops.extend(MemoryOp("release", r, f, n) for r, f, n in self._runs(tiles))
 
     def _runs(self, tiles: list[int]) -> list[tuple[int, int, int]]:
@@ -249,11 +318,11 @@ class VirtualKVManager:
         return [t for t in range(base, base + self.row_tiles)
                 if self._populated[t] and not self._refs[t] and (t in self._key_of) == cached]
 
-    def _make_room(self, tiles: int, keep_row: int | None) -> bool:
-        """Give back pages no table names until `tiles` more fit: uncached ones first, the
-        coldest free rows first, then running rows' (tiles ahead, stale ones); then cached ones
-        (the least recently freed rows' first). `keep_row`'s pages go last."""
-        if self.num_committed + tiles <= self.budget:
+    def _make_room(self, tiles: list[int], keep_row: int | None) -> bool:
+        """Give back pages no table names until `tiles` (uncommitted) fit: uncached ones first,
+        the coldest free rows first, then running rows' (tiles ahead, stale ones); then cached
+        ones (the least recently freed rows' first). `keep_row`'s pages go last."""
+        if self._used() + self._cost(tiles) <= self.budget:
             return True
         running = [r for r in self._row_of.values() if r != keep_row]
         order = [r for r in self._free_rows if r != keep_row] + running
@@ -261,9 +330,15 @@ class VirtualKVManager:
         for cached in (False, True):
             for row in order:
                 gone = self._unnamed(row, cached)
-                if gone:  # the row's last tiles first: a cached chain keeps its head
-                    self._release(gone[max(0, len(gone) - (self.num_committed + tiles - self.budget)):])
-                if self.num_committed + tiles <= self.budget:
+                while gone:  # the row's last tiles first: a cached chain keeps its head
+                    short = self._used() + self._cost(tiles) - self.budget
+                    if short <= 0:
+                        break
+                    # tiles' worth short: that many tiles, or (pages shared by tiles) what a page holds
+                    step = short if self.pages is None else max(short, self.tiles_per_page)
+                    self._release(gone[max(0, len(gone) - step):])
+                    gone = gone[:max(0, len(gone) - step)]
+                if self._used() + self._cost(tiles) <= self.budget:
                     return True
         return False
 
@@ -308,6 +383,8 @@ class VirtualKVManager:
                 self._populated[tile] = 0
                 self.num_committed -= 1
                 self._forget(tile)
+                if self.pages is not None:
+                    self.pages.remove([tile])
 
     def requests_naming(self, tiles: Iterable[int]) -> list[str]:
         """Running requests whose tables name any of `tiles`."""
@@ -340,7 +417,7 @@ class VirtualKVManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.budget - self.num_committed
+        return max(0, self.budget - self._used())
 
     @property
     def num_cached_tiles(self) -> int:
@@ -349,7 +426,7 @@ class VirtualKVManager:
     @property
     def usage(self) -> float:
         """Committed memory over the budget."""
-        return self.num_committed / self.budget
+        return self._used() / self.budget
 
     @property
     def num_used_tiles(self) -> int:
@@ -367,7 +444,7 @@ class VirtualKVManager:
         rows = list(self._row_of.values())
         assert len(set(rows)) == len(rows), "two requests share a row"
         assert sorted(rows + self._free_rows) == list(range(self.num_rows)), "a row is lost or listed twice"
-        assert sum(self._populated) == self.num_committed <= self.budget
+        assert sum(self._populated) == self.num_committed and self._used() <= self.budget
         refs = [0] * len(self._refs)
         for rid, table in self._table.items():
             row, k = self._row_of[rid], self._own_start[rid]

@@ -93,21 +93,18 @@ def _virtual_layout(model: CausalLM, cache: CacheConfig, scheduler: SchedulerCon
     rows, row_tiles = scheduler.max_num_seqs, VirtualKV.row_tiles_for(model, scheduler.max_model_len, probe, backing)
     tensors = VirtualKV(model, rows, row_tiles, probe, cache.kv_huge_pages, backing)
     budget = num_kv_blocks(cache, tensors.bytes_per_tile)
-    slack = tensors.page_slack_bytes(rows)
-    if slack and cache.num_kv_blocks is None:  # pages of many tiles (CUDA): their partial ones count too
-        budget = (int(cache.kv_cache_memory_gib * 2**30) - slack) // tensors.bytes_per_tile
-        if budget < 1:
-            raise UserError(f"the virtual KV layout commits {tensors.backing.page >> 20} MiB pages: {rows} sequences "
-                             f"x {len(tensors.buffers)} layer tensors may hold {slack / 2**30:.1f} GiB of partial "
-                             f"pages beyond their tokens, more than kv_cache_memory_gib "
-                             f"({cache.kv_cache_memory_gib}); raise kv_cache_memory_gib, lower max_num_seqs, or "
-                             "use kv_layout='paged'")
+    pages = tensors.page_model()  # None where tiles are whole pages
+    least = len(tensors.buffers) * tensors.backing.page  # a request's first page in every tensor
+    if pages is not None and budget * tensors.bytes_per_tile < least:
+        raise UserError(f"the virtual KV layout commits {tensors.backing.page >> 20} MiB pages: one request takes "
+                         f"{least / 2**30:.2f} GiB ({len(tensors.buffers)} layer tensors x a page), more than the KV "
+                         "budget; raise kv_cache_memory_gib or use kv_layout='paged'")
     groups = (KVGroup(0, tuple(range(model.config.num_hidden_layers))),)
     runner = PagedModelRunner(model, rows * row_tiles, probe, pack_weights, groups, virtual=tensors, eager=eager)
     # a tile ahead pays only where a spare core commits it beside the forward; elsewhere it would be
     # committed on the step's thread all the same, one tile earlier: just in time holds less
     return runner, VirtualKVManager(rows, row_tiles, probe, budget, cache.enable_prefix_caching,
-                                    commit_ahead=tensors.ahead_thread)
+                                    commit_ahead=tensors.ahead_thread, pages=pages)
 
 
 class LLMEngine:

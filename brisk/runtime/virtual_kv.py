@@ -19,8 +19,9 @@ Where the pages come from is a backing (`HostPages`: the C++ extension's mmap, 4
 transparent huge pages, tiles whole pages so a tile's commit is exact; `CudaPages`: CUDA's virtual
 memory management, cuMemAddressReserve / cuMemCreate / cuMemMap of 2 MiB pages). A CUDA page holds
 many tiles of a row (~340 of SmolLM2's 16-token bfloat16 tiles, 6 KiB each), so `DevicePages` maps a page while any committed tile
-touches it and unmaps it when the last one is released: committed memory is the tokens' tiles plus at
-most one partial page at each end of a row's committed run, per layer tensor.
+touches it and unmaps it when the last one is released; the manager counts the same pages against
+the budget (core/virtual_kv.PageModel), so committed memory never exceeds it, whatever the pages
+hold beyond the tokens' tiles (up to a page per row's committed run and tensor).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 
 from brisk import kernels
 from brisk.core.kv_manager import MemoryOp
+from brisk.core.virtual_kv import PageModel
 from brisk.errors import UserError
 from brisk.model.attention import KVCache
 from brisk.model.base import CausalLM
@@ -373,12 +375,15 @@ class VirtualKV:
             step = step * need // math.gcd(step, need)
         return -(-row_tiles // step) * step
 
-    def page_slack_bytes(self, rows: int) -> int:
-        """Memory committed beyond the tiles' own when `rows` rows run: where pages hold many tiles,
-        the partial page at the end of a row's committed run in every tensor (rows are whole pages;
-        0 where tiles are). A row holding two runs (stale tiles before a prefix hit's end) can hold
-        one more."""
-        return 0 if self.backing.exact else rows * len(self._buffer_tile_bytes) * self.backing.page
+    def page_model(self) -> PageModel | None:
+        """Where pages hold many tiles, the manager's model of them (the same pages DevicePages
+        maps); None where tiles are whole pages."""
+        if self.backing.exact:
+            return None
+        sizes: dict[int, int] = {}
+        for size in self._buffer_tile_bytes:
+            sizes[size] = sizes.get(size, 0) + 1
+        return PageModel(self.backing.page, sizes)
 
     # ----------------------------------------------------------------------------- memory ops
 

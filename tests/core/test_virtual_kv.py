@@ -212,3 +212,22 @@ def test_cached_tiles_are_given_back_last_and_leave_the_cache() -> None:
     replay = _req("again", 17)
     assert kv.get_computed_blocks(replay) == ([[0, 1, 2]], 12)
     kv.check_invariants(["b"])
+
+
+def test_the_page_model_counts_the_pages_tiles_occupy() -> None:
+    """Pages of 4 KiB over tiles of 3 KiB (two tensors) and 1 KiB (one): tiles straddling pages,
+    pages shared by tiles, each tile size its own pages."""
+    from brisk.core.virtual_kv import PageModel
+
+    pages = PageModel(4096, {3072: 2, 1024: 1})
+    assert pages.bytes_per_tile == 7168
+    # tiles 0-1: bytes 0..6143 of the 3 KiB tensors (pages 0, 1), 0..2047 of the 1 KiB one (page 0)
+    assert pages.cost([0, 1]) == 2 * 2 * 4096 + 4096
+    pages.add([0, 1])
+    assert pages.bytes == 5 * 4096
+    assert pages.cost([2]) == 2 * 4096  # bytes 6144..9215: page 1 is there, page 2 is new; page 0 of the 1 KiB one too
+    pages.add([2])
+    pages.remove([0, 1])
+    assert pages.bytes == 2 * 2 * 4096 + 4096  # tile 2 keeps pages 1 and 2 of the 3 KiB tensors, page 0 of the other
+    pages.remove([2])
+    assert pages.bytes == 0 and pages.cost([0]) == 2 * 4096 + 4096

@@ -143,11 +143,13 @@ def _prompts() -> list[list[int]]:
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], resident: list[int] | None = None,
-         max_tokens: int = 40, prefix: str = "") -> list[list[int]]:
+         max_tokens: int = 40, prefix: str = "", after_step: Any = None) -> list[list[int]]:
     """The greedy tokens of `prompts`; `resident`: the committed bytes after every step."""
     def record() -> None:
         if resident is not None:
             resident.append(engine.runner.virtual.resident_bytes())
+        if after_step is not None:
+            after_step()
     return _finish(engine, _submit(engine, prompts, max_tokens, prefix), record)
 
 
@@ -163,9 +165,7 @@ def test_shared_pages_give_the_paged_layouts_tokens_with_preemption(monkeypatch:
     assert _run(engine, prompts, resident) == paged
     assert engine.scheduler.num_preemptions > 0
     assert max(resident) > 0 and resident[-1] == 0 and backing.unmaps  # idle: every page given back
-    tile_bytes = engine.runner.virtual.bytes_per_tile
-    # never more than the committed tiles plus the partial pages at both ends of each running row's run
-    assert max(resident) <= 96 * tile_bytes + engine.runner.virtual.page_slack_bytes(16)
+    assert max(resident) <= 96 * engine.runner.virtual.bytes_per_tile  # the pages are what is budgeted
 
 
 def _warm_row_then_pressure(engine: LLMEngine) -> dict[str, list[int]]:
@@ -275,14 +275,30 @@ def test_prefix_sharing_over_shared_pages(monkeypatch: pytest.MonkeyPatch) -> No
     assert engine.virtual_kv.hit_rate > 0
 
 
-def test_partial_pages_are_budgeted(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sized from kv_cache_memory_gib, the budget leaves room for the partial pages; when they
-    alone outgrow it, a clear error."""
-    engine = _engine("virtual", monkeypatch, page=1 << 20, kv_cache_memory_gib=1.0)
-    virtual = engine.runner.virtual
-    assert engine.virtual_kv.budget == (2**30 - virtual.page_slack_bytes(16)) // virtual.bytes_per_tile
-    with pytest.raises(UserError, match="partial pages beyond their tokens.*raise kv_cache_memory_gib"):
-        _engine("virtual", monkeypatch, page=1 << 20, kv_cache_memory_gib=0.05)
+def _short_prompts() -> list[list[int]]:
+    return [[(5 * i + 3 * j) % 400 + 100 for j in range(20 + i)] for i in range(16)]
+
+
+def test_the_budget_counts_the_pages_tiles_occupy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """32 KiB pages of 16 tiles: each running request holds a page in each of the 4 tensors
+    (128 KiB) for a tile or two of tokens. Counting tiles, 16 short requests would commit ~2.7x a
+    96-tile budget (768 KiB); the manager counts the pages (as the device maps them), so memory
+    never exceeds the budget, requests wait or are preempted, and the tokens are the paged layout's."""
+    prompts = _short_prompts()
+    paged = _run(_engine("paged", num_kv_blocks=96, block_size=16), prompts)
+    engine = _engine("virtual", monkeypatch, page=32768, num_kv_blocks=96, block_size=16)
+    virtual, manager = engine.runner.virtual, engine.virtual_kv
+    budget = 96 * virtual.bytes_per_tile
+    seen: list[tuple[int, int]] = []
+    assert _run(engine, prompts, after_step=lambda: seen.append((virtual.resident_bytes(), manager.pages.bytes))) \
+        == paged
+    assert all(resident == counted <= budget for resident, counted in seen), seen
+    assert max(resident for resident, _ in seen) > budget // 2  # the budget was what limited it
+
+
+def test_a_budget_smaller_than_one_request_s_pages_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(UserError, match="one request takes .* more than the KV budget; raise kv_cache_memory_gib"):
+        _engine("virtual", monkeypatch, page=1 << 20, kv_cache_memory_gib=0.002)
 
 
 def _has_cuda_driver() -> bool:
