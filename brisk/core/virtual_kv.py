@@ -78,6 +78,10 @@ class PageModel:
             total += len(fresh) * n * self.page
         return total
 
+    def alone(self, num_tiles: int) -> int:
+        """Bytes a row's first `num_tiles` tiles take with nothing else committed (rows start on a page)."""
+        return sum(n * -(-num_tiles * size // self.page) * self.page for size, n in self.tensors.items())
+
     def add(self, tiles: Iterable[int]) -> None:
         for size, n in self.tensors.items():
             count = self._count[size]
@@ -152,15 +156,20 @@ class VirtualKVManager:
         return -(-self.pages.cost(tiles) // self.pages.bytes_per_tile)
 
     def fits_alone(self, num_tokens: int, chunk: int) -> bool:
-        return cdiv(num_tokens, self.block_size) <= min(self.budget, self.row_tiles)
+        need = cdiv(num_tokens, self.block_size)
+        if self.pages is not None:  # the pages its tiles occupy
+            return need <= self.row_tiles and -(-self.pages.alone(need) // self.pages.bytes_per_tile) <= self.budget
+        return need <= min(self.budget, self.row_tiles)
 
     def capacity_error(self, num_tokens: int, chunk: int) -> str:
         need = cdiv(num_tokens, self.block_size)
         if need > self.row_tiles:
             return (f"prompt has {num_tokens} tokens but a row of the virtual KV layout holds "
                     f"{self.row_tiles * self.block_size}; shorten the prompt or raise max_model_len")
-        return (f"prompt has {num_tokens} tokens and needs {need} KV tiles of {self.block_size} tokens, but the "
-                f"KV memory budget holds only {self.budget}; shorten the prompt or give the cache more memory")
+        pages = "" if self.pages is None else \
+            f" ({-(-self.pages.alone(need) // self.pages.bytes_per_tile)} with the pages they occupy)"
+        return (f"prompt has {num_tokens} tokens and needs {need} KV tiles of {self.block_size} tokens{pages}, but "
+                f"the KV memory budget holds only {self.budget}; shorten the prompt or give the cache more memory")
 
     # ----------------------------------------------------------------------------- prefix cache
 

@@ -231,3 +231,14 @@ def test_the_page_model_counts_the_pages_tiles_occupy() -> None:
     assert pages.bytes == 2 * 2 * 4096 + 4096  # tile 2 keeps pages 1 and 2 of the 3 KiB tensors, page 0 of the other
     pages.remove([2])
     assert pages.bytes == 0 and pages.cost([0]) == 2 * 4096 + 4096
+
+
+def test_a_prompt_fits_alone_only_with_the_pages_its_tiles_occupy() -> None:
+    from brisk.core.virtual_kv import PageModel, VirtualKVManager
+
+    # 1 KiB tiles in 2 tensors (2 KiB a tile's worth), 8 KiB pages: a row's first tile takes 16 KiB = 8 tiles' worth
+    manager = VirtualKVManager(4, 64, 16, 10, pages=PageModel(8192, {1024: 2}))
+    assert manager.fits_alone(16 * 8, 512)  # 8 tiles: one page in each tensor, 8 tiles' worth
+    assert not manager.fits_alone(16 * 9, 512)  # 9 tiles: a second page each, 16 tiles' worth > 10
+    assert "(16 with the pages they occupy)" in manager.capacity_error(16 * 9, 512)
+    assert VirtualKVManager(4, 64, 16, 10).fits_alone(16 * 9, 512)  # counting tiles, it would fit
