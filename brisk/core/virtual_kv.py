@@ -149,16 +149,25 @@ class VirtualKVManager:
             return self.num_committed
         return -(-self.pages.bytes // self.pages.bytes_per_tile)
 
-    def _cost(self, tiles: list[int]) -> int:
-        """What committing `tiles` (none committed yet) adds, in tiles' worth."""
+    def _fits(self, tiles: list[int]) -> bool:
+        """Whether committing `tiles` (none committed yet) keeps memory within the budget (in
+        bytes where pages are counted: rounding the committed and the new part each up to tiles'
+        worth could refuse a lone request what fits_alone promised)."""
         if self.pages is None:
-            return len(tiles)
-        return -(-self.pages.cost(tiles) // self.pages.bytes_per_tile)
+            return self.num_committed + len(tiles) <= self.budget
+        return self.pages.bytes + self.pages.cost(tiles) <= self.budget * self.pages.bytes_per_tile
+
+    def _short(self, tiles: list[int]) -> int:
+        """Tiles' worth missing for `tiles` to fit (<= 0: they fit)."""
+        if self.pages is None:
+            return self.num_committed + len(tiles) - self.budget
+        over = self.pages.bytes + self.pages.cost(tiles) - self.budget * self.pages.bytes_per_tile
+        return -(-over // self.pages.bytes_per_tile)
 
     def fits_alone(self, num_tokens: int, chunk: int) -> bool:
         need = cdiv(num_tokens, self.block_size)
         if self.pages is not None:  # the pages its tiles occupy
-            return need <= self.row_tiles and -(-self.pages.alone(need) // self.pages.bytes_per_tile) <= self.budget
+            return need <= self.row_tiles and self.pages.alone(need) <= self.budget * self.pages.bytes_per_tile
         return need <= min(self.budget, self.row_tiles)
 
     def capacity_error(self, num_tokens: int, chunk: int) -> str:
@@ -245,6 +254,11 @@ class VirtualKVManager:
         if not self._take(own, keep_row=row):
             for tile in hit:
                 self._refs[tile] -= 1
+                if self.pages is not None:
+                    # a hit spread over other rows holds their pages, which its own tiles' pages may
+                    # not fit beside even alone: withdrawn, the request computes the prefix itself
+                    # next time and those pages can be given back (fits_alone counts no hit)
+                    self._forget(tile)
             self._free_rows.append(row)
             return False
         for i in range(k, self.row_tiles):  # tiles this request will write: stale cache entries go
@@ -288,7 +302,7 @@ class VirtualKVManager:
         row = self._row_of[rid]
         nxt = row * self.row_tiles + need
         if (self.commit_ahead and 0 < need < self.row_tiles and not self._populated[nxt]
-                and self._populated[nxt - 1] and self._used() + self._cost([nxt]) <= self.budget):
+                and self._populated[nxt - 1] and self._fits([nxt])):
             self._forget(nxt)
             self._populate([nxt], ahead=True)
 
@@ -331,7 +345,7 @@ class VirtualKVManager:
         """Give back pages no table names until `tiles` (uncommitted) fit: uncached ones first,
         the coldest free rows first, then running rows' (tiles ahead, stale ones); then cached
         ones (the least recently freed rows' first). `keep_row`'s pages go last."""
-        if self._used() + self._cost(tiles) <= self.budget:
+        if self._fits(tiles):
             return True
         running = [r for r in self._row_of.values() if r != keep_row]
         order = [r for r in self._free_rows if r != keep_row] + running
@@ -340,14 +354,14 @@ class VirtualKVManager:
             for row in order:
                 gone = self._unnamed(row, cached)
                 while gone:  # the row's last tiles first: a cached chain keeps its head
-                    short = self._used() + self._cost(tiles) - self.budget
+                    short = self._short(tiles)
                     if short <= 0:
                         break
                     # tiles' worth short: that many tiles, or (pages shared by tiles) what a page holds
                     step = short if self.pages is None else max(short, self.tiles_per_page)
                     self._release(gone[max(0, len(gone) - step):])
                     gone = gone[:max(0, len(gone) - step)]
-                if self._used() + self._cost(tiles) <= self.budget:
+                if self._fits(tiles):
                     return True
         return False
 
@@ -454,6 +468,10 @@ class VirtualKVManager:
         assert len(set(rows)) == len(rows), "two requests share a row"
         assert sorted(rows + self._free_rows) == list(range(self.num_rows)), "a row is lost or listed twice"
         assert sum(self._populated) == self.num_committed and self._used() <= self.budget
+        if self.pages is not None:  # the running count is what the committed tiles occupy
+            again = PageModel(self.pages.page, self.pages.tensors)
+            again.add([t for t, on in enumerate(self._populated) if on])
+            assert again.bytes == self.pages.bytes, "the page count drifted from the committed tiles"
         refs = [0] * len(self._refs)
         for rid, table in self._table.items():
             row, k = self._row_of[rid], self._own_start[rid]

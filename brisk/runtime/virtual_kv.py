@@ -396,8 +396,12 @@ class VirtualKV:
         if not ops:
             return
         started = time.perf_counter()
-        later = [op for op in ops if op.ahead and self.ahead_thread]
-        self._run_all([op for op in ops if not (op.ahead and self.ahead_thread)])
+        # a tile committed ahead and given back within the same ops (room made for another
+        # request) is committed now, in order, before its release: the worker would run it after
+        released = {(op.row, op.first + i) for op in ops if op.kind == "release" for i in range(op.count)}
+        later = [op for op in ops if op.ahead and self.ahead_thread
+                 and released.isdisjoint((op.row, op.first + i) for i in range(op.count))]
+        self._run_all([op for op in ops if not any(op is x for x in later)])
         self.alloc_seconds += time.perf_counter() - started
         if later:
             if self._ahead is None:

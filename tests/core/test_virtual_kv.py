@@ -242,3 +242,47 @@ def test_a_prompt_fits_alone_only_with_the_pages_its_tiles_occupy() -> None:
     assert not manager.fits_alone(16 * 9, 512)  # 9 tiles: a second page each, 16 tiles' worth > 10
     assert "(16 with the pages they occupy)" in manager.capacity_error(16 * 9, 512)
     assert VirtualKVManager(4, 64, 16, 10).fits_alone(16 * 9, 512)  # counting tiles, it would fit
+
+
+def test_a_lone_request_grows_to_what_fits_alone_promised() -> None:
+    """Pages of 1.25 tiles: the budget in bytes, not the committed and new parts each rounded up."""
+    from brisk.core.virtual_kv import PageModel
+
+    kv = VirtualKVManager(2, 8, T, 3, commit_ahead=False, pages=PageModel(5120, {4096: 1}))
+    assert kv.fits_alone(2 * T, 64)
+    a = _req("a", T)
+    assert kv.allocate_slots(a, T) == [[0]]
+    a.num_computed_tokens = T
+    assert kv.allocate_slots(a, 1) == [[0, 1]]  # 8 KiB over 2 pages of 5 KiB: 10 KiB <= 12 KiB
+    kv.check_invariants(["a"])
+
+
+def test_a_prefix_hit_whose_pages_cannot_fit_is_withdrawn_so_the_request_runs() -> None:
+    """Pages of 8 tiles, a budget of 16 tiles' worth (two pages), three rows: a hit spread over
+    rows 0 and 1 holds both pages, and the request's own tiles need a third. Admission fails and
+    withdraws the hit from the cache; next time the request computes the prefix itself and fits."""
+    from brisk.core.virtual_kv import PageModel
+
+    kv = VirtualKVManager(3, 16, T, 16, enable_prefix_caching=True, commit_ahead=False,
+                          pages=PageModel(8 * 1024, {1024: 1}))
+    x = Request("x", list(range(100, 100 + 8 * T)), SamplingParams(max_tokens=8), eos_token_ids=frozenset({0}))
+    assert kv.allocate_slots(x, 8 * T) == [list(range(8))]
+    x.num_computed_tokens = 8 * T  # x still runs: z writes its own tiles in another row
+    z = Request("z", list(range(100, 100 + 2 * T)) + list(range(300, 300 + 6 * T)), SamplingParams(max_tokens=8),
+                eos_token_ids=frozenset({0}))
+    hit, n = kv.get_computed_blocks(z)
+    assert n == 2 * T
+    table = kv.allocate_slots(z, 6 * T, hit)  # as the scheduler calls it: computed tokens set after
+    assert table is not None and table[0][:3] == [0, 1, 16 + 2]
+    kv.free(x)
+    kv.free(z)
+    y = Request("y", list(range(100, 100 + 2 * T)) + list(range(300, 300 + 4 * T)) + list(range(500, 500 + 9 * T)),
+                SamplingParams(max_tokens=8), eos_token_ids=frozenset({0}))
+    hit, n = kv.get_computed_blocks(y)
+    assert n == 6 * T and len({t // 16 for t in hit[0]}) == 2  # the hit spans two rows
+    assert kv.fits_alone(y.num_tokens, 64)
+    assert kv.allocate_slots(y, y.num_tokens - n, hit) is None  # nothing runs, and still it cannot go
+    hit, n = kv.get_computed_blocks(y)
+    assert n == 0  # withdrawn
+    assert kv.allocate_slots(y, y.num_tokens) is not None  # alone in a row: two pages
+    kv.check_invariants(["y"])
