@@ -321,3 +321,21 @@ def test_cuda_virtual_rows_match_paged_and_give_pages_back() -> None:
     resident: list[int] = []
     assert _run(engine, prompts, resident) == paged
     assert max(resident) > 0 and resident[-1] == 0
+
+
+def test_a_tile_committed_ahead_and_released_in_the_same_ops_is_committed_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where commits ahead run on a worker thread, one whose tile the same ops give back (room
+    made for another request) runs now, in order: on the worker it would come after the release."""
+    from brisk.core.kv_manager import MemoryOp
+
+    engine = _engine("virtual", monkeypatch, page=2048, num_kv_blocks=96, block_size=16)  # a page a tile
+    virtual = engine.runner.virtual
+    assert virtual.tile_bytes[0] == 2048
+    virtual.ahead_thread = True
+    virtual.apply([MemoryOp("populate", 0, 0, 2), MemoryOp("populate", 0, 2, 1, ahead=True),
+                   MemoryOp("populate", 1, 0, 1, ahead=True), MemoryOp("release", 0, 2, 1)])
+    virtual.wait()  # the other commit ahead, on the worker
+    assert virtual.take_unbacked() == ([], None)
+    virtual.apply([MemoryOp("release", 0, 0, 2), MemoryOp("release", 1, 0, 1)])
+    assert virtual.resident_bytes() == 0  # every count back to zero: nothing released before its commit
