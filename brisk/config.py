@@ -221,6 +221,7 @@ class ModelConfig:
 
 
 KV_LAYOUTS = ("paged", "virtual")
+STREAM_PASS_QUANTIZATIONS = ("int8", "int4")  # Speculative Streaming's pass copies (speculative/streaming.py)
 
 
 @dataclass(frozen=True)
@@ -599,7 +600,7 @@ class SpecConfig:
             raise UserError(f'"model" and "quantization" configure the draft model; method {self.method!r} has none'
                             + (' (streaming takes "quantization": "int8" or "int4" alone, for its stream pass)'
                                if self.method == "streaming" else ""))
-        if self.method == "streaming" and self.quantization not in (None, "int8", "int4"):
+        if self.method == "streaming" and self.quantization not in (None, *STREAM_PASS_QUANTIZATIONS):
             raise UserError(f'streaming\'s "quantization" is the stream pass\'s weights: "int8" or "int4" (lossless: '
                             f'the target verifies every draft), got {self.quantization!r}')
         if self.method in ("medusa", "streaming") and not self.heads:

@@ -51,6 +51,18 @@ from brisk.errors import UserError
 from brisk.request import Request
 
 
+def run_pages(first: int, count: int, tile_bytes: int, page: int) -> list[tuple[int, int]]:
+    """(page, how many of tiles [first, first + count) touch it) for every page those tiles of a
+    tensor touch (tile t's bytes start at t x tile_bytes): what the runtime maps for them
+    (DevicePages) and what `PageModel` counts."""
+    start, end = first * tile_bytes, (first + count) * tile_bytes
+    out = []
+    for p in range(start // page, (end - 1) // page + 1):
+        lo, hi = max(start, p * page), min(end, (p + 1) * page)
+        out.append((p, (hi - 1) // tile_bytes - lo // tile_bytes + 1))
+    return out
+
+
 class PageModel:
     """The pages committed tiles occupy where a page holds many tiles (CUDA's 2 MiB pages; the
     runtime's DevicePages maps the same ones): per tile size, the committed tiles touching each
@@ -66,15 +78,12 @@ class PageModel:
         self._count: dict[int, dict[int, int]] = {size: {} for size in tensors}  # size -> page -> tiles
         self.bytes = 0  # committed: pages x page bytes over every tensor
 
-    def _pages(self, size: int, tile: int) -> range:
-        return range(tile * size // self.page, ((tile + 1) * size - 1) // self.page + 1)
-
     def cost(self, tiles: Iterable[int]) -> int:
         """Bytes committing `tiles` (none of them committed yet) would add."""
         total = 0
         for size, n in self.tensors.items():
             count = self._count[size]
-            fresh = {p for t in tiles for p in self._pages(size, t) if not count.get(p)}
+            fresh = {p for t in tiles for p, _ in run_pages(t, 1, size, self.page) if not count.get(p)}
             total += len(fresh) * n * self.page
         return total
 
@@ -86,7 +95,7 @@ class PageModel:
         for size, n in self.tensors.items():
             count = self._count[size]
             for t in tiles:
-                for p in self._pages(size, t):
+                for p, _ in run_pages(t, 1, size, self.page):
                     if not count.get(p):
                         self.bytes += n * self.page
                     count[p] = count.get(p, 0) + 1
@@ -95,7 +104,7 @@ class PageModel:
         for size, n in self.tensors.items():
             count = self._count[size]
             for t in tiles:
-                for p in self._pages(size, t):
+                for p, _ in run_pages(t, 1, size, self.page):
                     count[p] -= 1
                     if not count[p]:
                         del count[p]
@@ -150,15 +159,13 @@ class VirtualKVManager:
         return -(-self.pages.bytes // self.pages.bytes_per_tile)
 
     def _fits(self, tiles: list[int]) -> bool:
-        """Whether committing `tiles` (none committed yet) keeps memory within the budget (in
-        bytes where pages are counted: rounding the committed and the new part each up to tiles'
-        worth could refuse a lone request what fits_alone promised)."""
-        if self.pages is None:
-            return self.num_committed + len(tiles) <= self.budget
-        return self.pages.bytes + self.pages.cost(tiles) <= self.budget * self.pages.bytes_per_tile
+        """Whether committing `tiles` (none committed yet) keeps memory within the budget."""
+        return self._short(tiles) <= 0
 
     def _short(self, tiles: list[int]) -> int:
-        """Tiles' worth missing for `tiles` to fit (<= 0: they fit)."""
+        """Tiles' worth missing for `tiles` to fit (<= 0: they fit); in bytes where pages are
+        counted, rounded once (rounding the committed and the new part each up to tiles' worth
+        could refuse a lone request what fits_alone promised)."""
         if self.pages is None:
             return self.num_committed + len(tiles) - self.budget
         over = self.pages.bytes + self.pages.cost(tiles) - self.budget * self.pages.bytes_per_tile

@@ -40,7 +40,7 @@ import torch
 
 from brisk import kernels
 from brisk.core.kv_manager import MemoryOp
-from brisk.core.virtual_kv import PageModel
+from brisk.core.virtual_kv import PageModel, run_pages
 from brisk.errors import UserError
 from brisk.model.attention import KVCache
 from brisk.model.base import CausalLM
@@ -191,13 +191,9 @@ class DevicePages:
         self._reservations.clear()
 
     def _pages(self, tile_bytes: int, first: int, count: int) -> list[tuple[int, int]]:
-        """(page, how many of tiles [first, first + count) touch it) for every page they touch."""
-        start, end = first * tile_bytes, (first + count) * tile_bytes
-        out = []
-        for page in range(start // self.page, (end - 1) // self.page + 1):
-            lo, hi = max(start, page * self.page), min(end, (page + 1) * self.page)
-            out.append((page, (hi - 1) // tile_bytes - lo // tile_bytes + 1))
-        return out
+        """(page, how many of tiles [first, first + count) touch it): `run_pages`, the pages the
+        manager's PageModel counts."""
+        return run_pages(first, count, tile_bytes, self.page)
 
     # ---- the device's calls
     def _enter(self) -> None:
@@ -399,9 +395,13 @@ class VirtualKV:
         # a tile committed ahead and given back within the same ops (room made for another
         # request) is committed now, in order, before its release: the worker would run it after
         released = {(op.row, op.first + i) for op in ops if op.kind == "release" for i in range(op.count)}
-        later = [op for op in ops if op.ahead and self.ahead_thread
-                 and released.isdisjoint((op.row, op.first + i) for i in range(op.count))]
-        self._run_all([op for op in ops if not any(op is x for x in later)])
+        now: list[MemoryOp] = []
+        later: list[MemoryOp] = []
+        for op in ops:
+            deferred = op.ahead and self.ahead_thread and released.isdisjoint(
+                (op.row, op.first + i) for i in range(op.count))
+            (later if deferred else now).append(op)
+        self._run_all(now)
         self.alloc_seconds += time.perf_counter() - started
         if later:
             if self._ahead is None:

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from brisk.config import ModelConfig
+from brisk.config import STREAM_PASS_QUANTIZATIONS, ModelConfig
 from brisk.core.outputs import ScheduledRequest
 from brisk.errors import UserError
 from brisk.model.base import CausalLM
@@ -299,9 +299,6 @@ def load_streams(path: str | Path, model: CausalLM) -> tuple[StreamAdapter, dict
 
 # ---- decoding ----------------------------------------------------------------------------------
 
-PASS_QUANTIZATIONS = ("int8", "int4")  # what the stream pass's weight copies may be (SpecConfig checks)
-
-
 class PassModel:
     """What the stream pass runs over when its weights are quantized (`quantization` "int8" or
     "int4"): the target with layers `first`.. replaced by copies whose Linears hold int8 weights
@@ -419,8 +416,8 @@ class StreamingProposer(Proposer):
         self.adapter = adapter
         self.runner = runner  # the target's runtime.paged_runner.PagedModelRunner: its cache, its steps
         passes: Any = model
-        if quantization is not None and quantization not in PASS_QUANTIZATIONS:
-            raise UserError(f'the stream pass takes quantization {" or ".join(PASS_QUANTIZATIONS)} or none, '
+        if quantization is not None and quantization not in STREAM_PASS_QUANTIZATIONS:
+            raise UserError(f'the stream pass takes quantization {" or ".join(STREAM_PASS_QUANTIZATIONS)} or none, '
                             f'got {quantization!r}')
         if quantization is not None and model.device.type != "cpu":
             raise UserError(f'the {quantization} stream pass runs on the CPU\'s integer kernels; on '
