@@ -36,8 +36,9 @@ spare core the tiles a step writes are committed just in time, on the step's thr
 forward (the forward still takes no fault), and nothing past them is held. Deferred reclamation:
 a finished request's row keeps its pages and goes to the top of the free rows, so the next
 request reuses them without faulting; pages no table names are given back when the budget runs
-short (uncached ones first), and uncached ones when the engine goes idle (`reclaim`; cached tiles
-are the prefix cache and stay).
+short (uncached ones first; where a page holds many tiles, whole pages only, so no cached tile
+goes for a page that stays mapped), and uncached ones when the engine goes idle (`reclaim`; cached
+tiles are the prefix cache and stay).
 """
 
 from __future__ import annotations
@@ -100,6 +101,23 @@ class PageModel:
                         self.bytes += n * self.page
                     count[p] = count.get(p, 0) + 1
 
+    def freed(self, tiles: Iterable[int]) -> int:
+        """Bytes giving back `tiles` (all committed) would return: the pages no other tile holds."""
+        tiles = list(tiles)
+        total = 0
+        for size, n in self.tensors.items():
+            count, on = self._count[size], {}
+            for t in tiles:
+                for p, _ in run_pages(t, 1, size, self.page):
+                    on[p] = on.get(p, 0) + 1
+            total += sum(n * self.page for p, k in on.items() if count.get(p) == k)
+        return total
+
+    def cuts(self, row_tiles: int) -> list[int]:
+        """Tile indices of a row where a new page starts in every tensor (rows start on pages):
+        the tiles between two cuts share pages, so they are given back together or not at all."""
+        return [i for i in range(row_tiles) if all(i * size % self.page == 0 for size in self.tensors)]
+
     def remove(self, tiles: Iterable[int]) -> None:
         for size, n in self.tensors.items():
             count = self._count[size]
@@ -146,7 +164,9 @@ class VirtualKVManager:
         self._ops: list[MemoryOp] = []
         self.num_committed = 0  # populated tiles over all rows
         self.pages = pages
-        self.tiles_per_page = 1 if pages is None else max(1, pages.page // min(pages.tensors))
+        # tiles of a row given back together: each alone, or those sharing pages
+        cuts = list(range(row_tiles)) if pages is None else pages.cuts(row_tiles)
+        self._groups = [range(a, b) for a, b in zip(cuts, cuts[1:] + [row_tiles])]
         self.prefix_cache_queries = 0  # tokens looked up, once per admission
         self.prefix_cache_hits = 0
 
@@ -160,16 +180,19 @@ class VirtualKVManager:
 
     def _fits(self, tiles: list[int]) -> bool:
         """Whether committing `tiles` (none committed yet) keeps memory within the budget."""
-        return self._short(tiles) <= 0
+        return self._excess(tiles) <= 0
 
-    def _short(self, tiles: list[int]) -> int:
-        """Tiles' worth missing for `tiles` to fit (<= 0: they fit); in bytes where pages are
-        counted, rounded once (rounding the committed and the new part each up to tiles' worth
+    def _excess(self, tiles: list[int]) -> int:
+        """What committing `tiles` would take beyond the budget (<= 0: they fit): tiles, or bytes
+        where pages are counted (rounding the committed and the new part each up to tiles' worth
         could refuse a lone request what fits_alone promised)."""
         if self.pages is None:
             return self.num_committed + len(tiles) - self.budget
-        over = self.pages.bytes + self.pages.cost(tiles) - self.budget * self.pages.bytes_per_tile
-        return -(-over // self.pages.bytes_per_tile)
+        return self.pages.bytes + self.pages.cost(tiles) - self.budget * self.pages.bytes_per_tile
+
+    def _freed(self, tiles: list[int]) -> int:
+        """What giving back `tiles` returns, in `_excess`'s unit."""
+        return len(tiles) if self.pages is None else self.pages.freed(tiles)
 
     def fits_alone(self, num_tokens: int, chunk: int) -> bool:
         need = cdiv(num_tokens, self.block_size)
@@ -351,26 +374,44 @@ class VirtualKVManager:
     def _make_room(self, tiles: list[int], keep_row: int | None) -> bool:
         """Give back pages no table names until `tiles` (uncommitted) fit: uncached ones first,
         the coldest free rows first, then running rows' (tiles ahead, stale ones); then cached
-        ones (the least recently freed rows' first). `keep_row`'s pages go last."""
-        if self._fits(tiles):
+        ones (the least recently freed rows' first). `keep_row`'s pages go last. Where pages
+        hold many tiles, only whole pages go: a tile sharing a page with a named one (or, in the
+        first pass, a cached one) stays, since giving it back would free nothing."""
+        excess = self._excess(tiles)
+        if excess <= 0:
             return True
         running = [r for r in self._row_of.values() if r != keep_row]
         order = [r for r in self._free_rows if r != keep_row] + running
         order += [keep_row] if keep_row is not None else []
+        coming = set(tiles)
         for cached in (False, True):
             for row in order:
-                gone = self._unnamed(row, cached)
-                while gone:  # the row's last tiles first: a cached chain keeps its head
-                    short = self._short(tiles)
-                    if short <= 0:
+                gone: list[int] = []
+                # the row's last tiles first: a cached chain keeps its head
+                for group in reversed(self._spare(row, cached, coming)):
+                    excess -= self._freed(group)
+                    gone += group
+                    if excess <= 0:
                         break
-                    # tiles' worth short: that many tiles, or (pages shared by tiles) what a page holds
-                    step = short if self.pages is None else max(short, self.tiles_per_page)
-                    self._release(gone[max(0, len(gone) - step):])
-                    gone = gone[:max(0, len(gone) - step)]
-                if self._fits(tiles):
+                if gone:
+                    self._release(gone)
+                    excess = self._excess(tiles)
+                if excess <= 0:
                     return True
         return False
+
+    def _spare(self, row: int, cached: bool, coming: set[int]) -> list[list[int]]:
+        """The row's committed tiles in groups sharing pages, each group one that nothing named
+        holds (nor, unless `cached`, the prefix cache) and that shares no page with the `coming`
+        tiles (which would map it again), in row order."""
+        base, out = row * self.row_tiles, []
+        for group in self._groups:
+            if any(base + i in coming for i in group):
+                continue
+            tiles = [base + i for i in group if self._populated[base + i]]
+            if tiles and not any(self._refs[t] or (not cached and t in self._key_of) for t in tiles):
+                out.append(tiles)
+        return out
 
     def _publish(self, request: Request, num_tokens_after: int) -> None:
         """Cache the request's own tiles that are full once this step's tokens are computed."""

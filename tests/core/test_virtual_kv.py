@@ -227,6 +227,11 @@ def test_the_page_model_counts_the_pages_tiles_occupy() -> None:
     assert pages.bytes == 5 * 4096
     assert pages.cost([2]) == 2 * 4096  # bytes 6144..9215: page 1 is there, page 2 is new; page 0 of the 1 KiB one too
     pages.add([2])
+    # giving back tile 0 frees nothing (page 0 of each tensor holds tile 1 too); tiles 0-1 free
+    # page 0 of the 3 KiB tensors only (tile 2 holds page 1 and page 0 of the 1 KiB one)
+    assert pages.freed([0]) == 0 and pages.freed([0, 1]) == 2 * 4096
+    assert pages.freed([0, 1, 2]) == pages.bytes
+    assert pages.cuts(12) == [0, 4, 8]  # where both tensors start a page: tiles 0-3 share pages
     pages.remove([0, 1])
     assert pages.bytes == 2 * 2 * 4096 + 4096  # tile 2 keeps pages 1 and 2 of the 3 KiB tensors, page 0 of the other
     pages.remove([2])
@@ -286,3 +291,24 @@ def test_a_prefix_hit_whose_pages_cannot_fit_is_withdrawn_so_the_request_runs() 
     assert n == 0  # withdrawn
     assert kv.allocate_slots(y, y.num_tokens) is not None  # alone in a row: two pages
     kv.check_invariants(["y"])
+
+
+def test_room_is_made_a_whole_page_at_a_time_and_keeps_the_rest_of_the_cache() -> None:
+    """Pages of 4 tiles, a budget of 3 pages: a finished request's row holds pages 0-2 (tiles 0-8
+    cached, tile 9 not). Another request needs a page: page 2 goes whole (cached tile 8 with
+    uncached tile 9: tile 9 alone would free nothing), and tiles 0-7 stay cached (giving back a
+    page's worth of tiles from the row's end, 5-8, would have dropped three for nothing)."""
+    from brisk.core.virtual_kv import PageModel
+
+    kv = VirtualKVManager(2, 16, T, 12, enable_prefix_caching=True, commit_ahead=False,
+                          pages=PageModel(4096, {1024: 1}))
+    a = _req("a", 9 * T + 1)
+    assert kv.allocate_slots(a, a.num_tokens) == [list(range(10))]
+    kv.free(a)
+    assert kv.num_cached_tiles == 9 and kv.pages is not None and kv.pages.bytes == 3 * 4096
+    b = Request("b", [1] * (4 * T), SamplingParams(max_tokens=8), eos_token_ids=frozenset({0}))
+    assert kv.allocate_slots(b, 4 * T) == [[16, 17, 18, 19]]
+    assert kv.take_memory_ops()[1:] == [MemoryOp("release", 0, 8, 2), MemoryOp("populate", 1, 0, 4)]
+    assert kv.num_cached_tiles == 8 + 4 and kv.pages.bytes == 3 * 4096
+    assert kv.get_computed_blocks(_req("replay", 9 * T + 1)) == ([list(range(8))], 8 * T)
+    kv.check_invariants(["b"])

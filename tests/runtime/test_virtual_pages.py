@@ -191,26 +191,55 @@ def _warm_row_then_pressure(engine: LLMEngine) -> dict[str, list[int]]:
     return done
 
 
-def test_a_shorter_request_in_a_warm_row_keeps_the_page_it_shares_with_stale_tiles(
+def test_a_shorter_request_in_a_warm_row_keeps_the_stale_tiles_on_its_pages(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The warm row's stale tiles beyond the short request's table are given back under pressure;
-    they share a page with its live first tiles, which must stay mapped (counting per call or per
-    page instead of per tile would unmap it, and the short request would read NaN)."""
+    """Under pressure the warm row's stale tiles beyond the short request's table are given back a
+    page at a time: those sharing a page with its live tiles stay (giving them back frees nothing),
+    the rest go, and the short request's tokens are the paged layout's."""
     paged = _warm_row_then_pressure(_engine("paged", num_kv_blocks=100, block_size=16, enable_prefix_caching=False))
     engine = _engine("virtual", monkeypatch, page=32768, num_kv_blocks=100, block_size=16,
                      enable_prefix_caching=False)
     manager, tile_bytes = engine.virtual_kv, engine.runner.virtual.tile_bytes[0]
-    released_beside: list[int] = []  # tiles given back on the page of the short request's first tile
+    beside: list[int] = []  # tiles given back on a page of the short request's tiles
+    elsewhere: list[int] = []  # the short request's row's tiles given back on other pages
     release = manager._release
 
     def watched(tiles: list[int]) -> None:
         table = manager.get_block_ids("short")[0]
         if table:
-            released_beside.extend(t for t in tiles if t * tile_bytes // 32768 == table[0] * tile_bytes // 32768)
+            live = {t * tile_bytes // 32768 for t in table}
+            row = manager.row_of("short")
+            for t in tiles:
+                if t * tile_bytes // 32768 in live:
+                    beside.append(t)
+                elif t // manager.row_tiles == row:
+                    elsewhere.append(t)
         release(tiles)
     manager._release = watched  # type: ignore[method-assign]
     assert _warm_row_then_pressure(engine) == paged
-    assert released_beside  # the situation the test is for happened
+    assert elsewhere and not beside  # the pressure reached the warm row; its live pages kept every tile
+
+
+def test_cached_tiles_keep_the_page_they_share_with_tiles_given_back_at_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At idle the uncached tiles (a partial last tile, the decoded ones) are given back, while the
+    prefix cache keeps the full tiles on the same page: the page stays mapped (a page unmapped on
+    any release instead of its last would be scribbled on), and a request hitting the cached tiles
+    gets the paged layout's tokens."""
+    prompt = [(7 * j) % 400 + 100 for j in range(100)]  # 6 full tiles of 16, a partial 7th
+    again = prompt[:96] + [(3 * j) % 400 + 100 for j in range(20)]
+
+    def run(engine: LLMEngine) -> list[list[int]]:
+        return [_run(engine, [p], max_tokens=12)[0] for p in (prompt, again)]
+    paged = run(_engine("paged", num_kv_blocks=64, block_size=16))
+    engine = _engine("virtual", monkeypatch, page=32768, num_kv_blocks=64, block_size=16)
+    backing, manager = engine.runner.virtual.backing, engine.virtual_kv
+    assert isinstance(backing, FakePages)
+    first = _run(engine, [prompt], max_tokens=12)[0]
+    assert manager.num_cached_tiles == 6 and manager.num_committed == 6  # the uncached ones went at idle
+    assert engine.runner.virtual.resident_bytes() > 0  # and the page the cached ones sit on stayed
+    hits = manager.prefix_cache_hits
+    assert [first, _run(engine, [again], max_tokens=12)[0]] == paged
+    assert manager.prefix_cache_hits - hits == 96
 
 
 def test_a_failed_commit_ends_the_requests_that_needed_it_and_the_rest_go_on(monkeypatch: pytest.MonkeyPatch) -> None:
