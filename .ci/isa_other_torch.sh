@@ -7,7 +7,8 @@
 #   .ci/isa_other_torch.sh TORCH_VERSION [COMMIT] [pytest args...]     e.g. 2.11.0 4e0903f
 #
 # THREADS (default 16) sets OMP_NUM_THREADS, PYTHON (default python3) the interpreter; the venv is
-# kept in /tmp/brisk-torch-VERSION-PYTHONVERSION.
+# kept in /tmp/brisk-torch-VERSION-PYTHONVERSION. GVISOR=1 runs the tests inside gVisor, as that GPU
+# host did (`apt-get install runsc`; `runsc do` shares this machine's files).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 version="${1:?usage: .ci/isa_other_torch.sh TORCH_VERSION [COMMIT] [pytest args...]}"; shift
@@ -28,5 +29,7 @@ git -C "$root" archive "$commit" | tar -x -C "$work"
 "$venv/bin/python" -c "import torch; import sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cpu capability', torch.backends.cpu.get_cpu_capability())"
 tests=("$@")
 [[ ${#tests[@]} -gt 0 ]] || tests=(tests/quant/test_blocks.py tests/kernels/test_capability.py tests/kernels/test_isa_paths.py)
-cd "$work" && OMP_NUM_THREADS="${THREADS:-16}" "$venv/bin/python" -X faulthandler -m pytest -v -p no:cacheprovider \
-  "${tests[@]}"
+sandbox=()
+[[ "${GVISOR:-0}" == 1 ]] && sandbox=(runsc --network=none do)
+cd "$work" && OMP_NUM_THREADS="${THREADS:-16}" "${sandbox[@]}" "$venv/bin/python" -X faulthandler -m pytest -v \
+  -p no:cacheprovider "${tests[@]}"
