@@ -375,8 +375,8 @@ class VirtualKVManager:
         """Give back pages no table names until `tiles` (uncommitted) fit: uncached ones first,
         the coldest free rows first, then running rows' (tiles ahead, stale ones); then cached
         ones (the least recently freed rows' first). `keep_row`'s pages go last. Where pages
-        hold many tiles, only whole pages go: a tile sharing a page with a named one (or, in the
-        first pass, a cached one) stays, since giving it back would free nothing."""
+        hold many tiles, tiles go only where that frees pages: a run of tiles whose pages all hold
+        a named one (or, in the first pass, a cached one) stays, since giving it back frees nothing."""
         excess = self._excess(tiles)
         if excess <= 0:
             return True
@@ -388,9 +388,12 @@ class VirtualKVManager:
             for row in order:
                 gone: list[int] = []
                 # the row's last tiles first: a cached chain keeps its head
-                for group in reversed(self._spare(row, cached, coming)):
-                    excess -= self._freed(group)
-                    gone += group
+                for run in reversed(self._spare(row, cached, coming)):
+                    freed = self._freed(run)
+                    if freed <= 0:  # its pages hold named (or cached) tiles too
+                        continue
+                    excess -= freed
+                    gone += run
                     if excess <= 0:
                         break
                 if gone:
@@ -401,16 +404,23 @@ class VirtualKVManager:
         return False
 
     def _spare(self, row: int, cached: bool, coming: set[int]) -> list[list[int]]:
-        """The row's committed tiles in groups sharing pages, each group one that nothing named
-        holds (nor, unless `cached`, the prefix cache) and that shares no page with the `coming`
-        tiles (which would map it again), in row order."""
+        """The row's committed tiles that nothing named holds (nor, unless `cached`, the prefix
+        cache), in runs within the groups of tiles sharing pages, in row order; a group sharing a
+        page with the `coming` tiles is left out (it would be mapped again)."""
         base, out = row * self.row_tiles, []
         for group in self._groups:
             if any(base + i in coming for i in group):
                 continue
-            tiles = [base + i for i in group if self._populated[base + i]]
-            if tiles and not any(self._refs[t] or (not cached and t in self._key_of) for t in tiles):
-                out.append(tiles)
+            run: list[int] = []
+            for tile in (base + i for i in group if self._populated[base + i]):
+                if self._refs[tile] or (not cached and tile in self._key_of):
+                    if run:
+                        out.append(run)
+                    run = []
+                else:
+                    run.append(tile)
+            if run:
+                out.append(run)
         return out
 
     def _publish(self, request: Request, num_tokens_after: int) -> None:

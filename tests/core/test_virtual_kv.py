@@ -312,3 +312,24 @@ def test_room_is_made_a_whole_page_at_a_time_and_keeps_the_rest_of_the_cache() -
     assert kv.num_cached_tiles == 8 + 4 and kv.pages.bytes == 3 * 4096
     assert kv.get_computed_blocks(_req("replay", 9 * T + 1)) == ([list(range(8))], 8 * T)
     kv.check_invariants(["b"])
+
+
+def test_tiles_beside_a_named_one_go_where_they_free_pages_of_another_tensor() -> None:
+    """Tiles of 3 KiB and 1 KiB on 4 KiB pages share pages in runs of 4 (tiles 0-3: pages 0-2 of the
+    first tensor, page 0 of the second). A short request names tile 0 of a warm row; its stale
+    tiles 1-3 still hold pages 1-2 of the first tensor alone, so under pressure they go with 4-7,
+    while tile 0 and its pages stay."""
+    from brisk.core.virtual_kv import PageModel
+
+    kv = VirtualKVManager(3, 8, T, 10, commit_ahead=False, pages=PageModel(4096, {3072: 1, 1024: 1}))
+    a = _req("a", 8 * T)
+    assert kv.allocate_slots(a, 8 * T) == [list(range(8))]  # 32 KiB: 8 tiles' worth of the 10
+    kv.free(a)
+    s = _req("s", 3)
+    assert kv.allocate_slots(s, 3) == [[0]]  # the warm row: tile 0 is there already
+    b = _req("b", 6 * T)
+    table = kv.allocate_slots(b, 6 * T)  # 28 KiB more: 20 KiB over, of which tiles 4-7 free 16
+    assert table is not None and len(table[0]) == 6 and table[0][0] // 8 != 0
+    assert kv.take_memory_ops()[1] == MemoryOp("release", 0, 1, 7)
+    assert kv.pages is not None and kv.pages.bytes == 4096 + 4096 + 28 * 1024  # tile 0's two pages, and b's
+    kv.check_invariants(["s", "b"])
