@@ -5,7 +5,8 @@ prompt tokens are prefilled (prefill tokens/s: prompt tokens over the steps unti
 has its first token; early ones decode meanwhile), then all `batch` decode together for
 `decode_tokens` steps (decode tokens/s over those steps), then they are aborted.
 Measured beside: the KV bytes committed (paged: the pool, allocated whole at start-up; virtual:
-resident pages of the reservations, from mincore) against the bytes the tokens use, the time
+resident pages of the reservations, from mincore, or the manager's count where mincore cannot tell,
+as under gVisor) against the bytes the tokens use, the time
 each step spent committing and releasing pages on the step's thread, and the page faults the
 forward took (every thread but the commit-ahead one, read from /proc/self/task around the
 runner's forward): zero means no forward waited on one.
@@ -51,11 +52,17 @@ def _bytes_per_token(llm: LLM) -> int:
 
 
 def _committed_bytes(engine: LLMEngine) -> int:
-    """Paged: the whole pool (allocated at start-up); virtual: the resident pages."""
+    """Paged: the whole pool (allocated at start-up); virtual: the resident pages, or where the OS
+    cannot tell them (gVisor's mincore) the pages the manager counts."""
     runner = engine.runner
     assert isinstance(runner, PagedModelRunner)
     if runner.virtual is not None:
-        return runner.virtual.resident_bytes()
+        resident = runner.virtual.resident_bytes()
+        if resident is not None:
+            return resident
+        kv = engine.virtual_kv
+        assert kv is not None
+        return kv.pages.bytes if kv.pages is not None else kv.num_committed * runner.virtual.bytes_per_tile
     tensors = {t.data_ptr(): t for c in runner.kv_caches if c is not None for t in c}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -143,4 +150,16 @@ def bench_kv(model: str, layouts: list[str], batches: list[int], contexts: list[
     return {"bench": "kv", "model": model, "layouts": layouts, "decode_tokens": decode_tokens,
             "tile_tokens": {k: v.engine.scheduler.block_size for k, v in llms.items()},
             "kv_bytes_per_token": _bytes_per_token(first), "threads": os.environ.get("OMP_NUM_THREADS", "default"),
-            "cells": cells}
+            "virtual_committed_from": _committed_from(llms), "cells": cells}
+
+
+def _committed_from(llms: dict[str, LLM]) -> str | None:
+    """Where the virtual layout's committed bytes come from (None without one)."""
+    runners = [llm.engine.runner for llm in llms.values()]
+    virtual = [r.virtual for r in runners if isinstance(r, PagedModelRunner) and r.virtual is not None]
+    if not virtual:
+        return None
+    if virtual[0].resident_bytes() is not None:
+        return "resident pages (mincore)"
+    return ("the pages the manager counts: this system's mincore reports reserved pages as resident "
+            "(as gVisor's does), so residency is not measured")

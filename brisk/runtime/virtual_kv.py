@@ -26,6 +26,7 @@ hold beyond the tokens' tiles (up to a page per row's committed run and tensor).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -67,8 +68,20 @@ class Backing(Protocol):
     def populate(self, buf: torch.Tensor, tile_bytes: int, first: int, count: int) -> None: ...
     def release(self, buf: torch.Tensor, tile_bytes: int, first: int, count: int) -> None: ...
     def release_all(self, buf: torch.Tensor) -> None: ...
-    def resident(self, buf: torch.Tensor) -> int: ...
+    def resident(self, buf: torch.Tensor) -> int | None: ...  # None: the OS cannot tell here
     def close(self) -> None: ...
+
+
+@functools.cache
+def residency_readable() -> bool:
+    """Whether mincore tells committed pages from reserved ones on this system: gVisor's (Cloud
+    Run, GKE Sandbox) reports every page of a mapping resident, touched or not, so a fresh
+    reservation reading as resident means residency cannot be measured here."""
+    try:
+        probe = kernels.vmem_reserve(16 * kernels.vmem_page_size(), False)
+        return kernels.vmem_resident(probe, 0, probe.numel()) == 0
+    except RuntimeError:  # no such calls here (not Linux): nothing to read either
+        return False
 
 
 class HostPages:
@@ -94,8 +107,8 @@ class HostPages:
     def release_all(self, buf: torch.Tensor) -> None:
         kernels.vmem_release(buf, 0, buf.numel())
 
-    def resident(self, buf: torch.Tensor) -> int:
-        return kernels.vmem_resident(buf, 0, buf.numel())
+    def resident(self, buf: torch.Tensor) -> int | None:
+        return kernels.vmem_resident(buf, 0, buf.numel()) if residency_readable() else None
 
     def close(self) -> None:
         pass
@@ -473,10 +486,12 @@ class VirtualKV:
 
     # ----------------------------------------------------------------------------- measurements
 
-    def resident_bytes(self) -> int:
-        """Bytes of every reservation backed by physical memory now (mincore)."""
+    def resident_bytes(self) -> int | None:
+        """Bytes of every reservation backed by physical memory now (mincore); None where the OS
+        cannot tell (`residency_readable`)."""
         self.wait()
-        return sum(self.backing.resident(b) for b in self.buffers)
+        counts = [self.backing.resident(b) for b in self.buffers]
+        return None if None in counts else sum(c for c in counts if c is not None)
 
     @property
     def bytes_per_tile(self) -> int:
