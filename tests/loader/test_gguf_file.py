@@ -35,6 +35,8 @@ def test_release_bytes_lets_the_maps_pages_go_and_leaves_other_memory_alone(gguf
     before = _mapped_kib(gguf_path)
     copy = data.copy()  # reading every byte maps every page
     address, n = data.ctypes.data, data.nbytes
+    if _mapped_kib(gguf_path) == before:
+        pytest.skip("this system's smaps does not show a file map's pages as they are read (as under gVisor)")
     assert _mapped_kib(gguf_path) - before >= 0.9 * n / 1024
     file.reader.release_bytes(address, n)
     # the edge pages (shared with the neighbours) stay, and with them whatever the kernel mapped around
