@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -92,8 +93,23 @@ def collect(measure_bandwidth: bool = True) -> dict[str, Any]:
         "kquant_prompt": _kquant_prompt(caps),
         "kernels": sorted(caps.names - {"isa", "cpu_isa", "set_isa", "have_vnni", "cpu_avx_vnni", "avx_vnni",
                                         "set_avx_vnni", "cpu_amx_bf16", "cpu_vendor"}),
+        # the virtual KV layout's committed memory is read with mincore, which gVisor cannot answer
+        "vmem_residency": _vmem_residency(caps),
         "cuda_gpus": gpu,
     }
+
+
+def _vmem_residency(caps: KernelCaps) -> str:
+    """Whether the virtual KV layout's committed memory can be read here (runtime/virtual_kv.py)."""
+    if not caps.built:
+        return "no kernels"
+    if not sys.platform.startswith("linux"):
+        return "no virtual KV layout here (Linux only)"
+    from brisk.runtime.virtual_kv import residency_readable
+
+    if residency_readable():
+        return "readable (mincore)"
+    return "unreadable (mincore reports reserved pages resident, as under gVisor): bench kv counts committed tiles"
 
 
 def _kquant_prompt(caps: KernelCaps) -> str:

@@ -236,5 +236,9 @@ def test_brisk_env_reports_the_isa_and_kernels() -> None:
     assert env["amx_prompt_tiles"] is False and env["amx_bf16_cpu"] == kernels.CAPS.cpu_amx  # below avx512: off
     assert env["kquant_prompt"] == "int8 block_kgemm"  # the scalar level: neither AMX nor float tiles
     assert env["cpu_vendor"] == kernels.CAPS.vendor
+    if kernels.CAPS.built and sys.platform.startswith("linux"):
+        from brisk.runtime.virtual_kv import residency_readable
+
+        assert env["vmem_residency"].startswith("readable" if residency_readable() else "unreadable")
     if kernels.CAPS.built:
         assert "gemv" in env["kernels"] and "paged_attention" in env["kernels"]
