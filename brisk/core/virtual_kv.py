@@ -101,16 +101,18 @@ class PageModel:
                         self.bytes += n * self.page
                     count[p] = count.get(p, 0) + 1
 
-    def freed(self, tiles: Iterable[int]) -> int:
-        """Bytes giving back `tiles` (all committed) would return: the pages no other tile holds."""
-        tiles = list(tiles)
+    def freed(self, tiles: Iterable[int], keep: Iterable[int] = ()) -> int:
+        """Bytes giving back `tiles` (all committed) would return: the pages no other tile holds,
+        nor any of `keep` (tiles about to be committed, which would map them again)."""
+        tiles, keep = list(tiles), list(keep)
         total = 0
         for size, n in self.tensors.items():
             count, on = self._count[size], {}
             for t in tiles:
                 for p, _ in run_pages(t, 1, size, self.page):
                     on[p] = on.get(p, 0) + 1
-            total += sum(n * self.page for p, k in on.items() if count.get(p) == k)
+            kept = {p for t in keep for p, _ in run_pages(t, 1, size, self.page)}
+            total += sum(n * self.page for p, k in on.items() if count.get(p) == k and p not in kept)
         return total
 
     def cuts(self, row_tiles: int) -> list[int]:
@@ -190,9 +192,9 @@ class VirtualKVManager:
             return self.num_committed + len(tiles) - self.budget
         return self.pages.bytes + self.pages.cost(tiles) - self.budget * self.pages.bytes_per_tile
 
-    def _freed(self, tiles: list[int]) -> int:
-        """What giving back `tiles` returns, in `_excess`'s unit."""
-        return len(tiles) if self.pages is None else self.pages.freed(tiles)
+    def _freed(self, tiles: list[int], coming: list[int]) -> int:
+        """What giving back `tiles` returns while `coming` tiles are committed, in `_excess`'s unit."""
+        return len(tiles) if self.pages is None else self.pages.freed(tiles, keep=coming)
 
     def fits_alone(self, num_tokens: int, chunk: int) -> bool:
         need = cdiv(num_tokens, self.block_size)
@@ -376,21 +378,21 @@ class VirtualKVManager:
         the coldest free rows first, then running rows' (tiles ahead, stale ones); then cached
         ones (the least recently freed rows' first). `keep_row`'s pages go last. Where pages
         hold many tiles, tiles go only where that frees pages: a run of tiles whose pages all hold
-        a named one (or, in the first pass, a cached one) stays, since giving it back frees nothing."""
+        a named one (or, in the first pass, a cached one, or one of `tiles`, which would map them
+        again) stays, since giving it back frees nothing."""
         excess = self._excess(tiles)
         if excess <= 0:
             return True
         running = [r for r in self._row_of.values() if r != keep_row]
         order = [r for r in self._free_rows if r != keep_row] + running
         order += [keep_row] if keep_row is not None else []
-        coming = set(tiles)
         for cached in (False, True):
             for row in order:
                 gone: list[int] = []
                 # the row's last tiles first: a cached chain keeps its head
-                for run in reversed(self._spare(row, cached, coming)):
-                    freed = self._freed(run)
-                    if freed <= 0:  # its pages hold named (or cached) tiles too
+                for run in reversed(self._spare(row, cached)):
+                    freed = self._freed(run, tiles)
+                    if freed <= 0:  # its pages hold named (or cached, or about to be committed) tiles too
                         continue
                     excess -= freed
                     gone += run
@@ -403,14 +405,11 @@ class VirtualKVManager:
                     return True
         return False
 
-    def _spare(self, row: int, cached: bool, coming: set[int]) -> list[list[int]]:
+    def _spare(self, row: int, cached: bool) -> list[list[int]]:
         """The row's committed tiles that nothing named holds (nor, unless `cached`, the prefix
-        cache), in runs within the groups of tiles sharing pages, in row order; a group sharing a
-        page with the `coming` tiles is left out (it would be mapped again)."""
+        cache), in runs within the groups of tiles sharing pages, in row order."""
         base, out = row * self.row_tiles, []
         for group in self._groups:
-            if any(base + i in coming for i in group):
-                continue
             run: list[int] = []
             for tile in (base + i for i in group if self._populated[base + i]):
                 if self._refs[tile] or (not cached and tile in self._key_of):

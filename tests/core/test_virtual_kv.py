@@ -231,6 +231,8 @@ def test_the_page_model_counts_the_pages_tiles_occupy() -> None:
     # page 0 of the 3 KiB tensors only (tile 2 holds page 1 and page 0 of the 1 KiB one)
     assert pages.freed([0]) == 0 and pages.freed([0, 1]) == 2 * 4096
     assert pages.freed([0, 1, 2]) == pages.bytes
+    # tile 2 alone frees page 2 of the 3 KiB tensors, unless tile 3, about to be committed, needs it
+    assert pages.freed([2]) == 2 * 4096 and pages.freed([2], keep=[3]) == 0
     assert pages.cuts(12) == [0, 4, 8]  # where both tensors start a page: tiles 0-3 share pages
     pages.remove([0, 1])
     assert pages.bytes == 2 * 2 * 4096 + 4096  # tile 2 keeps pages 1 and 2 of the 3 KiB tensors, page 0 of the other
