@@ -14,6 +14,7 @@ _D = DistillConfig()
 # DistillSpec (Zhou et al., 2024): a draft's acceptance rate is 1 - TVD(target, draft) per token,
 # and on-policy data (the draft's own samples) aligns it where it will be used
 FOR_DRAFT: dict[str, str | float] = {"loss": "tvd", "on_policy": 0.5}
+ON_POLICY_FLAG = 0.5  # `--on-policy` alone: half the steps on the student's samples (DistillSpec's mix)
 
 
 def add_distill_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -41,9 +42,10 @@ def add_distill_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     ds.add_argument("--top-k", type=int, default=_D.top_k,
                     help="fkl over the teacher's k likeliest tokens only, renormalised (0: all)")
     ds.add_argument("--temperature", type=float, default=_D.temperature)
-    ds.add_argument("--on-policy", type=float, default=None,
-                    help=f"share of steps on the student's own samples, scored by the teacher (GKD; 0..1; default "
-                         f"{_D.on_policy:g}, with --for-draft {FOR_DRAFT['on_policy']:g})")
+    ds.add_argument("--on-policy", type=float, default=None, nargs="?", const=ON_POLICY_FLAG, metavar="SHARE",
+                    help=f"share of steps on the student's own samples, scored by the teacher (GKD; 0..1; the bare "
+                         f"flag: {ON_POLICY_FLAG:g}; default {_D.on_policy:g}, with --for-draft "
+                         f"{FOR_DRAFT['on_policy']:g})")
     ds.add_argument("--prompt-tokens", type=int, default=_D.prompt_tokens,
                     help="on-policy on --text windows: the student continues each from its first this many tokens "
                          "(a --prompts-file sequence: from its prompt)")
@@ -67,6 +69,7 @@ def add_distill_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     ds.add_argument("--resume", type=Path, default=None,
                     help="continue a run from its checkpoint (a checkpoints/step-N directory or the run's --out)")
     ds.add_argument("--seed", type=int, default=_D.seed)
+    ds.add_argument("--device", default="cpu", help="where teacher and student run: cpu, cuda or cuda:N (default cpu)")
 
 
 def layer_list(spec: str | None) -> list[int] | None:
@@ -96,12 +99,15 @@ def cmd_distill(args: argparse.Namespace) -> int:
         train_embeddings=args.train_embeddings, bf16=args.bf16, eval_tokens=args.eval_tokens,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, seed=args.seed)
     job = DistillJob(args.teacher, args.out, args.student, layer_list(args.student_layers), args.student_mlp,
-                     args.text, args.prompts_file, args.resume, args.chat)
+                     args.text, args.prompts_file, args.resume, args.chat, args.device)
     report = distill(job, cfg)
-    first, last = report["eval"][0], report["eval"][-1]
-    print(f"wrote {args.out}: held-out perplexity {first['ppl']:.3f} -> {last['ppl']:.3f} (teacher "
-          f"{report['teacher_held_out_ppl']:.3f}), KL to the teacher {first['kl']:.4f} -> {last['kl']:.4f}, "
-          f"top-1 agreement {first['top1']:.3f} -> {last['top1']:.3f}",
-          file=sys.stderr)
+    if report["eval"]:
+        first, last = report["eval"][0], report["eval"][-1]
+        print(f"wrote {args.out}: held-out perplexity {first['ppl']:.3f} -> {last['ppl']:.3f} (teacher "
+              f"{report['teacher_held_out_ppl']:.3f}), KL to the teacher {first['kl']:.4f} -> {last['kl']:.4f}, "
+              f"top-1 agreement {first['top1']:.3f} -> {last['top1']:.3f}",
+              file=sys.stderr)
+    else:
+        print(f"wrote {args.out} (no held-out evaluation: --eval-tokens 0)", file=sys.stderr)
     print(json.dumps(report), flush=True)
     return 0

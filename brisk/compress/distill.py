@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from brisk.compress.distill_data import (
@@ -43,7 +44,7 @@ from brisk.compress.distill_data import (
     sample_continuations,
     step_generator,
 )
-from brisk.config import DRAFT_VOCAB_FILE, DistillConfig
+from brisk.config import DRAFT_VOCAB_FILE, DistillConfig, check_device
 from brisk.errors import UserError
 from brisk.loader.load import LoadedModel
 from brisk.model.attention import WholeSequences
@@ -145,6 +146,7 @@ class Distiller:
             p.requires_grad_(True)
         self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.step = 0
+        self.resumed_from: Path | None = None  # the checkpoint this session started from
         self.history: list[dict[str, Any]] = []  # evaluations
         self.tokens_seen = 0
         self.train_seconds = 0.0  # in train_step, this session (evaluations and checkpoints not counted)
@@ -191,11 +193,15 @@ class Distiller:
         loss = distill_loss(cfg.loss, student, teacher, cfg.temperature, cfg.top_k)
         value = float(loss.detach())
         if not math.isfinite(value):
-            raise FloatingPointError(value)
+            raise FloatingPointError(f"a loss of {value}")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        # a finite loss can still have infinite gradients (an overflow in backward): stepping on them
+        # would make the weights NaN and the next checkpoint one that looks good
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip or math.inf))
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"a gradient norm of {norm}")
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step)
         self.optimizer.step()
@@ -204,7 +210,10 @@ class Distiller:
         self.train_seconds += time.perf_counter() - started
         return value
 
-    def evaluate(self) -> dict[str, Any]:
+    def evaluate(self) -> dict[str, Any] | None:
+        """Score the student on the held-out windows (None: there are none, eval_tokens 0)."""
+        if not self.corpus.held_out:
+            return None
         score = evaluate(self.student.model, self.teacher.model, self.corpus.held_out)
         entry = {"step": self.step, "ppl": round(score.ppl, 4), "kl": round(score.kl, 5), "tokens": score.tokens,
                  "teacher_ppl": round(score.teacher_ppl, 4), "top1": round(score.top1, 4),
@@ -249,6 +258,7 @@ class Distiller:
             raise UserError(f"--resume {path}: its student does not fit this student's shape")
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
         self.step, self.tokens_seen, self.history = state["step"], state["tokens_seen"], state["history"]
+        self.resumed_from = path
 
 
 def latest_checkpoint(path: Path) -> Path:
@@ -275,6 +285,7 @@ class DistillJob:
     prompts_file: Path | None = None
     resume: Path | None = None
     chat: bool = False  # the prompts file's lines are user turns for the teacher's chat template
+    device: str = "cpu"  # where teacher and student run (the same code on CUDA)
 
 
 def distill(job: DistillJob, cfg: DistillConfig, progress: bool = True) -> dict[str, Any]:
@@ -283,17 +294,18 @@ def distill(job: DistillJob, cfg: DistillConfig, progress: bool = True) -> dict[
     from brisk.loader.load import load_model
 
     _check_job(job)
-    check_bf16(cfg.bf16, torch.device("cpu"))
-    teacher = load_model(job.teacher, dtype="float32", dequantize=True)
+    check_device(job.device)
+    check_bf16(cfg.bf16, torch.device(job.device))
+    teacher = load_model(job.teacher, dtype="float32", device=job.device, dequantize=True)
     if job.student is not None:
-        student = load_model(job.student, dtype="float32", dequantize=True)
+        student = load_model(job.student, dtype="float32", device=job.device, dequantize=True)
         check_tokenizers(teacher, student)
     else:
         student = derived_student(teacher, job.student_layers, job.student_mlp)
     text = text_corpus(teacher.tokenizer, job.text, cfg) if job.text is not None else None
     corpus = text if job.prompts_file is None else prompts_corpus(
         job.teacher, teacher.tokenizer, job.prompts_file, cfg, text.held_out if text is not None else None, job.chat,
-        job.out / "teacher_sequences.json")
+        job.out / "teacher_sequences.json", job.device)
     assert corpus is not None
     student_name = job.student or f"derived from {job.teacher}: layers {job.student_layers or 'all'}, " \
                                    f"mlp {job.student_mlp or 'as the teacher'}"
@@ -329,6 +341,10 @@ def _check_job(job: DistillJob) -> None:
                          "teacher instead: give one or the other")
     if job.out.exists() and not job.out.is_dir():
         raise UserError(f"--out {job.out} exists and is not a directory")
+    for role, ref in (("--teacher", job.teacher), ("--student", job.student)):
+        if ref is not None and Path(ref).is_dir() and Path(ref).resolve() == job.out.resolve():
+            raise UserError(f"--out {job.out} is the {role} model's directory: the student would overwrite it; "
+                             "write it to another directory")
 
 
 def _train(trainer: Distiller, progress: bool) -> dict[str, Any]:
@@ -338,22 +354,23 @@ def _train(trainer: Distiller, progress: bool) -> dict[str, Any]:
     if not trainer.history or trainer.history[-1]["step"] != trainer.step:
         trainer.evaluate()  # where the student starts
     bar = tqdm(total=cfg.steps, initial=trainer.step, desc="distill", disable=not progress, unit="step")
-    last_good: Path | None = None
+    last_good = trainer.resumed_from
     while trainer.step < cfg.steps:
         try:
             loss = trainer.train_step()
         except FloatingPointError as e:
             bar.close()
             kept = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written yet"
-            raise UserError(f"distillation stopped at step {trainer.step + 1}: the loss became {e.args[0]} "
-                             f"(diverged); {kept}; lower --lr or use another loss, and --resume from it") from None
+            raise UserError(f"distillation stopped at step {trainer.step + 1}: {e.args[0]} (diverged; the weights "
+                             f"were not updated); {kept}; lower --lr or use another loss, and --resume from it") from None
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{(trainer.tokens_seen - first_tokens) / trainer.train_seconds:.0f}",
                         refresh=False)
         if trainer.step % cfg.eval_every == 0 or trainer.step == cfg.steps:
             entry = trainer.evaluate()
-            bar.write(f"step {trainer.step}: held-out ppl {entry['ppl']:.3f}, KL to the teacher {entry['kl']:.4f}, "
-                      f"top-1 agreement {entry['top1']:.3f}, 1 - TVD {entry['accept']:.3f}")
+            if entry is not None:
+                bar.write(f"step {trainer.step}: held-out ppl {entry['ppl']:.3f}, KL to the teacher {entry['kl']:.4f}, "
+                          f"top-1 agreement {entry['top1']:.3f}, 1 - TVD {entry['accept']:.3f}")
         if trainer.step % cfg.checkpoint_every == 0 or trainer.step == cfg.steps:
             last_good = trainer.save_checkpoint()
     bar.close()
@@ -387,28 +404,35 @@ def write_student(trainer: Distiller, seconds: float, tokens_now: int) -> dict[s
         config[PRUNING_KEY] = cut
     names = ["model.safetensors", "config.json", DRAFT_VOCAB_FILE]
     tmps = [out / f".{name}.tmp" for name in names]
-    with _writing(f"the student in {out}", tmps, f"the last checkpoint under {out / 'checkpoints'} is whole: free "
-                  "space, then run again with --resume and the same --steps to write the student"):
+    tok_tmp = out / ".tokenizer.tmp"  # the tokenizer's files, written together, moved in after the rest
+    shutil.rmtree(tok_tmp, ignore_errors=True)
+    with _writing(f"the student in {out}", [*tmps, tok_tmp], f"the last checkpoint under {out / 'checkpoints'} is "
+                  "whole: free space, then run again with --resume and the same --steps to write the student"):
         save_file(student.model.hf_tensors(), str(tmps[0]), metadata={"format": "pt"})
         tmps[1].write_text(json.dumps(config, indent=2) + "\n")
         write_draft_vocab(tmps[2], token_counts(trainer.corpus, student.config.vocab_size))
-        write_tokenizer_files(student.tokenizer, student.config, out)
-    for tmp, name in zip(tmps, names):  # every file whole before any replaces an older one
-        os.replace(tmp, out / name)
+        tok_tmp.mkdir()
+        write_tokenizer_files(student.tokenizer, student.config, tok_tmp)
+    moves = [(tmp, out / name) for tmp, name in zip(tmps, names)] + [(f, out / f.name) for f in tok_tmp.iterdir()]
+    for tmp, final in moves:  # every file whole before any replaces an older one
+        os.replace(tmp, final)
+    tok_tmp.rmdir()
     return report
 
 
 @contextlib.contextmanager
 def _writing(what: str, tmps: list[Path], kept: str) -> Iterator[None]:
-    """Writes under temporary names: an OSError (a full disk, a lost mount) removes them and
-    becomes a ValueError saying what was being written and what is still whole."""
+    """Writes under temporary names: a failed write (a full disk, a lost mount) removes them and
+    becomes a UserError saying what was being written and what is still whole. The block only
+    writes, so whatever its writers raise is a failed write: an OSError from Python's own files,
+    a SafetensorError from safetensors, a RuntimeError from torch.save (both seen on a full disk)."""
     try:
         yield
-    except OSError as exc:
+    except (OSError, SafetensorError, RuntimeError) as exc:
         for tmp in tmps:
             shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
-        raise UserError(f"writing {what} failed ({exc.strerror or exc}); nothing half-written was left: {kept}") \
-            from None
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+        raise UserError(f"writing {what} failed ({reason}); nothing half-written was left: {kept}") from None
 
 
 def write_draft_vocab(path: Path, counts: torch.Tensor) -> None:

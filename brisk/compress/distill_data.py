@@ -4,7 +4,8 @@ Data:
 - `--text FILE`: the file's tokens cut into windows of `seq_len`; its first `eval_tokens` tokens
   are held out (scored, never trained on), so `brisk eval ppl --max-tokens N` on the same file
   with N <= eval_tokens measures held-out text.
-- `--prompts-file F`: one prompt a line; the teacher writes a sampled continuation of each with
+- `--prompts-file F`: prompts as `brisk generate` reads them (a prompt a line, or JSON lines with
+  "prompt" or "messages"); the teacher writes a sampled continuation of each with
   brisk's engine (batched, prefix-cached), prompt + continuation is a training sequence
   (sequence-level distillation, DistillSpec's data for drafts). With `--chat` each line is a user
   turn rendered by the teacher's chat template (a chat model's draft learns answers, not raw text).
@@ -81,7 +82,12 @@ def text_corpus(tokenizer: Tokenizer, path: Path, cfg: DistillConfig) -> Corpus:
         raise UserError(f"distill text {path} has {len(ids)} tokens: after the {len(held)} held out for evaluation "
                          f"(eval_tokens) it gives {len(train)} windows of {cfg.seq_len} tokens, fewer than one step's "
                          f"{cfg.batch_size}; give a longer text, or lower seq_len, batch_size or eval_tokens")
-    return Corpus(train, _windows(held, cfg.seq_len), f"{path} ({len(ids)} tokens, first {len(held)} held out)")
+    held_windows = _windows(held, cfg.seq_len)
+    if cfg.eval_tokens and not held_windows:
+        raise UserError(f"eval_tokens {cfg.eval_tokens} holds out less than one window of seq_len {cfg.seq_len} "
+                         f"tokens, so nothing would be evaluated: hold out at least {cfg.seq_len}, or 0 to train "
+                         "without held-out evaluation")
+    return Corpus(train, held_windows, f"{path} ({len(ids)} tokens, first {len(held)} held out)")
 
 
 def _windows(ids: list[int], size: int) -> list[list[int]]:
@@ -89,7 +95,8 @@ def _windows(ids: list[int], size: int) -> list[list[int]]:
 
 
 def prompts_corpus(teacher_ref: str, tokenizer: Tokenizer, path: Path, cfg: DistillConfig,
-                   held_out: list[list[int]] | None, chat: bool = False, cache: Path | None = None) -> Corpus:
+                   held_out: list[list[int]] | None, chat: bool = False, cache: Path | None = None,
+                   device: str = "cpu") -> Corpus:
     """The teacher's sampled continuations of each prompt of `path` up to `seq_len` tokens, written
     by brisk's engine. `path` is a prompts file as `brisk generate` reads it (engine/prompts_file.py:
     a prompt a line, or JSON lines with "prompt" or "messages"; a conversation is rendered by the
@@ -113,7 +120,7 @@ def prompts_corpus(teacher_ref: str, tokenizer: Tokenizer, path: Path, cfg: Dist
     if kept is not None and kept.get("key") == key:
         seqs = kept["sequences"]
     else:
-        seqs = _teacher_continuations(teacher_ref, ids, cfg)
+        seqs = _teacher_continuations(teacher_ref, ids, cfg, device)
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache.with_name(cache.name + ".tmp")
@@ -146,12 +153,13 @@ def _prompt_ids(tokenizer: Tokenizer, item: dict[str, object], chat: bool, path:
     return tokenizer.encode_chat(messages)  # type: ignore[arg-type]
 
 
-def _teacher_continuations(teacher_ref: str, prompts: list[list[int]], cfg: DistillConfig) -> list[list[int]]:
+def _teacher_continuations(teacher_ref: str, prompts: list[list[int]], cfg: DistillConfig,
+                           device: str = "cpu") -> list[list[int]]:
     """Each prompt and the teacher's sampled continuation, `seq_len` tokens in all, batched by the engine."""
     from brisk.engine.llm import LLM
     from brisk.request import SamplingParams
 
-    llm = LLM(teacher_ref, max_model_len=cfg.seq_len, seed=cfg.seed)
+    llm = LLM(teacher_ref, max_model_len=cfg.seq_len, seed=cfg.seed, device=device)
     params = [SamplingParams(max_tokens=cfg.seq_len - len(p), temperature=1.0, seed=cfg.seed + i, ignore_eos=True)
               for i, p in enumerate(prompts)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
@@ -190,7 +198,7 @@ def derived_student(teacher: LoadedModel, layers: list[int] | None, mlp: int | N
     model = build_model(student_cfg, torch.float32, max_positions=teacher.model.max_positions)
     with torch.no_grad():
         model.load_weights(tensors.items())
-    return LoadedModel(model.eval(), teacher.tokenizer, student_cfg, teacher.source)
+    return LoadedModel(model.to(teacher.model.device).eval(), teacher.tokenizer, student_cfg, teacher.source)
 
 
 def _strongest_channels(model: CausalLM, layer: int, keep: int) -> list[int]:

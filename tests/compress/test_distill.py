@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -157,7 +158,7 @@ def test_a_diverging_loss_stops_with_the_last_good_checkpoint(pair, tmp_path: Pa
 
     monkeypatch.setattr(module, "distill_loss", breaks_at_step_4)
     cfg = dataclasses.replace(CFG, checkpoint_every=2, eval_every=100)
-    with pytest.raises(ValueError, match=r"stopped at step 4: the loss became nan .*step-000002"):
+    with pytest.raises(ValueError, match=r"stopped at step 4: a loss of nan .*step-000002"):
         distill(DistillJob(str(teacher), tmp_path / "out", str(student), text=text), cfg, progress=False)
     assert (tmp_path / "out" / "checkpoints" / "step-000002" / "state.json").is_file()
     assert not (tmp_path / "out" / "model.safetensors").exists()
@@ -211,6 +212,11 @@ def test_bad_inputs_name_what_is_wrong(pair, tmp_path: Path) -> None:
         (DistillJob(str(teacher), tmp_path / "g", str(student), text=tmp_path / "missing.txt"), CFG, "is not a file"),
         (DistillJob(str(teacher), tmp_path / "h", str(student), text=text),
          dataclasses.replace(CFG, eval_tokens=10 ** 6), "fewer than one step's"),
+        (DistillJob(str(teacher), tmp_path / "i", str(student), text=text),
+         dataclasses.replace(CFG, eval_tokens=CFG.seq_len - 1), "less than one window of seq_len 32.*or 0"),
+        (DistillJob(str(teacher), teacher, str(student), text=text), CFG, "is the --teacher model's directory"),
+        (DistillJob(str(teacher), student, str(student), text=text), CFG, "is the --student model's directory"),
+        (DistillJob(str(teacher), tmp_path / "j", str(student), text=text, device="cuda:7"), CFG, "device 'cuda:7'"),
     ]
     for job, cfg, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -396,3 +402,171 @@ def test_bf16_is_refused_on_a_cpu_without_bfloat16_matmul(monkeypatch: pytest.Mo
     check_bf16(True, torch.device("cuda"))  # a GPU decides for itself
     monkeypatch.setattr(distill_module, "_cpu_bf16_matmul", lambda: True)
     check_bf16(True, torch.device("cpu"))
+
+
+class _InfiniteGradient(torch.autograd.Function):
+    """The loss's value unchanged, its gradient infinite: an overflow in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad * float("inf")
+
+
+def test_infinite_gradients_stop_before_the_weights_change(pair, tmp_path: Path, monkeypatch) -> None:
+    """A finite loss whose gradients overflow stops the run before the optimizer steps on them (else
+    the weights turn NaN and the next checkpoint looks good); the checkpoint named is whole and finite."""
+    teacher, student, text = pair
+    import brisk.compress.distill as module
+
+    real, calls = module.distill_loss, []
+
+    def overflows_at_step_3(*args, **kwargs):
+        calls.append(1)
+        loss = real(*args, **kwargs)
+        return _InfiniteGradient.apply(loss) if len(calls) == 3 else loss
+
+    monkeypatch.setattr(module, "distill_loss", overflows_at_step_3)
+    for clip in (1.0, 0.0):  # with and without clipping
+        calls.clear()
+        out = tmp_path / f"clip{clip}"
+        cfg = dataclasses.replace(CFG, checkpoint_every=2, eval_every=100, grad_clip=clip)
+        with pytest.raises(ValueError, match=r"stopped at step 3: a gradient norm of (inf|nan) \(diverged; the "
+                                             r"weights were not updated\); the last good checkpoint is .*step-000002"):
+            distill(DistillJob(str(teacher), out, str(student), text=text), cfg, progress=False)
+        from safetensors.torch import load_file
+
+        weights = load_file(str(out / "checkpoints" / "step-000002" / "student.safetensors"))
+        assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_a_resumed_run_that_diverges_names_the_checkpoint_it_resumed(pair, tmp_path: Path, monkeypatch) -> None:
+    teacher, student, text = pair
+    import brisk.compress.distill as module
+
+    cfg = dataclasses.replace(CFG, steps=2, checkpoint_every=2, eval_every=100)
+    distill(DistillJob(str(teacher), tmp_path / "out", str(student), text=text), cfg, progress=False)
+    real = module.distill_loss
+    monkeypatch.setattr(module, "distill_loss", lambda *a, **k: real(*a, **k) * float("nan"))
+    with pytest.raises(ValueError, match=r"stopped at step 3: a loss of nan .*the last good checkpoint is "
+                                         r".*step-000002"):
+        distill(DistillJob(str(teacher), tmp_path / "out", str(student), text=text, resume=tmp_path / "out"),
+                dataclasses.replace(cfg, steps=6), progress=False)
+
+
+_FULL_DISK = """
+import json, resource, signal, sys
+from pathlib import Path
+import dataclasses
+from tests.compress.test_distill import CFG, _trainer
+from brisk.compress.distill import write_student
+from brisk.errors import UserError
+
+teacher, student, text, out = (Path(a) for a in sys.argv[1:5])
+trainer = _trainer((teacher, student, text), out, dataclasses.replace(CFG, steps=3, eval_every=100))
+trainer.train_step()
+first = trainer.save_checkpoint()
+trainer.train_step()
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+weights = (first / "student.safetensors").stat().st_size
+results = {}
+for name, limit in [("safetensors", weights // 2), ("torch.save", weights + 1024)]:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    try:
+        trainer.save_checkpoint()
+        results[name] = "written"
+    except UserError as e:
+        results[name] = str(e)
+    try:
+        write_student(trainer, 1.0, 1)
+        results[name + " student"] = "written"
+    except UserError as e:
+        results[name + " student"] = str(e)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+print(json.dumps(results))
+"""
+
+
+def test_a_real_failed_write_is_caught_whatever_the_writer_raises(pair, tmp_path: Path) -> None:
+    """A file-size limit makes real writes fail (EFBIG, as a full disk would): safetensors raises its
+    own error and torch.save a RuntimeError, not OSError; each is still a clear error that leaves
+    no temporary file and keeps the previous checkpoint."""
+    import subprocess
+    import sys
+
+    teacher, student, text = pair
+    out = tmp_path / "out"
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _FULL_DISK, str(teacher), str(student), str(text), str(out)],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in ("safetensors", "torch.save"):
+        assert re.match(r"writing checkpoint .*step-000002 failed \(.+\); nothing half-written was left",
+                        results[name]), results
+        assert re.match(r"writing the student in .* failed \(.+\); nothing half-written was left: .*--resume",
+                        results[name + " student"]), results
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary file or folder
+    assert not (out / "model.safetensors").exists() and not (out / "tokenizer.json").exists()
+
+
+def test_without_held_out_text_the_run_trains_and_says_so(pair, tmp_path: Path, capsys) -> None:
+    teacher, student, text = pair
+    rc = main(["distill", "--teacher", str(teacher), "--student", str(student), "--out", str(tmp_path / "out"),
+               "--text", str(text), "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--eval-tokens", "0"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["eval"] == []
+    assert "no held-out evaluation" in captured.err
+    assert load_model(str(tmp_path / "out")).config.num_hidden_layers == TINY.num_hidden_layers
+
+
+def test_on_policy_alone_is_a_flag() -> None:
+    from brisk.cli import build_parser
+
+    base = ["distill", "--teacher", "t", "--out", "o"]
+    assert build_parser().parse_args(base + ["--on-policy"]).on_policy == 0.5
+    assert build_parser().parse_args(base + ["--on-policy", "0.25"]).on_policy == 0.25
+    assert build_parser().parse_args(base).on_policy is None  # the preset's (0, or 0.5 with --for-draft)
+
+
+@pytest.mark.cuda
+def test_distillation_runs_on_cuda(pair, tmp_path: Path) -> None:
+    """The same code on a GPU: teacher and student there, the loss falls, the student is written."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    teacher, student, text = pair
+    cfg = dataclasses.replace(CFG, steps=10, eval_every=10, checkpoint_every=10)
+    report = distill(DistillJob(str(teacher), tmp_path / "out", str(student), text=text, device="cuda"), cfg,
+                     progress=False)
+    assert report["eval"][-1]["kl"] < report["eval"][0]["kl"]
+    assert load_model(str(tmp_path / "out")).config.num_hidden_layers == TINY.num_hidden_layers
+
+
+def test_a_student_tokenizing_otherwise_and_too_few_prompts_are_refused(pair, tmp_path: Path) -> None:
+    """A student whose vocabulary has the teacher's size but other ids, a prompts file with no
+    prompt, and one with a single prompt (nothing left to hold out): each named."""
+    import shutil
+
+    from brisk.compress.distill_data import prompts_corpus
+
+    teacher, student, text = pair
+    other = tmp_path / "permuted"
+    shutil.copytree(student, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    tok["model"]["vocab"] = {f"w{i}": (7 * i) % VOCAB for i in range(VOCAB)}  # same words, other ids
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match=r"tokenizer differs from the teacher's \(another tokenization"):
+        distill(DistillJob(str(teacher), tmp_path / "a", str(other), text=text), CFG, progress=False)
+    t = load_model(str(teacher))
+    empty, one = tmp_path / "empty.txt", tmp_path / "one.txt"
+    empty.write_text("\n")
+    one.write_text("w3 w5\n")
+    with pytest.raises(ValueError, match="empty.txt has no prompts"):
+        prompts_corpus(str(teacher), t.tokenizer, empty, CFG, None)
+    with pytest.raises(ValueError, match="has 1 prompt\\(s\\): give at least 2"):
+        prompts_corpus(str(teacher), t.tokenizer, one, CFG, None)
