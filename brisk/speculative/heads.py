@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -127,7 +127,21 @@ def save_heads(path: str | Path, heads: ResidualHeads, kind: str, base_model: st
     tensors = {"weight": heads.weight.detach().float().contiguous(), "bias": heads.bias.detach().float().contiguous()}
     if vocab is not None:
         tensors["vocab"] = vocab.to(torch.int64).contiguous()
-    save_file(tensors, str(path), metadata=meta)
+    write_safetensors(path, tensors, meta)
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    """Write under a temporary name, then rename: a failed write (a full disk) leaves nothing
+    half-written, neither under the real name nor the temporary one, and says so."""
+    tmp = Path(f"{path}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        tmp.replace(path)
+    except (OSError, SafetensorError) as exc:
+        tmp.unlink(missing_ok=True)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+        raise UserError(f"writing {str(path)!r} failed ({reason}); nothing half-written was left; free space "
+                        "or choose another --out, and run again") from None
 
 
 def read_heads_file(path: Path, kind: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:

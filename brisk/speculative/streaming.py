@@ -50,7 +50,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import nn
 
 from brisk.config import STREAM_PASS_QUANTIZATIONS, ModelConfig
@@ -58,7 +57,7 @@ from brisk.core.outputs import ScheduledRequest
 from brisk.errors import UserError
 from brisk.model.base import CausalLM
 from brisk.speculative.base import Draft, DraftRequest, Proposer, pick_draft_token
-from brisk.speculative.heads import DraftVocab, read_heads_file, stored_draft_vocab
+from brisk.speculative.heads import DraftVocab, read_heads_file, stored_draft_vocab, write_safetensors
 from brisk.speculative.registry import ProposerContext, register
 
 KIND = "streaming"
@@ -263,9 +262,7 @@ def save_streams(path: str | Path, adapter: StreamAdapter, base_model: str, cfg:
     meta = {"kind": KIND, "num_streams": str(adapter.num_streams), "first_layer": str(adapter.first_layer),
             "rank": str(adapter.rank), "token_rank": str(adapter.token_a.shape[0]), "base_model": base_model, "hidden_size": str(cfg.hidden_size),
             "num_layers": str(cfg.num_hidden_layers), **(extra or {})}
-    tmp = Path(f"{path}.tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(path)  # nothing half-written under the real name
+    write_safetensors(path, tensors, meta)
 
 
 def load_streams(path: str | Path, model: CausalLM) -> tuple[StreamAdapter, dict[str, str], DraftVocab | None]:

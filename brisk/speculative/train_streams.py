@@ -12,6 +12,7 @@ sequences gives each stream's top-1 agreement, the acceptance a chain of drafts 
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
@@ -128,11 +129,15 @@ def agreement(model: CausalLM, adapter: StreamAdapter, head: _Head, data: list[S
 def train_streams(model: CausalLM, train: list[StreamFeatures], held_out: list[StreamFeatures], cfg: StreamTraining,
                   vocab: torch.Tensor | None = None,
                   log: Callable[[dict[str, object]], None] = lambda _: None,
-                  progress: bool = False, init: StreamAdapter | None = None) -> tuple[StreamAdapter, dict[str, object]]:
+                  progress: bool = False, init: StreamAdapter | None = None,
+                  on_epoch: Callable[[StreamAdapter, int], None] = lambda _a, _e: None,
+                  ) -> tuple[StreamAdapter, dict[str, object]]:
     """Fit the stream embeddings and adapters (the model stays as it is); returns them and a
     report: parameters added, held-out top-1 agreement per stream before and after. `init`: start
     from these streams (a file trained before, `load_streams`) instead of fresh ones; its shape
-    must be `cfg`'s."""
+    must be `cfg`'s. `on_epoch(adapter, epoch)` after each epoch (the caller's checkpoint). A
+    non-finite loss or gradient raises FloatingPointError before the step is taken, so the
+    adapter and the last epoch's checkpoint stay as they were."""
     torch.manual_seed(cfg.seed)
     model.requires_grad_(False)
     adapter = StreamAdapter(model.config, cfg.num_streams, cfg.num_layers, cfg.rank,
@@ -179,19 +184,26 @@ def train_streams(model: CausalLM, train: list[StreamFeatures], held_out: list[S
                 if bool((rows == IGNORE).all()):
                     continue
                 loss = F.cross_entropy(head.logits(hidden).float(), rows, ignore_index=IGNORE)
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise FloatingPointError(f"epoch {epoch}: a loss of {value}")
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0)
+            norm = float(torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0))
+            if not math.isfinite(norm):
+                opt.zero_grad(set_to_none=True)
+                raise FloatingPointError(f"epoch {epoch}: a gradient norm of {norm}")
             opt.step()
             sched.step()
-            total += float(loss.detach())
+            total += value
             count += 1
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", epoch=epoch, refresh=False)
+            bar.set_postfix(loss=f"{value:.3f}", epoch=epoch, refresh=False)
             bar.update()
         top1 = agreement(model, adapter, head, held_out)
         log({"epoch": epoch, "loss": round(total / max(1, count), 4), "held_out_top1": top1,
              "seconds": round(time.perf_counter() - started, 1)})
         report["after"] = top1
+        on_epoch(adapter, epoch)
     bar.close()
     report["seconds"] = round(time.perf_counter() - started, 1)
     return adapter.eval().requires_grad_(False), report

@@ -11,6 +11,7 @@ import torch
 
 from brisk.config import CacheConfig, SpecConfig
 from brisk.core.outputs import ScheduledRequest
+from brisk.model.llama import LlamaForCausalLM
 from brisk.engine.speculative import build_speculator
 from brisk.request import SamplingParams
 from brisk.runtime.decode_plan import plan_supported
@@ -296,6 +297,12 @@ def test_streams_file_round_trips_and_refuses_other_files(tmp_path: Path) -> Non
                                                                 "num_layers": "2", "rank": "4"})
     with pytest.raises(ValueError, match="lacks num_streams, first_layer, token_rank .*brisk train-heads"):
         load_streams(tmp_path / "old.safetensors", model)
+    import dataclasses
+
+    wider = LlamaForCausalLM(dataclasses.replace(CFG, hidden_size=2 * CFG.hidden_size), max_positions=64)
+    with pytest.raises(ValueError, match=f"trained for a model of hidden size {CFG.hidden_size} .* this one has "
+                                         f"{2 * CFG.hidden_size}.*brisk train-heads --kind streaming"):
+        load_streams(path, wider)
     with pytest.raises(ValueError, match="needs \"heads\""):
         SpecConfig(method="streaming")
     with pytest.raises(ValueError, match="1..1 top layers"):
