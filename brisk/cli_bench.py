@@ -145,7 +145,8 @@ def _structured_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
 
 def _kv_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     kvb = bsub.add_parser("kv", help="KV layouts side by side (paged blocks, virtual rows): prefill and decode "
-                                     "tokens/s, committed vs used bytes, page-fault waits")
+                                     "tokens/s, committed vs used bytes, time spent committing pages per step, "
+                                     "forwards that waited on page faults")
     add_model(kvb)
     kvb.add_argument("--layouts", default="paged,virtual",
                      help="comma-separated: paged, virtual, virtual_thp (virtual rows on 2 MB transparent huge "

@@ -9,6 +9,7 @@ kernels exist, and every `*_supported` below asks it.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -551,6 +552,8 @@ def new_decode_plan(num_heads: int, num_kv_heads: int, head_dim: int, intermedia
 
 def vmem_unavailable() -> str | None:
     """Why the virtual-memory calls cannot be used here (None: they can)."""
+    if not sys.platform.startswith("linux"):
+        return f"this platform ({sys.platform}) lacks the Linux calls it needs (mmap MAP_NORESERVE, madvise)"
     if not CAPS.built:
         return f"brisk's C++ extension is not built ({CAPS.load_error})"
     return None if CAPS.has("vmem_reserve") else "this build of brisk._C predates them (rebuild brisk)"

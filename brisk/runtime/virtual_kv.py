@@ -31,6 +31,7 @@ import math
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,6 +48,40 @@ from brisk.model.attention import KVCache
 from brisk.model.base import CausalLM
 
 MAX_RESERVATION = 1 << 46  # 64 TiB of address space in all: x86-64 user space is 128 TiB
+
+
+def address_room() -> tuple[int, str]:
+    """Address space the reservations may take, and what bounds it: brisk's own cap (x86-64 user
+    space is 128 TiB), or less under a process limit (`ulimit -v`: RLIMIT_AS), less what the
+    process maps already."""
+    room, where = MAX_RESERVATION, "brisk's cap on reserved address space"
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, ValueError, OSError):
+        return room, where
+    if soft != resource.RLIM_INFINITY:
+        mapped = _mapped_bytes()
+        if soft - mapped < room:
+            room, where = max(0, soft - mapped), "what this process's address-space limit (ulimit -v) leaves"
+    return room, where
+
+
+def _mapped_bytes() -> int:
+    """Address space this process maps now (VmSize), 0 where /proc cannot say."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**40:.1f} TiB" if nbytes >= 2**40 else f"{nbytes / 2**30:.1f} GiB"
 
 
 def check_available() -> None:
@@ -96,7 +131,10 @@ class HostPages:
         self.ahead_thread = (os.cpu_count() or 1) > torch.get_num_threads()
 
     def reserve(self, nbytes: int, huge_pages: bool) -> torch.Tensor:
-        return kernels.vmem_reserve(nbytes, huge_pages)
+        try:
+            return kernels.vmem_reserve(nbytes, huge_pages)
+        except RuntimeError as exc:  # the extension's message names the failed call and the fallback
+            raise UserError(str(exc).splitlines()[0]) from None
 
     def populate(self, buf: torch.Tensor, tile_bytes: int, first: int, count: int) -> None:
         kernels.vmem_populate(buf, first * tile_bytes, count * tile_bytes)
@@ -319,10 +357,11 @@ class VirtualKV:
         heads = model.kv_heads_per_layer()
         self.tile_bytes = [0 if h is None else h * cfg.head_dim * tile * itemsize for h in heads]  # per tensor
         total = 2 * sum(self.tile_bytes) * num_rows * row_tiles
-        if total > MAX_RESERVATION:
-            raise UserError(f"the virtual KV layout would reserve {total / 2**40:.1f} TiB of address space "
-                             f"(max_num_seqs {num_rows} x max_model_len {row_tiles * tile}); lower max_num_seqs or "
-                             "max_model_len, or use kv_layout='paged'")
+        room, where = address_room()
+        if total > room:
+            raise UserError(f"the virtual KV layout would reserve {_size(total)} of address space (max_num_seqs "
+                             f"{num_rows} x max_model_len {row_tiles * tile}), more than {where} ({_size(room)}); "
+                             "lower max_num_seqs or max_model_len, or use kv_layout='paged' (--kv-layout paged)")
         page = backing.page
         bad = sorted({b for b in self.tile_bytes if b % page}) if backing.exact else []
         if bad:
@@ -332,9 +371,16 @@ class VirtualKV:
         # freed when this object goes (a device's reservations are not owned by their tensors)
         self._closer = weakref.finalize(self, backing.close)
         self._closer.atexit = False  # at exit the process gives everything back, maybe under a running forward
-        self.kv_caches: list[KVCache | None] = [
-            None if h is None else self._layer(h, cfg.head_dim, model.dtype, b, huge_pages)
-            for h, b in zip(heads, self.tile_bytes)]
+        self.kv_caches: list[KVCache | None] = []
+        try:
+            for h, b in zip(heads, self.tile_bytes):
+                self.kv_caches.append(None if h is None else self._layer(h, cfg.head_dim, model.dtype, b, huge_pages))
+        except BaseException:
+            # a later layer's reservation failed: the earlier ones go with their last reference (a
+            # reservation is unmapped with its tensor; a device's, by the backing's close)
+            self.kv_caches, self.buffers = [], []
+            self._closer()
+            raise
         self._buffer_tile_bytes = [b for b in self.tile_bytes if b for _ in (0, 1)]
         self._ahead: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
@@ -343,6 +389,7 @@ class VirtualKV:
         self.ahead_thread = backing.ahead_thread
         self._unbacked: set[int] = set()  # tiles whose commit failed, until take_unbacked
         self.commit_error: BaseException | None = None  # the last commit's failure
+        self.release_errors = 0  # releases the OS refused (warned once)
 
     @staticmethod
     def tile_for(model: CausalLM, block_size: int, backing: Backing) -> int:
@@ -443,7 +490,7 @@ class VirtualKV:
                     self.commit_error = exc
                 continue
             if self._unbacked.isdisjoint(tiles):
-                self._release(first, op.count)
+                self._release_quietly(first, op.count)
                 continue
             run: list[int] = []
             for tile in [*tiles, None]:  # the named tiles that are backed, as runs
@@ -451,7 +498,7 @@ class VirtualKV:
                     run.append(tile)
                     continue
                 if run:
-                    self._release(run[0], len(run))
+                    self._release_quietly(run[0], len(run))
                 run = []
             self._unbacked.difference_update(tiles)
 
@@ -470,6 +517,18 @@ class VirtualKV:
     def _release(self, first: int, count: int) -> None:
         for buf, tile_bytes in zip(self.buffers, self._buffer_tile_bytes):
             self.backing.release(buf, tile_bytes, first, count)
+
+    def _release_quietly(self, first: int, count: int) -> None:
+        """Give tiles back; where the OS refuses (it should not: madvise MADV_DONTNEED fails only on
+        a bad range), the pages stay committed until the row is reused or the engine closes, and
+        the step goes on: a release that fails loses no request."""
+        try:
+            self._release(first, count)
+        except (RuntimeError, OSError) as exc:
+            self.release_errors += 1
+            if self.release_errors == 1:
+                warnings.warn(f"virtual KV: giving pages back failed ({str(exc).splitlines()[0]}); they stay "
+                              "committed, requests go on", RuntimeWarning, stacklevel=2)
 
     def take_unbacked(self) -> tuple[list[int], BaseException | None]:
         """Tiles (ids) the manager counts as committed whose commit failed since the last call, and

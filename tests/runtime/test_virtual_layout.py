@@ -38,7 +38,8 @@ def _prompts(n: int = 32, longest: int = 1000, vocab: int = 40000) -> list[list[
     return [[(7 * i + 13 * j) % (vocab - 100) + 100 for j in range(length)] for i, length in enumerate(lengths[:n])]
 
 
-def _tiny_engine(layout: str, caching: bool = False, device: str = "cpu", eager: bool = False, **kw: Any) -> LLMEngine:
+def _tiny_engine(layout: str, caching: bool = False, device: str = "cpu", eager: bool = False, max_num_seqs: int = 16,
+                 **kw: Any) -> LLMEngine:
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1100)
@@ -48,7 +49,8 @@ def _tiny_engine(layout: str, caching: bool = False, device: str = "cpu", eager:
             p.normal_(0, 0.3)
     return LLMEngine(model.eval().to(device), tiny_tokenizer(),
                      CacheConfig(kv_layout=layout, enable_prefix_caching=caching, **kw),
-                     SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=16, max_model_len=1100), eager=eager)
+                     SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=max_num_seqs, max_model_len=1100),
+                     eager=eager)
 
 
 def _submit(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, prefix: str = "") -> list[str]:
@@ -175,6 +177,77 @@ def test_committed_memory_follows_the_tokens_and_falls_after_finish(gguf_path: P
     assert _rss(memory.buffers) == 0 and engine.virtual_kv.num_committed == 0
 
 
+_OWN_MEMORY = """
+import json, sys
+from brisk.engine.llm import LLM
+from brisk.request import SamplingParams
+
+def smaps_rss(spans):
+    # Rss of the mappings inside the reservations (adjacent reservations merge into one mapping;
+    # one reaching outside them would count other memory: reported, and the test fails)
+    total, outside = 0, 0
+    with open("/proc/self/smaps") as f:
+        lo = hi = None
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+            elif head == "Rss:" and any(a < hi and lo < b for a, b in spans):
+                if any(a <= lo and hi <= b for a, b in merged(spans)):
+                    total += int(line.split()[1]) * 1024
+                else:
+                    outside += 1
+    return total, outside
+
+def merged(spans):
+    out = []
+    for a, b in sorted(spans):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+def vm_rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+
+llm = LLM("smollm2-135m", kv_layout="virtual", enable_prefix_caching=False, max_model_len=1024, max_num_seqs=4)
+engine, memory = llm.engine, llm.engine.runner.virtual
+spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in memory.buffers]
+rows = [{"committed": 0, "smaps": smaps_rss(spans), "rss": vm_rss()}]
+engine.add_request("a", list(range(100, 700)), SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+while engine.has_unfinished_requests():
+    engine.step()
+    rows.append({"committed": engine.virtual_kv.num_committed * memory.bytes_per_tile, "smaps": smaps_rss(spans),
+                 "rss": vm_rss()})
+print(json.dumps(rows))
+"""
+
+
+def test_a_process_sees_its_own_memory_follow_the_tokens(gguf_path: Path) -> None:
+    """In a process of its own (as the issue asks): /proc/self/smaps shows the reservations' resident
+    memory equal to the tiles committed, growing with the tokens and back to nothing when the
+    request finishes, and the process's RSS falls by what the KV held."""
+    import json
+    import subprocess
+    import sys
+
+    if not residency_readable():
+        pytest.skip("this system reports reserved pages as resident (gVisor): smaps cannot tell them either")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _OWN_MEMORY], cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(r["smaps"][1] == 0 for r in rows), "a reservation's mapping reached outside the reservations"
+    assert all(r["smaps"][0] == r["committed"] for r in rows), rows
+    during = [r["smaps"][0] for r in rows[1:-1]]
+    assert rows[0]["smaps"][0] == 0 and during == sorted(during) and during[-1] > during[0] > 0
+    assert rows[-1]["smaps"][0] == 0  # finished, the engine idle: every page given back
+    peak = max(rows[1:-1], key=lambda r: r["rss"])
+    assert peak["rss"] - rows[-1]["rss"] >= 0.9 * during[-1]  # the process's own RSS gives the KV back
+
+
 def test_without_a_spare_core_tiles_are_committed_just_in_time(gguf_path: Path) -> None:
     """Where no core is left for the commit-ahead thread, a tile ahead would be committed on the
     step's thread all the same, only earlier: the engine's manager commits the tiles a step writes,
@@ -202,7 +275,7 @@ def test_bad_settings_are_clear_errors(gguf_path: Path) -> None:
         LLM(MODEL, kv_layout="virtual", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="kv_huge_pages applies to kv_layout='virtual' only"):
         LLM(MODEL, kv_huge_pages=True)
-    with pytest.raises(ValueError, match="TiB of address space"):
+    with pytest.raises(ValueError, match=r"TiB of address space .*brisk's cap.*\(--kv-layout paged\)"):
         LLM(MODEL, kv_layout="virtual", max_num_seqs=1 << 20, max_model_len=8192)
 
 
@@ -234,3 +307,149 @@ def test_where_mincore_cannot_tell_the_bench_counts_the_managers_pages(monkeypat
     monkeypatch.setattr(vkv, "residency_readable", lambda: False)
     assert memory.resident_bytes() is None and _committed_bytes(engine) == measured
     _step_all(engine)
+
+
+def test_a_platform_or_build_without_the_calls_names_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from brisk import kernels
+
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with pytest.raises(ValueError, match=r"this platform \(darwin\) lacks the Linux calls .*--kv-layout paged"):
+        _tiny_engine("virtual", num_kv_blocks=64, block_size=32)
+    monkeypatch.undo()
+    import dataclasses
+
+    monkeypatch.setattr(kernels, "CAPS", dataclasses.replace(kernels.CAPS, built=False, load_error="not found"))
+    with pytest.raises(ValueError, match=r"C\+\+ extension is not built.*--kv-layout paged"):
+        _tiny_engine("virtual", num_kv_blocks=64, block_size=32)
+
+
+def test_a_failed_reservation_is_a_clear_error_and_leaves_nothing_mapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mmap fails at the third reservation (the second layer's keys): the extension's error, which
+    names the call and the fallback, and the two reservations made before it are unmapped."""
+    import gc
+    import weakref
+
+    from brisk import kernels
+
+    real, made = kernels.vmem_reserve, []
+
+    def third_fails(nbytes: int, huge_pages: bool) -> torch.Tensor:
+        if len(made) == 2:
+            raise RuntimeError(f"virtual KV: reserving address space (mmap) of {nbytes} bytes failed: Cannot "
+                               "allocate memory; use the paged layout instead (--kv-layout paged)")
+        buf = real(nbytes, huge_pages)
+        made.append(weakref.ref(buf))
+        return buf
+
+    monkeypatch.setattr(kernels, "vmem_reserve", third_fails)
+    with pytest.raises(ValueError, match=r"reserving address space \(mmap\) .* failed: Cannot allocate memory; "
+                                         r"use the paged layout instead \(--kv-layout paged\)") as caught:
+        _tiny_engine("virtual", num_kv_blocks=64, block_size=32)
+    del caught
+    gc.collect()
+    assert len(made) == 2 and all(ref() is None for ref in made)  # their tensors are gone: munmap ran
+
+
+_ULIMIT = """
+import json, resource, sys
+from tests.runtime.test_virtual_layout import _tiny_engine
+from brisk.runtime.virtual_kv import _mapped_bytes
+
+_tiny_engine("paged", num_kv_blocks=64, block_size=32)  # everything but the reservations loaded first
+limit = _mapped_bytes() + (256 << 20)
+resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+try:
+    _tiny_engine("virtual", num_kv_blocks=64, block_size=32, max_num_seqs=4096)
+    print(json.dumps({"error": None}))
+except ValueError as e:
+    print(json.dumps({"error": str(e)}))
+"""
+
+
+def test_an_address_space_limit_is_checked_before_reserving() -> None:
+    """Under `ulimit -v` the reservations must fit what the limit leaves: refused up front with
+    what bounds it, instead of an mmap failing half-way (a subprocess: the limit is per process)."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _ULIMIT], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    error = json.loads(done.stdout.strip().splitlines()[-1])["error"]
+    assert error is not None and "what this process's address-space limit (ulimit -v) leaves" in error
+    assert "--kv-layout paged" in error
+
+
+def test_a_failed_commit_on_the_cpu_ends_only_the_requests_that_needed_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MADV_POPULATE_WRITE fails once mid-run (out of memory): the requests naming those tiles end
+    with a clear error, the others get the paged layout's tokens, and nothing stays committed."""
+    from brisk import kernels
+
+    prompts = _prompts(12, 400, vocab=512)
+    paged = _drain(_tiny_engine("paged", num_kv_blocks=64, block_size=32), prompts, 24)
+    engine = _tiny_engine("virtual", num_kv_blocks=64, block_size=32)
+    ids = _submit(engine, prompts, 24)
+    for _ in range(4):
+        engine.step()
+    real, calls = kernels.vmem_populate, []
+
+    def fails_once(buf: torch.Tensor, offset: int, nbytes: int) -> None:
+        calls.append(1)
+        if len(calls) == 2:  # the second tensor of a commit: the first one's pages were committed
+            raise RuntimeError("virtual KV: committing pages (madvise MADV_POPULATE_WRITE) of 4096 bytes failed: "
+                               "Cannot allocate memory; use the paged layout instead (--kv-layout paged)")
+        real(buf, offset, nbytes)
+
+    monkeypatch.setattr(kernels, "vmem_populate", fails_once)
+    done = _step_all(engine)
+    failed = engine.take_failures()
+    assert failed and all("Cannot allocate memory" in str(e) for e in failed.values())
+    assert set(failed) | set(done) == set(ids) and not set(failed) & set(done)
+    assert all(done[i] == paged[int(i)] for i in done)
+    assert engine.virtual_kv.num_committed == 0 and engine.runner.virtual.resident_bytes() in (0, None)
+
+
+def test_a_refused_release_warns_and_loses_no_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    from brisk import kernels
+
+    prompts = _prompts(16, 700, vocab=512)
+    paged = _drain(_tiny_engine("paged", num_kv_blocks=64, block_size=32), prompts, 24)
+    engine = _tiny_engine("virtual", num_kv_blocks=64, block_size=32)
+
+    def refuses(buf: torch.Tensor, offset: int, nbytes: int) -> None:
+        raise RuntimeError("virtual KV: giving pages back (madvise MADV_DONTNEED) of 4096 bytes failed: Invalid argument")
+
+    monkeypatch.setattr(kernels, "vmem_release", refuses)
+    with pytest.warns(RuntimeWarning, match="giving pages back failed .*they stay committed, requests go on"):
+        assert _drain(engine, prompts, 24) == paged
+    assert engine.runner.virtual.release_errors > 0 and engine.scheduler.num_preemptions > 0
+
+
+def test_an_aborted_request_gives_its_memory_to_the_waiting_ones() -> None:
+    """A request aborted mid-decode while others wait for memory: its tiles are named by no table
+    at once, a waiting request is admitted into that memory at the next step (not only once the
+    engine goes idle), and every other request gets the paged layout's tokens."""
+    prompts = [[(5 * i + 3 * j) % 400 + 100 for j in range(600)] for i in range(3)]
+    paged = _drain(_tiny_engine("paged", num_kv_blocks=24, block_size=32), prompts, 40)
+    engine = _tiny_engine("virtual", num_kv_blocks=24, block_size=32)
+    kv, scheduler = engine.virtual_kv, engine.scheduler
+    ids = _submit(engine, prompts, 40)  # 640 tokens each: 20 of the budget's 24 tiles, one at a time
+    decoding: list[Any] = []
+    while not (decoding and scheduler.waiting):
+        engine.step()
+        decoding = [r for r in scheduler.running if r.num_computed_tokens > r.num_prompt_tokens]
+    victim = decoding[0].request_id
+    waiting = {r.request_id for r in scheduler.waiting}
+    named = len(kv.get_block_ids(victim)[0])
+    assert named >= 19 and kv.num_used_tiles == sum(len(kv.get_block_ids(r.request_id)[0]) for r in scheduler.running)
+    assert engine.abort_request(victim)
+    assert kv.num_used_tiles == sum(len(kv.get_block_ids(r.request_id)[0]) for r in scheduler.running)
+    engine.step()
+    assert waiting & {r.request_id for r in scheduler.running}  # admitted into the aborted request's memory
+    assert kv.num_committed <= kv.budget
+    done = _step_all(engine)
+    assert {i: done[i] for i in ids if i != victim} == {i: paged[int(i)] for i in ids if i != victim}
+    assert victim not in done and kv.num_committed == 0

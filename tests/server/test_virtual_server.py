@@ -4,6 +4,7 @@ mid-stream; every answer is the paged layout's, and once idle nothing stays comm
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -50,7 +51,19 @@ def test_64_concurrent_streams_get_the_paged_answers_and_give_every_page_back(
                                     timeout=300)
         return await asyncio.gather(*(one(client, p) for p in prompts))
 
+    scheduler, peak, stop = virtual_server["llm"].engine.scheduler, [0], threading.Event()
+
+    def watch() -> None:  # how many requests the engine runs at once (the server steps on its own thread)
+        while not stop.is_set():
+            peak[0] = max(peak[0], len(scheduler.running))
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     texts = asyncio.run(main())
+    stop.set()
+    watcher.join()
+    assert peak[0] >= 16, f"at most {peak[0]} requests ran at once: not concurrent"
     assert _nothing_committed(virtual_server)
     paged = LLM(MODEL, max_model_len=1024, max_num_seqs=64)
     expected = [o.outputs[0].text for o in paged.generate(prompts, SamplingParams(max_tokens=8, temperature=0),
