@@ -494,7 +494,9 @@ class DistillConfig:
     DistillSpec). AdamW at `lr` (linear warm-up over `warmup` steps, cosine decay to 10%), gradients
     clipped at `grad_clip`; `bf16`: bfloat16 autocast for the student's matmuls. The first
     `eval_tokens` tokens of the text are held out, scored every `eval_every` steps; a checkpoint
-    every `checkpoint_every` steps."""
+    every `checkpoint_every` steps. `store_teacher` (fkl over top_k <= 20): the teacher's top k at
+    every training position computed once by the engine and stored, instead of its forward in every
+    step on the corpus (1.35x faster steps; the one pass costs ~1.6 passes of in-loop teacher work)."""
 
     loss: str = "fkl"
     steps: int = 200
@@ -514,6 +516,7 @@ class DistillConfig:
     eval_every: int = 50
     checkpoint_every: int = 100
     seed: int = 0
+    store_teacher: bool = False
 
     def __post_init__(self) -> None:
         if self.loss not in DISTILL_LOSSES:
@@ -527,6 +530,11 @@ class DistillConfig:
         if self.top_k and self.loss != "fkl":
             raise UserError(f"top_k keeps the teacher's k most likely tokens, which only forward KL can use; "
                              f"drop top_k or use loss fkl (got loss {self.loss!r})")
+        if self.store_teacher and not (self.loss == "fkl" and 1 <= self.top_k <= STORED_TOP_K and self.on_policy < 1):
+            raise UserError(f"store_teacher keeps the teacher's top k tokens at every training position (k 1..."
+                             f"{STORED_TOP_K}, what the engine's logprobs give) for forward KL over them: it needs loss "
+                             f"fkl, top_k 1..{STORED_TOP_K} and some steps off-policy (got loss {self.loss!r}, top_k "
+                             f"{self.top_k}, on_policy {self.on_policy:g})")
         if not 0 <= self.on_policy <= 1:
             raise UserError(f"distill on_policy is the share of steps on student-written text, in [0, 1]; "
                              f"got {self.on_policy!r}")
@@ -541,6 +549,7 @@ class DistillConfig:
 
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # `brisk distill`'s token ranking beside a student (FR-Spec drafts)
+STORED_TOP_K = 20  # most teacher tokens `store_teacher` keeps a position: SamplingParams.MAX_LOGPROBS
 SPEC_METHODS = ("ngram", "draft", "early_exit", "medusa", "streaming")  # speculative/ registers one proposer per name
 SPEC_OPTIONS = ("method", "num_speculative_tokens", "max_speculative_tokens", "prompt_lookup_min",
                 "prompt_lookup_max", "model", "quantization", "quantization_config", "exit_layer", "heads",

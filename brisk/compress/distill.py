@@ -12,8 +12,11 @@
     output: an HF directory (config.json saying how it was made, model.safetensors, tokenizer)
           that `--model DIR` and speculative "draft" load
 
-The teacher's distributions are computed in the loop, every position in full (not stored): on this
-CPU its forward is a third of a student step, and rkl / tvd need the whole distribution anyway.
+The teacher's distributions are computed in the loop, every position in full: on this CPU its
+forward is a third of a student step, and rkl / tvd need the whole distribution anyway. Forward KL
+over the teacher's top k (k <= 20, what the engine's logprobs give) stores them instead: one pass
+of brisk's engine over the training sequences (batched, prefix-cached; distill_data.teacher_topk),
+kept in OUT/teacher_topk.safetensors, and steps on the corpus skip the teacher's forward.
 Both models run brisk's own model code; under autograd the layers take torch's ops (brisk's C++
 kernels have no backward: model/layers.py `trains`), and attention is `WholeSequences` (no cache).
 """
@@ -37,12 +40,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from brisk.compress.distill_data import (
+    TOPK_FILE,
     Corpus,
+    TeacherTopK,
     describe_student,
     epoch_order,
     on_policy_step,
     sample_continuations,
     step_generator,
+    teacher_topk,
 )
 from brisk.config import DRAFT_VOCAB_FILE, DistillConfig, check_device
 from brisk.errors import UserError
@@ -57,11 +63,10 @@ _EVAL_ROWS = 512  # logit rows at a time in evaluation (a 49k vocabulary: 100 MB
 def distill_loss(kind: str, student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0,
                  top_k: int = 0) -> torch.Tensor:
     """Mean over rows of the per-token divergence between [rows, vocab] logits."""
-    s = F.log_softmax(student.float() / temperature, dim=-1)
     if kind == "fkl" and top_k:
         values, index = teacher.topk(top_k, dim=-1)
-        p = F.log_softmax(values.float() / temperature, dim=-1)  # the top k renormalised
-        return (p.exp() * (p - s.gather(-1, index))).sum(-1).mean() * temperature ** 2
+        return fkl_top(student, index, values, temperature)
+    s = F.log_softmax(student.float() / temperature, dim=-1)
     t = F.log_softmax(teacher.float() / temperature, dim=-1)
     if kind == "fkl":
         return (t.exp() * (t - s)).sum(-1).mean() * temperature ** 2
@@ -70,6 +75,14 @@ def distill_loss(kind: str, student: torch.Tensor, teacher: torch.Tensor, temper
     if kind == "tvd":
         return 0.5 * (s.exp() - t.exp()).abs().sum(-1).mean()
     raise UserError(f"unknown distillation loss {kind!r}")
+
+
+def fkl_top(student: torch.Tensor, index: torch.Tensor, values: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Forward KL over the teacher's top k tokens (`index`, with their logits or log-probabilities
+    `values`: a row's shift cancels), renormalised among them, at `temperature`, mean over rows."""
+    s = F.log_softmax(student.float() / temperature, dim=-1)
+    p = F.log_softmax(values.float() / temperature, dim=-1)
+    return (p.exp() * (p - s.gather(-1, index))).sum(-1).mean() * temperature ** 2
 
 
 def logits_of(model: CausalLM, seqs: list[list[int]]) -> torch.Tensor:
@@ -151,22 +164,34 @@ class Distiller:
         self.tokens_seen = 0
         self.train_seconds = 0.0  # in train_step, this session (evaluations and checkpoints not counted)
         self._orders: dict[int, list[int]] = {}
+        self.stored: TeacherTopK | None = None  # the teacher's top k per training position (`store_teacher`)
+
+    def store_teacher(self, teacher_ref: str, device: str = "cpu") -> None:
+        """Forward KL over the top k (k up to the engine's 20): the teacher's top k at every
+        training position, computed once by the engine and kept in `out`, replace its forward in
+        every step that trains on the corpus (on-policy steps still run it)."""
+        self.stored = teacher_topk(teacher_ref, self.corpus.train, self.cfg.top_k, device, self.out / TOPK_FILE)
 
     # ---------------------------------------------------------------------------- one step
-    def batch(self, step: int) -> list[list[int]]:
-        """Step `step`'s sequences: the next `batch_size` of the epoch's order, or on on-policy
-        steps the student's own continuations of their prompts (a prompts file's lines, else their
-        first `prompt_tokens` tokens)."""
-        cfg, n, lens = self.cfg, len(self.corpus.train), self.corpus.prompt_lens
-        seqs, cut = [], []
+    def indices(self, step: int) -> list[int]:
+        """The training sequences step `step` draws: the next `batch_size` of the epoch's order."""
+        cfg, n = self.cfg, len(self.corpus.train)
+        out = []
         for j in range(cfg.batch_size):
             k = step * cfg.batch_size + j
             epoch = k // n
             if epoch not in self._orders:
                 self._orders = {epoch: epoch_order(n, epoch, cfg.seed)}
-            index = self._orders[epoch][k % n]
-            seqs.append(self.corpus.train[index])
-            cut.append(lens[index] if lens is not None else cfg.prompt_tokens)
+            out.append(self._orders[epoch][k % n])
+        return out
+
+    def batch(self, step: int) -> list[list[int]]:
+        """Step `step`'s sequences: its `indices`, or on on-policy steps the student's own
+        continuations of their prompts (a prompts file's lines, else their first `prompt_tokens` tokens)."""
+        cfg, lens = self.cfg, self.corpus.prompt_lens
+        index = self.indices(step)
+        seqs = [self.corpus.train[i] for i in index]
+        cut = [lens[i] if lens is not None else cfg.prompt_tokens for i in index]
         if on_policy_step(cfg.seed, step, cfg.on_policy):
             prompts = [s[:c] for s, c in zip(seqs, cut)]
             seqs = sample_continuations(self.student.model, prompts, max(len(s) for s in seqs),
@@ -184,13 +209,22 @@ class Distiller:
         """One optimizer step; returns its loss. A non-finite loss raises before anything changes."""
         started = time.perf_counter()
         cfg, seqs = self.cfg, self.batch(self.step)
-        with torch.no_grad():
-            teacher = logits_of(self.teacher.model, seqs)
+        stored = self.stored if self.stored is not None and not on_policy_step(cfg.seed, self.step, cfg.on_policy) \
+            else None
+        teacher = None
+        if stored is None:  # on-policy sequences are new: the teacher scores them here
+            with torch.no_grad():
+                teacher = logits_of(self.teacher.model, seqs)
         autocast = torch.autocast(self.student.model.device.type, dtype=torch.bfloat16) if cfg.bf16 \
             else contextlib.nullcontext()
         with autocast:
             student = logits_of(self.student.model, seqs)
-        loss = distill_loss(cfg.loss, student, teacher, cfg.temperature, cfg.top_k)
+        if stored is not None:
+            ids, logprobs = stored.rows(self.indices(self.step), student.device)
+            loss = fkl_top(student, ids, logprobs, cfg.temperature)
+        else:
+            assert teacher is not None
+            loss = distill_loss(cfg.loss, student, teacher, cfg.temperature, cfg.top_k)
         value = float(loss.detach())
         if not math.isfinite(value):
             raise FloatingPointError(f"a loss of {value}")
@@ -313,7 +347,15 @@ def distill(job: DistillJob, cfg: DistillConfig, progress: bool = True) -> dict[
     trainer = Distiller(teacher, student, corpus, run, job.out)
     if job.resume is not None:
         trainer.load_checkpoint(job.resume)
+    if stores_teacher(cfg):
+        trainer.store_teacher(job.teacher, job.device)
     return _train(trainer, progress)
+
+
+def stores_teacher(cfg: DistillConfig) -> bool:
+    """Whether the teacher's top k is computed once and stored rather than by a teacher forward in
+    every step (`store_teacher`, checked by DistillConfig: forward KL over k <= 20)."""
+    return cfg.store_teacher
 
 
 def check_bf16(bf16: bool, device: torch.device) -> None:
@@ -394,6 +436,7 @@ def write_student(trainer: Distiller, seconds: float, tokens_now: int) -> dict[s
         "seconds_this_session": round(seconds, 1), "train_seconds_this_session": round(trainer.train_seconds, 1),
         "train_tokens_per_s": round(tokens_now / trainer.train_seconds, 1) if trainer.train_seconds else None,
         "teacher_held_out_ppl": trainer.history[-1]["teacher_ppl"] if trainer.history else None,
+        "teacher_top_k": _stored_report(trainer),
         "eval": trainer.history,
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -418,6 +461,16 @@ def write_student(trainer: Distiller, seconds: float, tokens_now: int) -> dict[s
         os.replace(tmp, final)
     tok_tmp.rmdir()
     return report
+
+
+def _stored_report(trainer: Distiller) -> dict[str, Any] | None:
+    """What the stored top k holds and cost (None: the teacher ran in every step)."""
+    stored = trainer.stored
+    if stored is None:
+        return None
+    nbytes = stored.ids.numel() * 4 + stored.logprobs.numel() * 4  # as the file keeps them: int32, float32
+    return {"k": stored.k, "positions": int(stored.ids.shape[0]), "mib": round(nbytes / 2**20, 2),
+            "engine_seconds": round(stored.seconds, 1), "file": TOPK_FILE}
 
 
 @contextlib.contextmanager

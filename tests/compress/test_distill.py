@@ -532,6 +532,7 @@ def test_on_policy_alone_is_a_flag() -> None:
     assert build_parser().parse_args(base + ["--on-policy"]).on_policy == 0.5
     assert build_parser().parse_args(base + ["--on-policy", "0.25"]).on_policy == 0.25
     assert build_parser().parse_args(base).on_policy is None  # the preset's (0, or 0.5 with --for-draft)
+    assert build_parser().parse_args(base + ["--top-k", "20", "--store-teacher"]).store_teacher
 
 
 @pytest.mark.cuda
@@ -570,3 +571,57 @@ def test_a_student_tokenizing_otherwise_and_too_few_prompts_are_refused(pair, tm
         prompts_corpus(str(teacher), t.tokenizer, empty, CFG, None)
     with pytest.raises(ValueError, match="has 1 prompt\\(s\\): give at least 2"):
         prompts_corpus(str(teacher), t.tokenizer, one, CFG, None)
+
+
+def test_the_teachers_top_k_is_stored_once_by_the_engine_and_replaces_its_forward(pair, tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """Forward KL over the top 8: the engine's logprobs at every training position are the loop's
+    teacher's own top 8 (same ids, same log-probabilities), a step's loss from them equals the
+    loop's, the run learns, and a resumed run reads them from the file instead of running the
+    engine again."""
+    import brisk.compress.distill as module
+    import brisk.compress.distill_data as data
+    from brisk.compress.distill import fkl_top, stores_teacher
+    from brisk.compress.distill_data import TOPK_FILE
+
+    teacher, student, text = pair
+    from brisk.config import STORED_TOP_K
+    from brisk.request import SamplingParams
+
+    cfg = dataclasses.replace(CFG, top_k=8, steps=12, eval_every=12, checkpoint_every=6, store_teacher=True)
+    assert stores_teacher(cfg) and not stores_teacher(dataclasses.replace(cfg, store_teacher=False))
+    assert STORED_TOP_K == SamplingParams.MAX_LOGPROBS
+    for bad in ({"top_k": 32}, {"top_k": 0}, {"loss": "rkl", "top_k": 0}, {"on_policy": 1.0}):
+        with pytest.raises(ValueError, match="store_teacher keeps the teacher's top k"):
+            dataclasses.replace(cfg, **bad)
+    trainer = _trainer(pair, tmp_path / "out", cfg)
+    trainer.store_teacher(str(teacher))
+    stored = trainer.stored
+    assert stored is not None and stored.k == 8 and stored.ids.shape[0] == trainer.corpus.train_tokens
+    for i in (0, 5, len(trainer.corpus.train) - 1):
+        with torch.no_grad():
+            full = F.log_softmax(logits_of(trainer.teacher.model, [trainer.corpus.train[i]]), dim=-1)
+        ids, logprobs = stored.rows([i], torch.device("cpu"))
+        values, index = full.topk(8, dim=-1)
+        assert torch.equal(ids, index)  # every position's top 8, in order
+        torch.testing.assert_close(logprobs, values, atol=2e-4, rtol=1e-4)
+    seqs = trainer.batch(0)
+    with torch.no_grad():
+        student_logits = logits_of(trainer.student.model, seqs)
+        in_loop = distill_loss("fkl", student_logits, logits_of(trainer.teacher.model, seqs), top_k=8)
+        from_file = fkl_top(student_logits, *stored.rows(trainer.indices(0), torch.device("cpu")))
+    torch.testing.assert_close(from_file, in_loop, atol=1e-4, rtol=1e-4)
+
+    report = distill(DistillJob(str(teacher), tmp_path / "run", str(student), text=text), cfg, progress=False)
+    assert report["teacher_top_k"]["k"] == 8 and report["teacher_top_k"]["positions"] == stored.ids.shape[0]
+    assert (tmp_path / "run" / TOPK_FILE).is_file()
+    assert report["eval"][-1]["kl"] < report["eval"][0]["kl"]
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the stored top k was computed again")
+
+    monkeypatch.setattr("brisk.engine.llm.LLM", no_engine)
+    again = distill(DistillJob(str(teacher), tmp_path / "run", str(student), text=text, resume=tmp_path / "run"),
+                    dataclasses.replace(cfg, steps=14), progress=False)
+    assert again["teacher_top_k"]["engine_seconds"] == 0.0 and again["steps"] == 14
+    assert module.TOPK_FILE == data.TOPK_FILE
