@@ -139,7 +139,8 @@ class Run:
 
     def fingerprint(self) -> dict[str, Any]:
         cfg = dataclasses.asdict(self.config)
-        for free in ("steps", "eval_every", "checkpoint_every"):  # a resumed run may go further or look more often
+        # a resumed run may go further, look more often, or store the teacher (a speed option)
+        for free in ("steps", "eval_every", "checkpoint_every", "store_teacher"):
             cfg.pop(free)
         return {"teacher": self.teacher, "student": self.student, "student_shape": self.student_shape,
                 "data": self.data, "config": cfg}
@@ -262,13 +263,14 @@ class Distiller:
         root = self.out / "checkpoints"
         final, tmp = root / f"step-{self.step:06d}", root / f".step-{self.step:06d}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
+        weights = {k: v.detach().contiguous() for k, v in self.student.model.state_dict().items()
+                   if not k.startswith("rope_")}
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "history": self.history,
+                 "run": self.run.fingerprint()}
         with _writing(f"checkpoint {final}", [tmp], "the checkpoints before it are whole: --resume from the last"):
             tmp.mkdir(parents=True)
-            save_file({k: v.detach().contiguous() for k, v in self.student.model.state_dict().items()
-                       if not k.startswith("rope_")}, str(tmp / "student.safetensors"))
+            save_file(weights, str(tmp / "student.safetensors"))
             torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-            state = {"step": self.step, "tokens_seen": self.tokens_seen, "history": self.history,
-                     "run": self.run.fingerprint()}
             (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -449,11 +451,12 @@ def write_student(trainer: Distiller, seconds: float, tokens_now: int) -> dict[s
     tmps = [out / f".{name}.tmp" for name in names]
     tok_tmp = out / ".tokenizer.tmp"  # the tokenizer's files, written together, moved in after the rest
     shutil.rmtree(tok_tmp, ignore_errors=True)
+    tensors, counts = student.model.hf_tensors(), token_counts(trainer.corpus, student.config.vocab_size)
     with _writing(f"the student in {out}", [*tmps, tok_tmp], f"the last checkpoint under {out / 'checkpoints'} is "
                   "whole: free space, then run again with --resume and the same --steps to write the student"):
-        save_file(student.model.hf_tensors(), str(tmps[0]), metadata={"format": "pt"})
+        save_file(tensors, str(tmps[0]), metadata={"format": "pt"})
         tmps[1].write_text(json.dumps(config, indent=2) + "\n")
-        write_draft_vocab(tmps[2], token_counts(trainer.corpus, student.config.vocab_size))
+        write_draft_vocab(tmps[2], counts)
         tok_tmp.mkdir()
         write_tokenizer_files(student.tokenizer, student.config, tok_tmp)
     moves = [(tmp, out / name) for tmp, name in zip(tmps, names)] + [(f, out / f.name) for f in tok_tmp.iterdir()]

@@ -269,7 +269,7 @@ def teacher_topk(teacher_ref: str, seqs: list[list[int]], k: int, device: str = 
     `cache`: a safetensors file keeping them, reused when the teacher, k and sequences are the same."""
     import time
 
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
 
     from brisk.engine.llm import LLM
@@ -279,37 +279,46 @@ def teacher_topk(teacher_ref: str, seqs: list[list[int]], k: int, device: str = 
         raise UserError(f"the engine stores a teacher's top 1..{SamplingParams.MAX_LOGPROBS} tokens, got {k}")
     key = {"teacher": teacher_ref, "k": str(k), "sequences": hashlib.sha256(json.dumps(seqs).encode()).hexdigest()}
     if cache is not None and cache.is_file():
-        with safe_open(str(cache), framework="pt") as f:
-            if f.metadata() == key:
-                offsets = f.get_tensor("offsets").tolist()
-                return TeacherTopK(f.get_tensor("ids").long(), f.get_tensor("logprobs"), offsets)
+        try:
+            with safe_open(str(cache), framework="pt") as f:
+                if f.metadata() == key:
+                    offsets = f.get_tensor("offsets").tolist()
+                    return TeacherTopK(f.get_tensor("ids").long(), f.get_tensor("logprobs"), offsets)
+        except (OSError, SafetensorError):  # unreadable (cut short by a full disk): computed again
+            pass
+    cfg = model_config_of(teacher_ref)
+    longest = max(len(s) for s in seqs) + 1
+    if longest > cfg.max_position_embeddings:
+        raise UserError(f"store_teacher scores a sequence's last position by generating one token after it, so "
+                         f"seq_len must be below the teacher's context window ({cfg.max_position_embeddings}); lower "
+                         "seq_len or drop store_teacher")
     started = time.perf_counter()
     # a KV pool for one batch, not the default's gigabytes: its blocks are reused batch after batch
     # instead of a fresh page written for every token (a page fault each; 3.2 of 14 s here when not)
-    longest = max(len(s) for s in seqs) + 1
-    cfg = model_config_of(teacher_ref)
     per_token = 2 * 4 * cfg.head_dim * sum(cfg.kv_heads(i) for i in range(cfg.num_hidden_layers))  # float32
     pool = 1.25 * _TOPK_BATCH * longest * per_token / 2**30
     llm = LLM(teacher_ref, max_model_len=longest, device=device, dequantize=True, enable_prefix_caching=False,
               kv_cache_memory_gib=max(pool, 0.01))
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, prompt_logprobs=k)
-    ids: list[list[int]] = []
-    values: list[list[float]] = []
+    ids: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
     for first in range(0, len(seqs), _TOPK_BATCH):
         batch = seqs[first:first + _TOPK_BATCH]
         for seq, out in zip(batch, llm.generate([{"prompt_token_ids": s} for s in batch], params, use_tqdm=False)):
-            # entry p of the prompt logprobs is token p given tokens < p: the distribution at p - 1
-            tops = [lp.top for lp in (out.prompt_logprobs or [])[1:] if lp is not None]
-            tops.append(out.outputs[0].logprobs[0].top)  # type: ignore[index]
-            assert len(tops) == len(seq), f"{len(tops)} distributions for {len(seq)} positions"
-            for top in tops:
-                ids.append([t for t, _ in top])
-                values.append([v for _, v in top])
+            # entry p of the prompt logprobs is token p given tokens < p: the distribution at p - 1;
+            # a missing entry would shift every later row onto another position, so none may be
+            prompt = (out.prompt_logprobs or [])[1:]
+            generated = out.outputs[0].logprobs or []
+            if len(prompt) != len(seq) - 1 or any(lp is None for lp in prompt) or len(generated) != 1:
+                raise RuntimeError(f"the engine returned {len(prompt)} prompt logprobs and {len(generated)} "
+                                   f"generated for a {len(seq)}-token sequence")
+            tops = [lp.top for lp in prompt] + [generated[0].top]  # type: ignore[union-attr]
+            ids.append(torch.tensor([[t for t, _ in top] for top in tops], dtype=torch.long))
+            values.append(torch.tensor([[v for _, v in top] for top in tops], dtype=torch.float32))
     offsets = [0]
     for s in seqs:
         offsets.append(offsets[-1] + len(s))
-    stored = TeacherTopK(torch.tensor(ids, dtype=torch.long), torch.tensor(values, dtype=torch.float32), offsets,
-                         time.perf_counter() - started)
+    stored = TeacherTopK(torch.cat(ids), torch.cat(values), offsets, time.perf_counter() - started)
     del llm
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -318,6 +327,6 @@ def teacher_topk(teacher_ref: str, seqs: list[list[int]], k: int, device: str = 
             save_file({"ids": stored.ids.int(), "logprobs": stored.logprobs,
                        "offsets": torch.tensor(offsets, dtype=torch.int64)}, str(tmp), metadata=key)
             os.replace(tmp, cache)
-        except (OSError, RuntimeError, ValueError):  # a full disk (SafetensorError is a ValueError's kin):
-            tmp.unlink(missing_ok=True)  # the run goes on from memory and computes them again next time
+        except (OSError, SafetensorError):  # a full disk: the run goes on from memory, and a later
+            tmp.unlink(missing_ok=True)  # run computes them again
     return stored

@@ -48,6 +48,7 @@ from brisk.model.attention import KVCache
 from brisk.model.base import CausalLM
 
 MAX_RESERVATION = 1 << 46  # 64 TiB of address space in all: x86-64 user space is 128 TiB
+ADDRESS_HEADROOM = 1 << 30  # kept free of reservations under `ulimit -v`
 
 
 def address_room() -> tuple[int, str]:
@@ -62,9 +63,10 @@ def address_room() -> tuple[int, str]:
     except (ImportError, ValueError, OSError):
         return room, where
     if soft != resource.RLIM_INFINITY:
-        mapped = _mapped_bytes()
-        if soft - mapped < room:
-            room, where = max(0, soft - mapped), "what this process's address-space limit (ulimit -v) leaves"
+        # what the limit leaves, less headroom for what the process maps after (buffers, threads)
+        left = soft - _mapped_bytes() - ADDRESS_HEADROOM
+        if left < room:
+            room, where = max(0, left), "what this process's address-space limit (ulimit -v) leaves, less 1 GiB"
     return room, where
 
 
@@ -357,7 +359,8 @@ class VirtualKV:
         heads = model.kv_heads_per_layer()
         self.tile_bytes = [0 if h is None else h * cfg.head_dim * tile * itemsize for h in heads]  # per tensor
         total = 2 * sum(self.tile_bytes) * num_rows * row_tiles
-        room, where = address_room()
+        # a process limit bounds the host's address space; a device's has its own (cuMemAddressReserve)
+        room, where = address_room() if backing.exact else (MAX_RESERVATION, "brisk's cap on reserved address space")
         if total > room:
             raise UserError(f"the virtual KV layout would reserve {_size(total)} of address space (max_num_seqs "
                              f"{num_rows} x max_model_len {row_tiles * tile}), more than {where} ({_size(room)}); "
@@ -519,9 +522,13 @@ class VirtualKV:
             self.backing.release(buf, tile_bytes, first, count)
 
     def _release_quietly(self, first: int, count: int) -> None:
-        """Give tiles back; where the OS refuses (it should not: madvise MADV_DONTNEED fails only on
-        a bad range), the pages stay committed until the row is reused or the engine closes, and
-        the step goes on: a release that fails loses no request."""
+        """Give tiles back; where the host's OS refuses (it should not: madvise MADV_DONTNEED fails
+        only on a bad range), the pages stay committed until the row is reused or the engine
+        closes, and the step goes on: a release that fails loses no request. A device's failure
+        (a CUDA error, sticky) is raised: its page bookkeeping cannot be trusted after it."""
+        if not self.backing.exact:
+            self._release(first, count)
+            return
         try:
             self._release(first, count)
         except (RuntimeError, OSError) as exc:

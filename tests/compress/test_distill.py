@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 import re
 from pathlib import Path
@@ -611,6 +612,16 @@ def test_the_teachers_top_k_is_stored_once_by_the_engine_and_replaces_its_forwar
         in_loop = distill_loss("fkl", student_logits, logits_of(trainer.teacher.model, seqs), top_k=8)
         from_file = fkl_top(student_logits, *stored.rows(trainer.indices(0), torch.device("cpu")))
     torch.testing.assert_close(from_file, in_loop, atol=1e-4, rtol=1e-4)
+    real_logits, teacher_calls = module.logits_of, []
+
+    def counted(model, seqs):
+        teacher_calls.extend([1] if model is trainer.teacher.model else [])
+        return real_logits(model, seqs)
+
+    monkeypatch.setattr(module, "logits_of", counted)
+    first = trainer.train_step()
+    assert teacher_calls == [] and math.isfinite(first)  # a step on the corpus runs no teacher forward
+    monkeypatch.setattr(module, "logits_of", real_logits)
 
     report = distill(DistillJob(str(teacher), tmp_path / "run", str(student), text=text), cfg, progress=False)
     assert report["teacher_top_k"]["k"] == 8 and report["teacher_top_k"]["positions"] == stored.ids.shape[0]
