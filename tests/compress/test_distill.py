@@ -636,3 +636,20 @@ def test_the_teachers_top_k_is_stored_once_by_the_engine_and_replaces_its_forwar
                     dataclasses.replace(cfg, steps=14), progress=False)
     assert again["teacher_top_k"]["engine_seconds"] == 0.0 and again["steps"] == 14
     assert module.TOPK_FILE == data.TOPK_FILE
+
+
+def test_a_pruned_student_keeps_its_pruning_report(pair, tmp_path: Path) -> None:
+    """Recovery after pruning: the distilled student's config.json still says how it was cut
+    (`eval ppl` compares a pruned model with its source through it), beside how it was trained."""
+    from brisk.compress.prune import PRUNING_KEY, prune_to_dir
+    from brisk.config import PruneConfig
+
+    teacher, _, text = pair
+    pruned = tmp_path / "pruned"
+    prune_to_dir(str(teacher), PruneConfig("layers", 0.5, str(text), calibration_tokens=256), pruned)
+    cut = json.loads((pruned / "config.json").read_text())[PRUNING_KEY]
+    cfg = dataclasses.replace(CFG, steps=2, eval_every=2, checkpoint_every=2)
+    distill(DistillJob(str(teacher), tmp_path / "out", str(pruned), text=text), cfg, progress=False)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written[PRUNING_KEY] == cut and written["brisk_distill"]["steps"] == 2
+    assert written["num_hidden_layers"] == 2
