@@ -92,7 +92,7 @@ def layer_list(spec: str | None) -> list[int] | None:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from brisk.compress.distill import DistillJob, distill
+    from brisk.engine.distill_job import DistillJob, distill
 
     preset = FOR_DRAFT if args.for_draft else {"loss": _D.loss, "on_policy": _D.on_policy}
     cfg = DistillConfig(

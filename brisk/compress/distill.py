@@ -15,7 +15,7 @@
 The teacher's distributions are computed in the loop, every position in full: on this CPU its
 forward is a third of a student step, and rkl / tvd need the whole distribution anyway. Forward KL
 over the teacher's top k (k <= 20, what the engine's logprobs give) stores them instead: one pass
-of brisk's engine over the training sequences (batched, prefix-cached; distill_data.teacher_topk),
+of brisk's engine over the training sequences (batched, prefix-cached; engine/distill_job.teacher_topk),
 kept in OUT/teacher_topk.safetensors, and steps on the corpus skip the teacher's forward.
 Both models run brisk's own model code; under autograd the layers take torch's ops (brisk's C++
 kernels have no backward: model/layers.py `trains`), and attention is `WholeSequences` (no cache).
@@ -43,14 +43,12 @@ from brisk.compress.distill_data import (
     TOPK_FILE,
     Corpus,
     TeacherTopK,
-    describe_student,
     epoch_order,
     on_policy_step,
     sample_continuations,
     step_generator,
-    teacher_topk,
 )
-from brisk.config import DRAFT_VOCAB_FILE, DistillConfig, check_device
+from brisk.config import DRAFT_VOCAB_FILE, DistillConfig
 from brisk.errors import UserError
 from brisk.loader.load import LoadedModel
 from brisk.model.attention import WholeSequences
@@ -166,12 +164,6 @@ class Distiller:
         self.train_seconds = 0.0  # in train_step, this session (evaluations and checkpoints not counted)
         self._orders: dict[int, list[int]] = {}
         self.stored: TeacherTopK | None = None  # the teacher's top k per training position (`store_teacher`)
-
-    def store_teacher(self, teacher_ref: str, device: str = "cpu") -> None:
-        """Forward KL over the top k (k up to the engine's 20): the teacher's top k at every
-        training position, computed once by the engine and kept in `out`, replace its forward in
-        every step that trains on the corpus (on-policy steps still run it)."""
-        self.stored = teacher_topk(teacher_ref, self.corpus.train, self.cfg.top_k, device, self.out / TOPK_FILE)
 
     # ---------------------------------------------------------------------------- one step
     def indices(self, step: int) -> list[int]:
@@ -308,58 +300,6 @@ def latest_checkpoint(path: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------- driver
-@dataclasses.dataclass(frozen=True)
-class DistillJob:
-    """`brisk distill`'s arguments: who teaches whom, on what, into which directory."""
-
-    teacher: str
-    out: Path
-    student: str | None = None  # a model reference; None: derived from the teacher
-    student_layers: list[int] | None = None
-    student_mlp: int | None = None
-    text: Path | None = None
-    prompts_file: Path | None = None
-    resume: Path | None = None
-    chat: bool = False  # the prompts file's lines are user turns for the teacher's chat template
-    device: str = "cpu"  # where teacher and student run (the same code on CUDA)
-
-
-def distill(job: DistillJob, cfg: DistillConfig, progress: bool = True) -> dict[str, Any]:
-    """Run the job; write the student to `job.out`; return the report (also in its config.json)."""
-    from brisk.compress.distill_data import check_tokenizers, derived_student, prompts_corpus, text_corpus
-    from brisk.loader.load import load_model
-
-    _check_job(job)
-    check_device(job.device)
-    check_bf16(cfg.bf16, torch.device(job.device))
-    teacher = load_model(job.teacher, dtype="float32", device=job.device, dequantize=True)
-    if job.student is not None:
-        student = load_model(job.student, dtype="float32", device=job.device, dequantize=True)
-        check_tokenizers(teacher, student)
-    else:
-        student = derived_student(teacher, job.student_layers, job.student_mlp)
-    text = text_corpus(teacher.tokenizer, job.text, cfg) if job.text is not None else None
-    corpus = text if job.prompts_file is None else prompts_corpus(
-        job.teacher, teacher.tokenizer, job.prompts_file, cfg, text.held_out if text is not None else None, job.chat,
-        job.out / "teacher_sequences.json", job.device)
-    assert corpus is not None
-    student_name = job.student or f"derived from {job.teacher}: layers {job.student_layers or 'all'}, " \
-                                   f"mlp {job.student_mlp or 'as the teacher'}"
-    run = Run(job.teacher, student_name, describe_student(student.config), corpus.source, cfg)
-    trainer = Distiller(teacher, student, corpus, run, job.out)
-    if job.resume is not None:
-        trainer.load_checkpoint(job.resume)
-    if stores_teacher(cfg):
-        trainer.store_teacher(job.teacher, job.device)
-    return _train(trainer, progress)
-
-
-def stores_teacher(cfg: DistillConfig) -> bool:
-    """Whether the teacher's top k is computed once and stored rather than by a teacher forward in
-    every step (`store_teacher`, checked by DistillConfig: forward KL over k <= 20)."""
-    return cfg.store_teacher
-
-
 def check_bf16(bf16: bool, device: torch.device) -> None:
     """bfloat16 autocast pays only where the hardware multiplies bfloat16 (AVX-512 BF16 or AMX on
     CPU): elsewhere torch's bfloat16 GEMM is a scalar loop on one thread."""
@@ -374,24 +314,8 @@ def _cpu_bf16_matmul() -> bool:
     return True if probe is None else bool(probe())  # an unknown torch: let it run as asked
 
 
-def _check_job(job: DistillJob) -> None:
-    if job.text is None and job.prompts_file is None:
-        raise UserError("distill needs training text: --text FILE (windows of it) and/or --prompts-file F (the "
-                         "teacher's continuations of its prompts)")
-    if job.chat and job.prompts_file is None:
-        raise UserError("--chat renders the lines of --prompts-file as chat turns: give --prompts-file too")
-    if job.student is not None and (job.student_layers is not None or job.student_mlp is not None):
-        raise UserError("--student names a model to train; --student-layers / --student-mlp derive one from the "
-                         "teacher instead: give one or the other")
-    if job.out.exists() and not job.out.is_dir():
-        raise UserError(f"--out {job.out} exists and is not a directory")
-    for role, ref in (("--teacher", job.teacher), ("--student", job.student)):
-        if ref is not None and Path(ref).is_dir() and Path(ref).resolve() == job.out.resolve():
-            raise UserError(f"--out {job.out} is the {role} model's directory: the student would overwrite it; "
-                             "write it to another directory")
-
-
-def _train(trainer: Distiller, progress: bool) -> dict[str, Any]:
+def run_training(trainer: Distiller, progress: bool) -> dict[str, Any]:
+    """Train to `cfg.steps` (evaluating, checkpointing), then write the student: the report."""
     from tqdm import tqdm
 
     cfg, started, first, first_tokens = trainer.cfg, time.perf_counter(), trainer.step, trainer.tokens_seen

@@ -20,16 +20,15 @@ from brisk import LLM, SamplingParams
 from brisk.cli import main
 from brisk.cli_distill import layer_list
 from brisk.compress.distill import (
-    DistillJob,
     Distiller,
     Run,
     check_bf16,
-    distill,
     distill_loss,
     logits_of,
 )
 from brisk.compress.distill_data import derived_student, on_policy_step, sample_continuations, text_corpus
 from brisk.config import DistillConfig
+from brisk.engine.distill_job import DistillJob, distill
 from brisk.loader.load import load_model
 from brisk.model.base import forward_sequence
 from tests.parallel.conftest import TINY, TINY_GEMMA, VOCAB, write_tiny
@@ -285,7 +284,7 @@ def test_derived_students_and_on_policy_samples(pair) -> None:
 
 
 def test_prompts_file_is_the_teachers_continuations(pair, tmp_path: Path) -> None:
-    from brisk.compress.distill_data import prompts_corpus
+    from brisk.engine.distill_job import prompts_corpus
 
     teacher, _, text = pair
     prompts = tmp_path / "prompts.txt"
@@ -307,8 +306,8 @@ def test_chat_prompts_are_templated_kept_and_continued_on_policy_from_their_end(
     import shutil
 
     import brisk.compress.distill as distill_module
-    import brisk.compress.distill_data as data
-    from brisk.compress.distill_data import prompts_corpus
+    import brisk.engine.distill_job as job_module
+    from brisk.engine.distill_job import prompts_corpus
 
     teacher, student, _ = pair
     chat_teacher = tmp_path / "chat_teacher"
@@ -336,7 +335,7 @@ def test_chat_prompts_are_templated_kept_and_continued_on_policy_from_their_end(
     def no_generation(*args, **kwargs):
         raise AssertionError("the kept continuations were generated again")
 
-    monkeypatch.setattr(data, "_teacher_continuations", no_generation)
+    monkeypatch.setattr(job_module, "_teacher_continuations", no_generation)
     again = prompts_corpus(str(chat_teacher), t.tokenizer, prompts, CFG, None, chat=True, cache=cache)
     assert again.train == corpus.train and again.held_out == corpus.held_out
 
@@ -554,7 +553,7 @@ def test_a_student_tokenizing_otherwise_and_too_few_prompts_are_refused(pair, tm
     prompt, and one with a single prompt (nothing left to hold out): each named."""
     import shutil
 
-    from brisk.compress.distill_data import prompts_corpus
+    from brisk.engine.distill_job import prompts_corpus
 
     teacher, student, text = pair
     other = tmp_path / "permuted"
@@ -581,23 +580,21 @@ def test_the_teachers_top_k_is_stored_once_by_the_engine_and_replaces_its_forwar
     loop's, the run learns, and a resumed run reads them from the file instead of running the
     engine again."""
     import brisk.compress.distill as module
-    import brisk.compress.distill_data as data
-    from brisk.compress.distill import fkl_top, stores_teacher
+    from brisk.compress.distill import fkl_top
     from brisk.compress.distill_data import TOPK_FILE
+    from brisk.engine.distill_job import teacher_topk
 
     teacher, student, text = pair
     from brisk.config import STORED_TOP_K
     from brisk.request import SamplingParams
 
     cfg = dataclasses.replace(CFG, top_k=8, steps=12, eval_every=12, checkpoint_every=6, store_teacher=True)
-    assert stores_teacher(cfg) and not stores_teacher(dataclasses.replace(cfg, store_teacher=False))
     assert STORED_TOP_K == SamplingParams.MAX_LOGPROBS
     for bad in ({"top_k": 32}, {"top_k": 0}, {"loss": "rkl", "top_k": 0}, {"on_policy": 1.0}):
         with pytest.raises(ValueError, match="store_teacher keeps the teacher's top k"):
             dataclasses.replace(cfg, **bad)
     trainer = _trainer(pair, tmp_path / "out", cfg)
-    trainer.store_teacher(str(teacher))
-    stored = trainer.stored
+    trainer.stored = stored = teacher_topk(str(teacher), trainer.corpus.train, 8, "cpu", tmp_path / "out" / TOPK_FILE)
     assert stored is not None and stored.k == 8 and stored.ids.shape[0] == trainer.corpus.train_tokens
     for i in (0, 5, len(trainer.corpus.train) - 1):
         with torch.no_grad():
@@ -631,11 +628,10 @@ def test_the_teachers_top_k_is_stored_once_by_the_engine_and_replaces_its_forwar
     def no_engine(*args, **kwargs):
         raise AssertionError("the stored top k was computed again")
 
-    monkeypatch.setattr("brisk.engine.llm.LLM", no_engine)
+    monkeypatch.setattr("brisk.engine.distill_job.LLM", no_engine)
     again = distill(DistillJob(str(teacher), tmp_path / "run", str(student), text=text, resume=tmp_path / "run"),
                     dataclasses.replace(cfg, steps=14), progress=False)
     assert again["teacher_top_k"]["engine_seconds"] == 0.0 and again["steps"] == 14
-    assert module.TOPK_FILE == data.TOPK_FILE
 
 
 def test_a_pruned_student_keeps_its_pruning_report(pair, tmp_path: Path) -> None:
