@@ -530,10 +530,10 @@ class DistillConfig:
         if self.top_k and self.loss != "fkl":
             raise UserError(f"top_k keeps the teacher's k most likely tokens, which only forward KL can use; "
                              f"drop top_k or use loss fkl (got loss {self.loss!r})")
-        if self.store_teacher and not (self.loss == "fkl" and 1 <= self.top_k <= STORED_TOP_K and self.on_policy < 1):
+        if self.store_teacher and not (self.loss == "fkl" and 1 <= self.top_k <= MAX_LOGPROBS and self.on_policy < 1):
             raise UserError(f"store_teacher keeps the teacher's top k tokens at every training position (k 1..."
-                             f"{STORED_TOP_K}, what the engine's logprobs give) for forward KL over them: it needs loss "
-                             f"fkl, top_k 1..{STORED_TOP_K} and some steps off-policy (got loss {self.loss!r}, top_k "
+                             f"{MAX_LOGPROBS}, what the engine's logprobs give) for forward KL over them: it needs loss "
+                             f"fkl, top_k 1..{MAX_LOGPROBS} and some steps off-policy (got loss {self.loss!r}, top_k "
                              f"{self.top_k}, on_policy {self.on_policy:g})")
         if not 0 <= self.on_policy <= 1:
             raise UserError(f"distill on_policy is the share of steps on student-written text, in [0, 1]; "
@@ -549,7 +549,8 @@ class DistillConfig:
 
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # `brisk distill`'s token ranking beside a student (FR-Spec drafts)
-STORED_TOP_K = 20  # most teacher tokens `store_teacher` keeps a position: SamplingParams.MAX_LOGPROBS
+MAX_LOGPROBS = 20  # most top-N logprobs a request may ask for (SamplingParams), so the most teacher
+# tokens `store_teacher` keeps a position (the engine's logprobs give them)
 SPEC_METHODS = ("ngram", "draft", "early_exit", "medusa", "streaming")  # speculative/ registers one proposer per name
 SPEC_OPTIONS = ("method", "num_speculative_tokens", "max_speculative_tokens", "prompt_lookup_min",
                 "prompt_lookup_max", "model", "quantization", "quantization_config", "exit_layer", "heads",

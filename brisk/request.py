@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from brisk.config import MAX_LOGPROBS
 from brisk.errors import InvalidRequest
 
 
@@ -61,7 +62,7 @@ class SamplingParams:
     # {"json": schema}, {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": Lark or GBNF}
     structured: dict[str, Any] | None = None
 
-    MAX_LOGPROBS: ClassVar[int] = 20  # most top-N logprobs a request may ask for (sampled or prompt tokens)
+    MAX_LOGPROBS: ClassVar[int] = MAX_LOGPROBS  # most top-N logprobs a request may ask for (sampled or prompt tokens)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -94,17 +93,18 @@ def collect(measure_bandwidth: bool = True) -> dict[str, Any]:
         "kernels": sorted(caps.names - {"isa", "cpu_isa", "set_isa", "have_vnni", "cpu_avx_vnni", "avx_vnni",
                                         "set_avx_vnni", "cpu_amx_bf16", "cpu_vendor"}),
         # the virtual KV layout's committed memory is read with mincore, which gVisor cannot answer
-        "vmem_residency": _vmem_residency(caps),
+        "vmem_residency": _vmem_residency(),
         "cuda_gpus": gpu,
     }
 
 
-def _vmem_residency(caps: KernelCaps) -> str:
+def _vmem_residency() -> str:
     """Whether the virtual KV layout's committed memory can be read here (runtime/virtual_kv.py)."""
-    if not caps.built:
-        return "no kernels"
-    if not sys.platform.startswith("linux"):
-        return "no virtual KV layout here (Linux only)"
+    from brisk import kernels
+
+    unavailable = kernels.vmem_unavailable()
+    if unavailable is not None:
+        return f"no virtual KV layout here: {unavailable}"
     from brisk.runtime.virtual_kv import residency_readable
 
     if residency_readable():

@@ -32,7 +32,7 @@ from brisk.compress.distill_data import (
     describe_student,
     text_corpus,
 )
-from brisk.config import DistillConfig, check_device
+from brisk.config import CacheConfig, DistillConfig, check_device
 from brisk.engine.llm import LLM
 from brisk.engine.prompts_file import read_prompts_file  # the one prompts-file format
 from brisk.errors import UserError
@@ -195,12 +195,12 @@ def teacher_topk(teacher_ref: str, seqs: list[list[int]], k: int, device: str = 
                          f"seq_len must be below the teacher's context window ({cfg.max_position_embeddings}); lower "
                          "seq_len or drop store_teacher")
     started = time.perf_counter()
-    # a KV pool for one batch, not the default's gigabytes: its blocks are reused batch after batch
-    # instead of a fresh page written for every token (a page fault each; 3.2 of 14 s here when not)
-    per_token = 2 * 4 * cfg.head_dim * sum(cfg.kv_heads(i) for i in range(cfg.num_hidden_layers))  # float32
-    pool = 1.25 * _TOPK_BATCH * longest * per_token / 2**30
+    # a KV pool for one batch (and a quarter), not the default's gigabytes: its blocks are reused
+    # batch after batch instead of a fresh page written for every token (a page fault each; 3.2 of
+    # 14 s here when not)
+    blocks = -(-longest // CacheConfig.block_size) * _TOPK_BATCH * 5 // 4
     llm = LLM(teacher_ref, max_model_len=longest, device=device, dequantize=True, enable_prefix_caching=False,
-              kv_cache_memory_gib=max(pool, 0.01))
+              num_kv_blocks=blocks)
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, prompt_logprobs=k)
     ids: list[torch.Tensor] = []
     values: list[torch.Tensor] = []

@@ -149,9 +149,9 @@ def _train_streams(llm: LLM, sequences: list[tuple[list[int], int]], cut: int, c
                         "and the held-out tenth (more --num-prompts or --max-tokens)")
     saved: list[int] = []
 
-    def checkpoint(adapter: StreamAdapter, epoch: int) -> None:  # `out` holds the last whole epoch's streams
+    def checkpoint(adapter: StreamAdapter, epoch: int) -> None:  # `out` holds the last whole epoch's streams,
         save_streams(out, adapter, llm.model_name, model.config, {**extra, "epochs_done": str(epoch)}, vocab)
-        saved.append(epoch)
+        saved.append(epoch)  # the last one's the trained file
 
     try:
         adapter, report = train_streams(model, train, held_out, cfg, vocab, log, progress=True, init=init,
@@ -161,7 +161,6 @@ def _train_streams(llm: LLM, sequences: list[tuple[list[int], int]], cut: int, c
                 if saved else "nothing was written")
         raise UserError(f"stream training diverged ({e.args[0]}; that step was not taken); {kept}, at a lower "
                         "learning rate or in bfloat16 off") from None
-    save_streams(out, adapter, llm.model_name, model.config, extra, vocab)
     return {"kind": "streaming", "out": str(out), "model": llm.model_name, "num_streams": cfg.num_streams,
             "stream_layers": cfg.num_layers, "lora_rank": cfg.rank,
             "main_stream": "frozen: the adapters act on stream rows only, so the served model and its "

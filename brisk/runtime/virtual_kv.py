@@ -51,11 +51,13 @@ MAX_RESERVATION = 1 << 46  # 64 TiB of address space in all: x86-64 user space i
 ADDRESS_HEADROOM = 1 << 30  # kept free of reservations under `ulimit -v`
 
 
-def address_room() -> tuple[int, str]:
+def address_room(host: bool = True) -> tuple[int, str]:
     """Address space the reservations may take, and what bounds it: brisk's own cap (x86-64 user
-    space is 128 TiB), or less under a process limit (`ulimit -v`: RLIMIT_AS), less what the
-    process maps already."""
+    space is 128 TiB), or on the host less under a process limit (`ulimit -v`: RLIMIT_AS), less
+    what the process maps already (a device's address space is the driver's, cuMemAddressReserve)."""
     room, where = MAX_RESERVATION, "brisk's cap on reserved address space"
+    if not host:
+        return room, where
     try:
         import resource
 
@@ -359,8 +361,7 @@ class VirtualKV:
         heads = model.kv_heads_per_layer()
         self.tile_bytes = [0 if h is None else h * cfg.head_dim * tile * itemsize for h in heads]  # per tensor
         total = 2 * sum(self.tile_bytes) * num_rows * row_tiles
-        # a process limit bounds the host's address space; a device's has its own (cuMemAddressReserve)
-        room, where = address_room() if backing.exact else (MAX_RESERVATION, "brisk's cap on reserved address space")
+        room, where = address_room(host=backing.exact)
         if total > room:
             raise UserError(f"the virtual KV layout would reserve {_size(total)} of address space (max_num_seqs "
                              f"{num_rows} x max_model_len {row_tiles * tile}), more than {where} ({_size(room)}); "

@@ -585,11 +585,11 @@ def test_the_teachers_top_k_is_stored_once_by_the_engine_and_replaces_its_forwar
     from brisk.engine.distill_job import teacher_topk
 
     teacher, student, text = pair
-    from brisk.config import STORED_TOP_K
+    from brisk.config import MAX_LOGPROBS
     from brisk.request import SamplingParams
 
     cfg = dataclasses.replace(CFG, top_k=8, steps=12, eval_every=12, checkpoint_every=6, store_teacher=True)
-    assert STORED_TOP_K == SamplingParams.MAX_LOGPROBS
+    assert MAX_LOGPROBS == SamplingParams.MAX_LOGPROBS == 20  # the engine's limit is the stored k's
     for bad in ({"top_k": 32}, {"top_k": 0}, {"loss": "rkl", "top_k": 0}, {"on_policy": 1.0}):
         with pytest.raises(ValueError, match="store_teacher keeps the teacher's top k"):
             dataclasses.replace(cfg, **bad)

@@ -48,7 +48,7 @@ def test_streaming_heads_train_end_to_end_and_report_their_cost(chat_model, tmp_
     assert "perplexity are the original's" in report["main_stream"]
     assert len(report["before"]) == len(report["after"]) == 2
     adapter, meta, _ = load_streams(out, load_model(str(model)).model)
-    assert adapter.num_streams == 2 and meta["generated_tokens"] == str(12 * 24)
+    assert adapter.num_streams == 2 and meta["generated_tokens"] == str(12 * 24) and meta["epochs_done"] == "2"
     kept = json.loads(sequences.read_text())
     assert kept["key"]["max_tokens"] == 24 and len(kept["sequences"]) == 12
     # the kept answers are read again by the same run (no generation: the engine would be slower than this)
